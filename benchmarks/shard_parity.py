@@ -1,0 +1,282 @@
+"""Shard parity benchmark: is a split, stateful, fused shard as fast as the unsplit model?
+
+Single-stream greedy decode tok/s on the real model, every configuration with the same thread
+count, pinned to the same cores (taskset), each measured in its own process, configurations
+interleaved round by round so machine noise hits all of them alike:
+
+  (a) openvino-genai LLMPipeline on an optimum-cli export, same weight format   (the baseline)
+  (b) the 1-stage pipeshard shard
+  (c) the 1-stage shard exported with --no-beam-idx (no KV-cache fusion)
+  (d) the 2-stage export, both stages chained in one process
+
+Ratios to (a) are computed round by round and reported as median [min, max].
+Usage:  python benchmarks/shard_parity.py [--model default] [--weights int4] [--threads 1]
+Writes benchmarks/results/shard_parity-<date>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = (
+    "Write a Python class that implements a least-recently-used cache with get and put "
+    "methods, explain its time complexity, and add a short usage example."
+)
+CONFIGS = {
+    "a": "openvino-genai LLMPipeline (optimum-cli export)",
+    "b": "1-stage shard",
+    "c": "1-stage shard, no beam_idx",
+    "d": "2 stages chained in process",
+}
+
+
+def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, text=True, **kw)
+
+
+def timed_export(args: list[str]) -> dict[str, float]:
+    """Run `pipeshard export` in a child; wall time and the child's peak RSS."""
+    cmd = [str(Path(sys.executable).parent / "pipeshard"), "export", *args, "--reuse", "--quiet"]
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    child = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise SystemExit(f"export failed: {' '.join(cmd)}")
+    return {"seconds": time.perf_counter() - started, "peak_rss_kib": float(usage.ru_maxrss)}
+
+
+def ensure_exports(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
+    fmt = ["--weights", opts.weights]
+    info: dict[str, Any] = {}
+    info["b"] = timed_export([opts.model, "--stages", "1", *fmt, "--out", str(work / "s1")])
+    info["c"] = timed_export(
+        [opts.model, "--stages", "1", *fmt, "--no-beam-idx", "--out", str(work / "s1-nobeam")]
+    )
+    info["d"] = timed_export([opts.model, "--stages", "2", *fmt, "--out", str(work / "s2")])
+    genai_dir = work / "optimum"
+    if not (genai_dir / "openvino_model.xml").is_file():
+        started = time.perf_counter()
+        hf_dir = work / "hf"
+        if not (hf_dir / "config.json").is_file():
+            # optimum-cli takes a Hugging Face folder: write the same de-quantized fp32 weights
+            # the shards were exported from.
+            run([sys.executable, __file__, "--make-hf-dir", str(hf_dir), "--model", opts.model])
+        cmd = [
+            str(Path(sys.executable).parent / "optimum-cli"),
+            "export",
+            "openvino",
+            "--model",
+            str(hf_dir),
+            "--task",
+            "text-generation-with-past",
+            "--weight-format",
+            opts.weights,
+        ]
+        if opts.weights == "int4":
+            cmd += ["--group-size", "128", "--ratio", "1.0"]
+        run([*cmd, str(genai_dir)])
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        info["a"] = {"seconds": time.perf_counter() - started}
+    return info
+
+
+def make_hf_dir(model: str, out: Path) -> None:
+    from exporter.source import resolve_source
+
+    source = resolve_source(model, progress=False)
+    loaded = source.load_model()
+    loaded.save_pretrained(out)
+    source.load_tokenizer().save_pretrained(out)
+
+
+# --- workers: one configuration, one process ---------------------------------------------------
+def worker_genai(path: Path, threads: int, tokens: int) -> dict[str, float]:
+    import openvino_genai
+
+    pipe = openvino_genai.LLMPipeline(str(path), "CPU", INFERENCE_NUM_THREADS=threads)
+    config = openvino_genai.GenerationConfig()
+    config.max_new_tokens = tokens
+    config.min_new_tokens = tokens
+    config.do_sample = False
+    config.apply_chat_template = False
+    pipe.generate(PROMPT, config)  # warm-up
+    result = pipe.generate(PROMPT, config)
+    metrics = result.perf_metrics
+    return {
+        "decode_tok_s": 1000.0 / metrics.get_tpot().mean,
+        "ttft_ms": metrics.get_ttft().mean,
+        "prompt_tokens": float(metrics.get_num_input_tokens()),
+    }
+
+
+def worker_chain(path: Path, threads: int, tokens: int) -> dict[str, float]:
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from stage_node.chain import LocalChain
+    from stage_node.runner import RunnerOptions
+
+    chain = LocalChain(path, RunnerOptions(threads=threads))
+    tokenizer = AutoTokenizer.from_pretrained(str(path / chain.manifest.tokenizer.directory))
+    prompt = np.array(tokenizer.encode(PROMPT), dtype=np.int64)
+
+    def once(session: str) -> tuple[float, float]:
+        start = time.perf_counter()
+        logits = chain.forward(session, prompt)
+        first = time.perf_counter()
+        for _ in range(tokens - 1):
+            logits = chain.forward(session, np.array([int(np.argmax(logits[-1]))]))
+        end = time.perf_counter()
+        chain.release(session)
+        return first - start, (end - first) / (tokens - 1)
+
+    once("warm-up")
+    ttft, tpot = once("measured")
+    return {"decode_tok_s": 1.0 / tpot, "ttft_ms": ttft * 1000, "prompt_tokens": float(len(prompt))}
+
+
+def measure(config: str, work: Path, opts: argparse.Namespace) -> dict[str, float]:
+    paths = {"a": "optimum", "b": "s1", "c": "s1-nobeam", "d": "s2"}
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        config,
+        "--work-dir",
+        str(work),
+        "--threads",
+        str(opts.threads),
+        "--tokens",
+        str(opts.tokens),
+    ]
+    if opts.cores:
+        cmd = ["taskset", "-c", opts.cores, *cmd]
+    out = run(cmd, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["path"] = paths[config]  # type: ignore[assignment]
+    return result
+
+
+def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    table: dict[str, dict[str, float]] = {}
+    for config in CONFIGS:
+        speeds = [r[config]["decode_tok_s"] for r in rounds]
+        ratios = [r[config]["decode_tok_s"] / r["a"]["decode_tok_s"] for r in rounds]
+        table[config] = {
+            "tok_s_median": statistics.median(speeds),
+            "tok_s_min": min(speeds),
+            "tok_s_max": max(speeds),
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "ttft_ms_median": statistics.median(r[config]["ttft_ms"] for r in rounds),
+        }
+    return table
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--weights", default="int4", choices=["fp16", "int8", "int4"])
+    p.add_argument("--threads", type=int, default=1, help="inference threads, every config")
+    p.add_argument("--cores", default="0", help="taskset core list for every worker ('' = none)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per measurement")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "out" / "shard_parity")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    p.add_argument("--make-hf-dir", type=Path, help=argparse.SUPPRESS)
+    opts = p.parse_args()
+
+    work = opts.work_dir.resolve()
+    if opts.make_hf_dir:
+        make_hf_dir(opts.model, opts.make_hf_dir)
+        return 0
+    if opts.worker:
+        path = work / {"a": "optimum", "b": "s1", "c": "s1-nobeam", "d": "s2"}[opts.worker]
+        fn = worker_genai if opts.worker == "a" else worker_chain
+        print(json.dumps(fn(path, opts.threads, opts.tokens)))
+        return 0
+
+    work.mkdir(parents=True, exist_ok=True)
+    exports = ensure_exports(opts, work)
+    rounds = []
+    for n in range(opts.rounds):
+        rounds.append({config: measure(config, work, opts) for config in CONFIGS})
+        print(
+            f"round {n + 1}: "
+            + ", ".join(f"{c} {rounds[-1][c]['decode_tok_s']:.2f}" for c in CONFIGS),
+            file=sys.stderr,
+        )
+    table = summarize(rounds)
+
+    lines = [
+        f"Decode tok/s, {opts.model}, {opts.weights} weights, {opts.threads} inference thread(s), "
+        f"cores {opts.cores or 'unpinned'}, {opts.tokens} new tokens, {opts.rounds} rounds; "
+        "CPU default KV cache precision",
+        "",
+        "| config | tok/s median [min, max] | ratio to (a) median [min, max] | TTFT ms |",
+        "|---|---|---|---|",
+    ]
+    for config, name in CONFIGS.items():
+        t = table[config]
+        lines.append(
+            f"| ({config}) {name} | {t['tok_s_median']:.2f} [{t['tok_s_min']:.2f}, "
+            f"{t['tok_s_max']:.2f}] | {t['ratio_median']:.3f} [{t['ratio_min']:.3f}, "
+            f"{t['ratio_max']:.3f}] | {t['ttft_ms_median']:.0f} |"
+        )
+    lines.append("")
+    lines.append(
+        "Export (pipeshard export, this run or cached): "
+        + ", ".join(
+            f"({c}) {e['seconds']:.0f}s"
+            + (f", peak RSS {e['peak_rss_kib'] / 2**20:.2f} GiB" if "peak_rss_kib" in e else "")
+            for c, e in exports.items()
+        )
+    )
+    report = "\n".join(lines)
+    print(report)
+
+    opts.results.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y-%m-%d")
+    out = opts.results / f"shard_parity-{stamp}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "date": dt.datetime.now().isoformat(timespec="seconds"),
+                "machine": {
+                    "cpu": platform.processor() or platform.machine(),
+                    "cores": os.cpu_count(),
+                    "python": platform.python_version(),
+                },
+                "options": {k: str(v) for k, v in vars(opts).items()},
+                "rounds": rounds,
+                "summary": table,
+                "exports": exports,
+                "report": report,
+            },
+            indent=2,
+        )
+    )
+    (opts.results / f"shard_parity-{stamp}.md").write_text(report + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

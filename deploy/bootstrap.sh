@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment at .venv with everything installed and
+# `pipeshard` on its PATH. Safe to run again: it reinstalls only when pyproject.toml or this
+# script changed.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+python=${PYTHON:-python3}
+extras=${PIPESHARD_EXTRAS:-export,bench,dev}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv" >&2
+  "$python" -m venv .venv
+fi
+stamp=.venv/.pipeshard-installed
+want=$( (cat pyproject.toml deploy/bootstrap.sh; echo "$extras") | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "bootstrap: installing pipeshard[$extras] into .venv" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]"
+  # optimum-intel declares torchvision, pinned beside the CPU torch so pip does not pull a CUDA
+  # torch; but PyPI's torchvision cannot load beside the CPU torch build, and transformers
+  # imports it when present. Nothing here needs it (it is only for vision-language models).
+  if .venv/bin/python -m pip show -q torchvision >/dev/null 2>&1; then
+    .venv/bin/python -m pip uninstall -y -q torchvision
+  fi
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,62 @@
+"""Which decoder architectures the exporter can split, and the facts it reads from their configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from exporter.errors import ExportError
+
+# transformers model_type -> human name. Each of these has the decoder-layer interface the stage
+# module relies on: `model.model.{embed_tokens, layers, norm, rotary_emb}` and `lm_head`, with
+# attention that calls `past_key_values.update(k, v, layer_idx)`.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "Llama (1, 2, 3.x incl. rope_scaling)",
+    "qwen2": "Qwen2 / Qwen2.5",
+    "gemma3_text": "Gemma 3 (text)",
+}
+
+
+@dataclass(frozen=True)
+class ArchitectureFacts:
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    layer_types: list[str]
+    sliding_window: int | None
+    final_logit_softcapping: float | None
+
+
+def read_architecture(config: Any) -> ArchitectureFacts:
+    """Check that ``config`` is a supported decoder and read its shape facts."""
+    model_type = getattr(config, "model_type", None) or "unknown"
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ExportError(f"architecture {model_type!r} is not supported; supported: {supported}")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ExportError(
+            f"{model_type}: attention logit soft-capping is not supported by the fused attention"
+        )
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+    uses_sliding = "sliding_attention" in layer_types
+    return ArchitectureFacts(
+        model_type=model_type,
+        num_layers=num_layers,
+        hidden_size=int(config.hidden_size),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+        head_dim=head_dim,
+        vocab_size=int(config.vocab_size),
+        max_context=int(getattr(config, "max_position_embeddings", 0) or 4096),
+        layer_types=layer_types[:num_layers],
+        sliding_window=int(config.sliding_window) if uses_sliding else None,
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+    )

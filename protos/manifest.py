@@ -1,0 +1,162 @@
+"""The shard manifest: what the exporter writes beside the stage folders and every runtime reads.
+
+Layer ranges are half-open, ``[layer_start, layer_end)``, in the numbering of the source model.
+The manifest file is the identity of an export: its sha256 (``manifest_hash``) is what stages
+compare to refuse a ring assembled from different exports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MANIFEST_NAME = "manifest.json"
+SCHEMA_VERSION = 1
+
+WeightFormat = Literal["fp32", "fp16", "int8", "int4"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class WeightSpec(_Frozen):
+    """How the weights of every stage were stored (the same for all stages of an export)."""
+
+    format: WeightFormat
+    group_size: int | None = Field(default=None, description="int4 group size; -1 = per channel")
+    symmetric: bool | None = Field(default=None, description="int4 symmetric quantization")
+
+
+class FileEntry(_Frozen):
+    path: str = Field(description="path relative to the export root")
+    sha256: str
+    size: int
+
+
+class StageEntry(_Frozen):
+    """One pipeline stage: a stateful OpenVINO IR over a half-open layer range."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+    directory: str = Field(description="folder of this stage relative to the export root")
+    inputs: list[str]
+    outputs: list[str]
+    beam_idx: bool = Field(
+        description="a beam_idx Gather sits between each KV ReadValue and Concat"
+    )
+    files: list[FileEntry]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def model_xml(self) -> str:
+        return f"{self.directory}/model.xml"
+
+
+class ModelSpec(_Frozen):
+    """The architecture facts the runtimes need (shapes of what crosses between stages)."""
+
+    model_id: str
+    architecture: str = Field(description="transformers model_type, e.g. qwen2")
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    layer_types: list[str] = Field(description="full_attention / sliding_attention per layer")
+    sliding_window: int | None = None
+
+
+class TokenizerSpec(_Frozen):
+    directory: str = Field(description="folder holding the tokenizer files, relative to the root")
+    files: list[FileEntry]
+    chat_template: str | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+
+class DraftEntry(_Frozen):
+    """A draft model exported beside the target as its own one-stage export."""
+
+    directory: str
+    model_id: str
+    manifest_sha256: str
+
+
+class SourceSpec(_Frozen):
+    """Where the weights came from, so `pipeshard verify` can load the reference again."""
+
+    kind: Literal["hf_dir", "gguf"]
+    path: str
+    sha256: str | None = None
+
+
+class ShardManifest(_Frozen):
+    schema_version: int = SCHEMA_VERSION
+    model: ModelSpec
+    weights: WeightSpec
+    stages: list[StageEntry]
+    tokenizer: TokenizerSpec
+    source: SourceSpec
+    draft: DraftEntry | None = None
+    exporter_version: str
+    openvino_version: str
+
+    @model_validator(mode="after")
+    def _check_layers(self) -> ShardManifest:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"manifest schema version {self.schema_version} is not supported "
+                f"(this pipeshard reads version {SCHEMA_VERSION})"
+            )
+        expected = 0
+        for i, stage in enumerate(self.stages):
+            if stage.index != i:
+                raise ValueError(f"stage {i} is listed with index {stage.index}")
+            if stage.layer_start != expected or stage.layer_end <= stage.layer_start:
+                raise ValueError(
+                    f"stage {i} covers layers [{stage.layer_start}, {stage.layer_end}), "
+                    f"expected to start at {expected} and be non-empty"
+                )
+            expected = stage.layer_end
+        if self.stages and expected != self.model.num_layers:
+            raise ValueError(f"stages cover {expected} layers of {self.model.num_layers}")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+
+def manifest_hash(root: Path) -> str:
+    """sha256 of the manifest file's bytes: the identity of an export."""
+    return hashlib.sha256((root / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
+def load_manifest(root: Path) -> ShardManifest:
+    """Read and validate ``root/manifest.json``; raises ``ValueError`` with a readable reason."""
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: not a pipeshard export folder")
+    return ShardManifest.model_validate_json(path.read_text(encoding="utf-8"))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,1 @@
+"""The gateway and the `pipeshard` command line."""

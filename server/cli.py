@@ -1,0 +1,191 @@
+"""The `pipeshard` command line: one entry point, one subcommand per role.
+
+Subcommands import their packages lazily so that the runtime roles never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from server.options import comma_ints, comma_list
+
+if TYPE_CHECKING:
+    from stage_node.runner import RunnerOptions
+
+
+def _add_runner_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("OpenVINO")
+    group.add_argument("--device", default="CPU", help="CPU (default), GPU, NPU, AUTO, ...")
+    group.add_argument("--threads", type=int, default=0, help="inference threads (0: default)")
+    group.add_argument(
+        "--kv-cache-precision", default=None, help="KV_CACHE_PRECISION, e.g. f32, f16, u8"
+    )
+    group.add_argument(
+        "--inference-precision", default=None, help="INFERENCE_PRECISION_HINT, e.g. f32"
+    )
+    group.add_argument(
+        "--ov-cache-dir", type=Path, default=None, help="OpenVINO model cache folder (CACHE_DIR)"
+    )
+
+
+def _runner_options(args: argparse.Namespace) -> RunnerOptions:
+    from stage_node.runner import RunnerOptions
+
+    return RunnerOptions(
+        device=args.device,
+        threads=args.threads,
+        kv_cache_precision=args.kv_cache_precision,
+        inference_precision=args.inference_precision,
+        cache_dir=args.ov_cache_dir,
+    )
+
+
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="split a model into stateful OpenVINO stage shards")
+    p.add_argument("model", help="Hugging Face folder, .gguf file, or a built-in model name")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--stages", type=int, default=None, help="number of stages (default 1)")
+    p.add_argument("--split", type=comma_ints, default=None, help="layers per stage, e.g. 14,14")
+    p.add_argument(
+        "--node-memory",
+        type=comma_list,
+        default=None,
+        help="memory budget per node, e.g. 16GB,8GB: layers are split to fit",
+    )
+    p.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group size (-1: per channel)")
+    p.add_argument("--sym", action="store_true", help="symmetric int4 (default asymmetric)")
+    p.add_argument("--draft", default=None, help="draft model exported beside the target")
+    p.add_argument(
+        "--no-beam-idx",
+        action="store_true",
+        help="leave out the beam_idx Gather (benchmark control: no KV-cache fusion)",
+    )
+    p.add_argument("--max-context", type=int, default=None, help="override the maximum context")
+    p.add_argument(
+        "--plan-context",
+        type=int,
+        default=None,
+        help="context length for the KV memory estimate (default: the maximum context)",
+    )
+    p.add_argument("--cache-dir", type=Path, default=None, help="download cache (built-in models)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="do nothing if the output folder already holds this export; else (re)export",
+    )
+    p.add_argument("--quiet", action="store_true", help="no plan, no progress bars")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from exporter.export import ExportOptions, export_model
+    from exporter.plan import format_bytes, parse_size
+    from protos.manifest import WeightSpec
+
+    int4 = args.weights == "int4"
+    weights = WeightSpec(
+        format=args.weights,
+        group_size=args.group_size if int4 else None,
+        symmetric=args.sym if int4 else None,
+    )
+    report = export_model(
+        ExportOptions(
+            model=args.model,
+            out=args.out,
+            stages=args.stages,
+            split=args.split,
+            node_memory=[parse_size(s) for s in args.node_memory] if args.node_memory else None,
+            weights=weights,
+            draft=args.draft,
+            beam_idx=not args.no_beam_idx,
+            force=args.force,
+            reuse=args.reuse,
+            quiet=args.quiet,
+            max_context=args.max_context,
+            plan_context=args.plan_context,
+            cache_dir=args.cache_dir,
+        )
+    )
+    if not args.quiet:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in report.phases.items())
+        print(
+            f"exported {report.manifest.model.model_id} to {args.out} "
+            f"({report.manifest.num_stages} stages) in {report.seconds:.1f}s ({phases}); "
+            f"peak memory {format_bytes(peak)}"
+        )
+    return 0
+
+
+def _verify_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="compare the chained stages with the unsplit model")
+    p.add_argument("export_dir", type=Path)
+    p.add_argument("--against", type=Path, default=None, help="another export to compare with")
+    p.add_argument("--steps", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable)")
+    p.add_argument(
+        "--no-reference", action="store_true", help="skip the transformers reference (no torch)"
+    )
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="logit tolerance for strict checks (default 1e-3 with an f32 KV cache and f32 "
+        "inference precision, else 0.5)",
+    )
+    _add_runner_options(p)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from exporter.verify import format_report, verify_export
+
+    report = verify_export(
+        args.export_dir,
+        prompts=args.prompt,
+        steps=args.steps,
+        against=args.against,
+        reference=not args.no_reference,
+        options=_runner_options(args),
+        atol=args.atol,
+    )
+    print(format_report(report, args.against))
+    return 1 if report.failures() else 0
+
+
+COMMANDS = {"export": _run_export, "verify": _run_verify}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeshard", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _export_parser(sub)
+    _verify_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from exporter.errors import ExportError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ExportError, ValueError) as exc:
+        print(f"pipeshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"pipeshard {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Small parsers shared by the command line and settings."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def comma_list(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
+def comma_ints(text: str) -> list[int]:
+    try:
+        return [int(item) for item in comma_list(text)]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc

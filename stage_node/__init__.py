@@ -1,0 +1,1 @@
+"""One process per pipeline shard: the shard runner and its per-request KV sessions."""

@@ -1,0 +1,242 @@
+"""The shard runner: one compiled stage shard, one OpenVINO infer request per live sequence.
+
+``numpy chunk (token ids or hidden states) + positions -> shard inputs -> hidden states / logits``
+
+Each sequence (``session``) owns an infer request and so its own KV state; sessions never share
+a request (``AsyncInferQueue`` would hand out any idle one and break that affinity). The compiled
+model is shared: memory grows by a KV cache per session, not by a model copy.
+Rollback trims the tail of every state tensor, so the session continues exactly as if the
+rolled-back positions had never been fed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+
+from protos.manifest import ShardManifest, StageEntry, load_manifest
+
+log = logging.getLogger(__name__)
+
+
+class StageError(Exception):
+    """Base for errors a stage reports to its caller (mapped to gRPC status codes later)."""
+
+
+class InvalidStageInput(StageError):
+    """Wrong dtype, shape, positions or rollback count; the session is left as it was."""
+
+
+class SessionNotFound(StageError):
+    """The session is unknown (never opened, released, or expired)."""
+
+
+class CapacityExceeded(StageError):
+    """Too many sessions, or a session would exceed the model's maximum context."""
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How to compile a shard. Every compile goes through OpenVINO's model cache when set."""
+
+    device: str = "CPU"
+    threads: int = 0  # 0: OpenVINO's default for the device
+    kv_cache_precision: str | None = None  # CPU default is u8 on x86; "f32"/"f16" for exactness
+    inference_precision: str | None = None  # e.g. "f32"; None keeps the device default
+    cache_dir: Path | None = None  # OpenVINO CACHE_DIR: a restart does not recompile
+    max_sessions: int = 64
+    properties: dict[str, Any] = field(default_factory=dict)  # passed through verbatim
+
+    def compile_properties(self) -> dict[str, Any]:
+        props: dict[str, Any] = {}
+        if self.device.upper().startswith("CPU") and self.threads > 0:
+            props["INFERENCE_NUM_THREADS"] = self.threads
+        if self.kv_cache_precision:
+            props["KV_CACHE_PRECISION"] = self.kv_cache_precision
+        if self.inference_precision:
+            props["INFERENCE_PRECISION_HINT"] = self.inference_precision
+        if self.cache_dir is not None:
+            props["CACHE_DIR"] = str(self.cache_dir)
+        props.update(self.properties)
+        return props
+
+
+class StageSession:
+    """One sequence's KV state on this stage: its infer request and how many positions it holds."""
+
+    def __init__(self, session_id: str, request: ov.InferRequest) -> None:
+        self.session_id = session_id
+        self.request = request
+        self.length = 0
+        self.lock = threading.Lock()
+
+
+class ShardRunner:
+    """Runs one stage of an export for many independent sessions."""
+
+    def __init__(
+        self,
+        export_dir: Path,
+        stage_index: int,
+        options: RunnerOptions | None = None,
+        *,
+        core: ov.Core | None = None,
+        manifest: ShardManifest | None = None,
+    ) -> None:
+        self.options = options or RunnerOptions()
+        self.manifest = manifest or load_manifest(export_dir)
+        if not 0 <= stage_index < self.manifest.num_stages:
+            raise ValueError(
+                f"stage {stage_index} does not exist: the export has {self.manifest.num_stages}"
+            )
+        self.stage: StageEntry = self.manifest.stages[stage_index]
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == self.manifest.num_stages - 1
+        core = core or ov.Core()
+        xml = export_dir / self.stage.model_xml
+        if not xml.is_file():
+            raise ValueError(f"{xml} is missing: copy the stage folder with its manifest")
+        self.compiled = core.compile_model(
+            core.read_model(xml), self.options.device, self.options.compile_properties()
+        )
+        self._input_names = {port.get_any_name() for port in self.compiled.inputs}
+        self._sessions: dict[str, StageSession] = {}
+        self._lock = threading.Lock()
+        self.hidden_size = self.manifest.model.hidden_size
+        self.max_context = self.manifest.model.max_context
+
+    # -- sessions -------------------------------------------------------------------------
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def session_length(self, session_id: str) -> int:
+        return self._get(session_id).length
+
+    def _get(self, session_id: str) -> StageSession:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} is not open on stage {self.stage.index}")
+        return session
+
+    def _open(self, session_id: str) -> StageSession:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None:
+                return session
+            if len(self._sessions) >= self.options.max_sessions:
+                raise CapacityExceeded(
+                    f"stage {self.stage.index} holds {len(self._sessions)} sessions "
+                    f"(limit {self.options.max_sessions})"
+                )
+            session = StageSession(session_id, self.compiled.create_infer_request())
+            self._sessions[session_id] = session
+            return session
+
+    def release(self, session_id: str) -> bool:
+        """Free a session's KV state; returns whether it existed."""
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    # -- compute --------------------------------------------------------------------------
+    def _check_chunk(self, data: np.ndarray) -> np.ndarray:
+        if self.is_first:
+            if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
+                raise InvalidStageInput(
+                    f"stage 0 takes a 1-D array of token ids, got {data.dtype} {list(data.shape)}"
+                )
+            vocab = self.manifest.model.vocab_size
+            if data.size and (data.min() < 0 or data.max() >= vocab):
+                raise InvalidStageInput(f"token ids must lie in [0, {vocab})")
+            return data.astype(np.int64, copy=False)[None, :]
+        if data.ndim != 2 or data.shape[1] != self.hidden_size:
+            raise InvalidStageInput(
+                f"stage {self.stage.index} takes hidden states [tokens, {self.hidden_size}], "
+                f"got {list(data.shape)}"
+            )
+        if data.dtype not in (np.float32, np.float16):
+            raise InvalidStageInput(f"hidden states must be float32 or float16, got {data.dtype}")
+        return data.astype(np.float32, copy=False)[None, :, :]
+
+    def forward(
+        self,
+        session_id: str,
+        data: np.ndarray,
+        positions: np.ndarray | None = None,
+        num_logits: int = 1,
+    ) -> np.ndarray:
+        """Feed a chunk of tokens (stage 0) or hidden states at the given absolute positions.
+
+        A session opens on its first chunk (positions starting at 0). Returns hidden states
+        ``[T, H]``, or on the last stage logits ``[num_logits, V]`` for the chunk's last tokens.
+        """
+        chunk = self._check_chunk(data)
+        count = chunk.shape[1]
+        if count == 0:
+            raise InvalidStageInput("a chunk must hold at least one token")
+        start = 0 if positions is None else int(positions[0]) if len(positions) else -1
+        session = self._sessions.get(session_id)
+        if session is None:
+            if start != 0:
+                raise SessionNotFound(
+                    f"session {session_id!r} is not open on stage {self.stage.index} "
+                    f"(a new session starts at position 0, got {start})"
+                )
+            session = self._open(session_id)
+        with session.lock:
+            expected = np.arange(session.length, session.length + count, dtype=np.int64)
+            if positions is None:
+                positions = expected
+            elif positions.shape != expected.shape or not np.array_equal(positions, expected):
+                raise InvalidStageInput(
+                    f"positions must continue session {session_id!r} at {session.length} "
+                    f"for {count} tokens"
+                )
+            total = session.length + count
+            if total > self.max_context:
+                raise CapacityExceeded(
+                    f"session {session_id!r} would hold {total} positions "
+                    f"(maximum context {self.max_context})"
+                )
+            if self.is_last and not 1 <= num_logits <= count:
+                raise InvalidStageInput(f"num_logits must lie in [1, {count}], got {num_logits}")
+            inputs: dict[str, Any] = {
+                "input_ids" if self.is_first else "inputs_embeds": chunk,
+                "attention_mask": np.ones((1, total), dtype=np.int64),
+                "position_ids": positions.astype(np.int64, copy=False)[None, :],
+            }
+            if self.is_last:
+                inputs["num_logits"] = np.array(num_logits, dtype=np.int64)
+            if "beam_idx" in self._input_names:
+                inputs["beam_idx"] = np.zeros(1, dtype=np.int32)
+            result = session.request.infer(inputs)
+            session.length = total
+            return np.asarray(result[0])[0]
+
+    def rollback(self, session_id: str, count: int) -> None:
+        """Forget the last ``count`` positions of a session (rejected draft tokens)."""
+        session = self._get(session_id)
+        with session.lock:
+            if not 0 <= count <= session.length:
+                raise InvalidStageInput(
+                    f"cannot roll back {count} positions of a session holding {session.length}"
+                )
+            if count == 0:
+                return
+            keep = session.length - count
+            if keep == 0:
+                session.request.reset_state()
+            else:
+                for state in session.request.query_state():
+                    kept = np.ascontiguousarray(state.state.data[:, :, :keep, :])
+                    state.state = ov.Tensor(kept)
+            session.length = keep

@@ -1,0 +1,211 @@
+"""`pipeshard export` and `verify` from the command line: outputs, manifest, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from protos.manifest import load_manifest, manifest_hash, sha256_file
+from server.cli import main
+from tests.conftest import ExportFn
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.err.strip()
+
+
+def test_manifest_describes_the_export(tiny_export: ExportFn) -> None:
+    export_dir = tiny_export("gemma3", 3)
+    m = load_manifest(export_dir)
+    assert m.model.architecture == "gemma3_text" and m.model.num_layers == 6
+    assert [(s.layer_start, s.layer_end) for s in m.stages] == [(0, 2), (2, 4), (4, 6)]
+    assert m.model.sliding_window == 5 and "sliding_attention" in m.model.layer_types
+    assert m.stages[0].inputs[0] == "input_ids" and m.stages[1].inputs[0] == "inputs_embeds"
+    assert m.stages[-1].outputs == ["logits"] and m.stages[0].outputs == ["hidden_states"]
+    for stage in m.stages:
+        for entry in stage.files:
+            assert sha256_file(export_dir / entry.path) == entry.sha256
+    assert m.tokenizer.eos_token_ids == [2]
+    assert (export_dir / m.tokenizer.directory / "tokenizer.json").is_file()
+    assert m.weights.format == "fp32" and m.draft is None
+    assert len(manifest_hash(export_dir)) == 64
+
+
+def _expect_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str, out: Path | None = None
+) -> None:
+    capsys.readouterr()
+    code, err = run_cli(capsys, *argv, "--quiet")
+    assert code != 0
+    assert message in err, err
+    assert len(err.splitlines()) == 1, err  # one-line reason
+    if out is not None:
+        leftovers = [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp")]
+        assert leftovers == []
+
+
+def test_bad_input_exits_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Callable[..., Path]
+) -> None:
+    src = str(tiny_model("qwen2"))
+    out = tmp_path / "out"
+    _expect_error(capsys, ["export", str(tmp_path / "missing"), "--out", str(out)], "not found")
+    _expect_error(
+        capsys,
+        ["export", src, "--out", str(out), "--stages", "7"],
+        "cannot split 6 layers into 7 stages",
+        out,
+    )
+    _expect_error(
+        capsys,
+        ["export", src, "--out", str(out), "--split", "2,2"],
+        "adds up to 4, the model has 6 layers",
+        out,
+    )
+    _expect_error(
+        capsys,
+        ["export", src, "--out", str(out), "--split", "3,3", "--stages", "3"],
+        "disagrees",
+        out,
+    )
+    _expect_error(
+        capsys,
+        ["export", src, "--out", str(out), "--node-memory", "1MB,1MB", "--weights", "fp32"],
+        "does not fit",
+        out,
+    )
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    _expect_error(capsys, ["export", src, "--out", str(out)], "not empty (use --force")
+    assert (out / "keep.txt").read_text() == "mine"
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    _expect_error(
+        capsys,
+        ["export", str(gpt2), "--out", str(tmp_path / "o2")],
+        "architecture 'gpt2' is not supported; supported: gemma3_text, llama, qwen2",
+    )
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"0")
+    _expect_error(capsys, ["export", str(not_gguf), "--out", str(tmp_path / "o3")], "not a .gguf")
+
+
+def test_draft_with_other_vocabulary_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Callable[..., Path]
+) -> None:
+    out = tmp_path / "out"
+    _expect_error(
+        capsys,
+        [
+            "export",
+            str(tiny_model("qwen2")),
+            "--out",
+            str(out),
+            "--draft",
+            str(tiny_model("llama", vocab=300)),
+            "--weights",
+            "fp32",
+            "--quiet",
+        ],
+        "draft vocabulary size 300 differs from the target's 256",
+        out,
+    )
+    assert not out.exists()
+
+
+def test_export_with_draft_and_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Callable[..., Path]
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old export")
+    argv = [
+        "export",
+        str(tiny_model("qwen2")),
+        "--out",
+        str(out),
+        "--split",
+        "4,2",
+        "--weights",
+        "fp16",
+        "--draft",
+        str(tiny_model("llama", seed=1)),
+        "--force",
+    ]
+    code, _ = run_cli(capsys, *argv)
+    assert code == 0
+    assert not (out / "old.txt").exists()
+    m = load_manifest(out)
+    assert [s.num_layers for s in m.stages] == [4, 2]
+    assert m.draft is not None and m.draft.directory == "draft"
+    draft = load_manifest(out / "draft")
+    assert draft.num_stages == 1 and draft.model.architecture == "llama"
+    assert m.draft.manifest_sha256 == manifest_hash(out / "draft")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "draft",
+        "manifest.json",
+        "stage-0",
+        "stage-1",
+        "tokenizer",
+    ]
+    # --reuse: the same request does nothing; a different one re-exports.
+    stamp = (out / "stage-0" / "model.xml").stat().st_mtime_ns
+    reuse = [a for a in argv if a != "--force"] + ["--reuse", "--quiet"]
+    assert run_cli(capsys, *reuse)[0] == 0
+    assert (out / "stage-0" / "model.xml").stat().st_mtime_ns == stamp
+    reuse[reuse.index("4,2")] = "3,3"
+    assert run_cli(capsys, *reuse)[0] == 0
+    assert [s.num_layers for s in load_manifest(out).stages] == [3, 3]
+
+
+def test_cli_end_to_end_in_a_subprocess(tmp_path: Path, tiny_model: Callable[..., Path]) -> None:
+    """The installed console script: export, then verify (exit 0 and a PASS table)."""
+    exe = Path(sys.executable).parent / "pipeshard"
+    out = tmp_path / "e"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    subprocess.run(
+        [
+            str(exe),
+            "export",
+            str(tiny_model("llama")),
+            "--out",
+            str(out),
+            "--stages",
+            "2",
+            "--weights",
+            "fp32",
+            "--quiet",
+        ],
+        check=True,
+        env=env,
+        timeout=300,
+    )
+    verify = subprocess.run(
+        [
+            str(exe),
+            "verify",
+            str(out),
+            "--steps",
+            "16",
+            "--kv-cache-precision",
+            "f32",
+            "--inference-precision",
+            "f32",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "16/16 tok" in verify.stdout and verify.stdout.strip().endswith("PASS")

@@ -1,0 +1,56 @@
+"""The beam_idx Gather is what makes the CPU plugin fuse the stateful KV cache into SDPA."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import openvino as ov
+import pytest
+
+from protos.manifest import load_manifest
+from tests.conftest import ExportFn
+
+
+def runtime_layer_types(xml: str) -> Counter[str]:
+    compiled = ov.Core().compile_model(xml, "CPU")
+    return Counter(
+        str(op.get_rt_info()["layerType"].astype(str))
+        for op in compiled.get_runtime_model().get_ops()
+    )
+
+
+def ir_has_beam_gather(xml: str) -> bool:
+    """In the IR: beam_idx feeds a Gather whose data comes from a ReadValue."""
+    model = ov.Core().read_model(xml)
+    for op in model.get_ops():
+        if op.get_type_name() != "Gather":
+            continue
+        sources = [value.get_node() for value in op.input_values()]
+        if sources[0].get_type_name() == "ReadValue" and any(
+            "beam_idx" in node.get_friendly_name() for node in sources[1:]
+        ):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_every_stage_fuses_attention_with_beam_idx(tiny_export: ExportFn, arch: str) -> None:
+    export_dir = tiny_export(arch, 3)
+    manifest = load_manifest(export_dir)
+    for stage in manifest.stages:
+        xml = str(export_dir / stage.model_xml)
+        assert stage.beam_idx and "beam_idx" in stage.inputs
+        assert ir_has_beam_gather(xml)
+        fused = runtime_layer_types(xml)["ScaledDotProductAttention"]
+        assert fused == stage.num_layers, f"stage {stage.index}: {fused} fused SDPA nodes"
+
+
+def test_no_beam_idx_export_does_not_fuse(tiny_export: ExportFn) -> None:
+    export_dir = tiny_export("qwen2", 2, beam_idx=False)
+    for stage in load_manifest(export_dir).stages:
+        xml = str(export_dir / stage.model_xml)
+        assert not stage.beam_idx and "beam_idx" not in stage.inputs
+        assert not ir_has_beam_gather(xml)
+        types = runtime_layer_types(xml)
+        assert types["ScaledDotProductAttention"] == 0
+        assert types["Softmax"] == stage.num_layers  # attention left as MatMul/Softmax

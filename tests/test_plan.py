@@ -1,0 +1,84 @@
+"""Split plans and memory budgets (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.architectures import ArchitectureFacts
+from exporter.errors import ExportError
+from exporter.plan import (
+    check_fits,
+    check_split,
+    even_split,
+    parse_size,
+    plan_stages,
+    split_for_memory,
+)
+
+# The shape of Qwen2.5-Coder-1.5B.
+QWEN15 = ArchitectureFacts(
+    model_type="qwen2",
+    num_layers=28,
+    hidden_size=1536,
+    num_heads=12,
+    num_kv_heads=2,
+    head_dim=128,
+    vocab_size=151936,
+    max_context=32768,
+    layer_types=["full_attention"] * 28,
+    sliding_window=None,
+    final_logit_softcapping=None,
+)
+INTERMEDIATE = 8960
+
+
+def test_even_split() -> None:
+    assert even_split(28, 2) == [14, 14]
+    assert even_split(28, 3) == [10, 9, 9]
+    assert even_split(6, 6) == [1] * 6
+    with pytest.raises(ExportError, match="cannot split 6 layers into 7 stages"):
+        even_split(6, 7)
+    with pytest.raises(ExportError):
+        even_split(6, 0)
+
+
+def test_check_split() -> None:
+    assert check_split(28, [20, 8]) == [20, 8]
+    with pytest.raises(ExportError, match="adds up to 27"):
+        check_split(28, [20, 7])
+    with pytest.raises(ExportError, match="every stage needs a layer"):
+        check_split(28, [28, 0])
+
+
+def test_parse_size() -> None:
+    assert parse_size("16GB") == 16 * 10**9
+    assert parse_size("8GiB") == 8 * 2**30
+    assert parse_size("512M") == 512 * 10**6
+    assert parse_size("1.5 gb") == 1_500_000_000
+    with pytest.raises(ExportError):
+        parse_size("lots")
+
+
+def test_plan_bytes_add_up() -> None:
+    plans = plan_stages(QWEN15, [14, 14], "int4", INTERMEDIATE, 4096)
+    assert [(p.layer_start, p.layer_end) for p in plans] == [(0, 14), (14, 28)]
+    assert plans[0].weight_bytes == plans[1].weight_bytes  # embedding vs head: same size
+    assert plans[0].kv_bytes == 14 * 2 * 2 * 128 * 4096 * 2
+    fp16 = plan_stages(QWEN15, [14, 14], "fp16", INTERMEDIATE, 4096)
+    assert fp16[0].weight_bytes > 3 * plans[0].weight_bytes
+
+
+def test_memory_split_follows_budgets() -> None:
+    gib = 2**30
+    split = split_for_memory(QWEN15, [3 * gib, 1 * gib + gib // 2], "int4", INTERMEDIATE, 4096)
+    assert sum(split) == 28 and split[0] > split[1] >= 1
+    plans = plan_stages(QWEN15, split, "int4", INTERMEDIATE, 4096)
+    check_fits(plans, [3 * gib, 1 * gib + gib // 2], 4096)
+
+
+def test_memory_split_refuses_what_cannot_fit() -> None:
+    with pytest.raises(ExportError, match="does not fit"):
+        split_for_memory(QWEN15, [600 * 2**20, 600 * 2**20], "fp32", INTERMEDIATE, 32768)
+    plans = plan_stages(QWEN15, [27, 1], "fp32", INTERMEDIATE, 4096)
+    with pytest.raises(ExportError, match="stage 0 needs"):
+        check_fits(plans, [2 * 2**30, 8 * 2**30], 4096)

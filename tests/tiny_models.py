@@ -1,0 +1,104 @@
+"""Tiny random decoders (fixed seeds, built from configs) with a tiny BPE tokenizer: no download."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "once upon a time there was a small shard that lived on a desktop computer",
+    "pipelines pass hidden states from stage to stage over an ordinary network",
+    "every stage keeps its own key value cache for each request it serves",
+    "speculative decoding proposes tokens with a draft and verifies them in one pass",
+    "hello world, this is pipeshard: split models, serve them, measure them.",
+]
+VOCAB = 256
+
+
+def make_tokenizer(folder: Path, vocab: int = VOCAB, chat_template: str | None = None) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(folder)
+
+
+def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        types = ["sliding_attention" if i % 3 != 2 else "full_attention" for i in range(layers)]
+        return Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=5,
+            layer_types=types,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+    raise ValueError(arch)
+
+
+def make_model(arch: str, folder: Path, seed: int = 0, layers: int = 6, vocab: int = VOCAB) -> Path:
+    """Save a random model of ``arch`` with the tiny tokenizer into ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, layers, vocab))
+    # Random init gives near-uniform logits; widen them so greedy choices are not near-ties.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(2.0)
+    model.save_pretrained(folder)
+    make_tokenizer(folder, min(vocab, VOCAB))
+    return folder
