@@ -34,12 +34,22 @@ PROMPT = (
     "Write a Python class that implements a least-recently-used cache with get and put "
     "methods, explain its time complexity, and add a short usage example."
 )
+# name -> (description, export folder, runtime: "default" CPU properties or "exact")
 CONFIGS = {
-    "a": "openvino-genai LLMPipeline (optimum-cli export)",
-    "b": "1-stage shard",
-    "c": "1-stage shard, no beam_idx",
-    "d": "2 stages chained in process",
+    "a": ("openvino-genai LLMPipeline (optimum-cli export)", "optimum", "default"),
+    "b": ("1-stage shard", "s1", "default"),
+    "c": ("1-stage shard, no beam_idx", "s1-nobeam", "default"),
+    "d": ("2 stages chained in process", "s2", "default"),
+    "a_exact": ("openvino-genai LLMPipeline, exact runtime", "optimum", "exact"),
+    "b_exact": ("1-stage shard, exact runtime", "s1", "exact"),
+    "d_exact": ("2 stages chained in process, exact runtime", "s2", "exact"),
 }
+# Each config's ratio is taken against the genai baseline with the same runtime properties.
+BASELINE = {"default": "a", "exact": "a_exact"}
+# "exact": f32 KV cache and no dynamic activation quantization, under which a split model
+# computes bit for bit what the unsplit one does. "default": the CPU plugin's defaults (u8 KV
+# cache, dynamic quantization of activations for compressed weights).
+EXACT_PROPERTIES = {"KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 
 
 def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -105,17 +115,17 @@ def make_hf_dir(model: str, out: Path) -> None:
 
 
 # --- workers: one configuration, one process ---------------------------------------------------
-def worker_genai(path: Path, threads: int, tokens: int) -> dict[str, float]:
+def worker_genai(path: Path, threads: int, tokens: int, props: dict[str, str]) -> dict[str, float]:
     import openvino_genai
 
-    pipe = openvino_genai.LLMPipeline(str(path), "CPU", INFERENCE_NUM_THREADS=threads)
+    pipe = openvino_genai.LLMPipeline(str(path), "CPU", INFERENCE_NUM_THREADS=threads, **props)
     config = openvino_genai.GenerationConfig()
     config.max_new_tokens = tokens
     config.min_new_tokens = tokens
     config.do_sample = False
     config.apply_chat_template = False
-    pipe.generate(PROMPT, config)  # warm-up
-    result = pipe.generate(PROMPT, config)
+    pipe.generate([PROMPT], config)  # warm-up
+    result = pipe.generate([PROMPT], config)  # a list gives DecodedResults with perf_metrics
     metrics = result.perf_metrics
     return {
         "decode_tok_s": 1000.0 / metrics.get_tpot().mean,
@@ -124,14 +134,14 @@ def worker_genai(path: Path, threads: int, tokens: int) -> dict[str, float]:
     }
 
 
-def worker_chain(path: Path, threads: int, tokens: int) -> dict[str, float]:
+def worker_chain(path: Path, threads: int, tokens: int, props: dict[str, str]) -> dict[str, float]:
     import numpy as np
     from transformers import AutoTokenizer
 
     from stage_node.chain import LocalChain
     from stage_node.runner import RunnerOptions
 
-    chain = LocalChain(path, RunnerOptions(threads=threads))
+    chain = LocalChain(path, RunnerOptions(threads=threads, properties=dict(props)))
     tokenizer = AutoTokenizer.from_pretrained(str(path / chain.manifest.tokenizer.directory))
     prompt = np.array(tokenizer.encode(PROMPT), dtype=np.int64)
 
@@ -151,7 +161,6 @@ def worker_chain(path: Path, threads: int, tokens: int) -> dict[str, float]:
 
 
 def measure(config: str, work: Path, opts: argparse.Namespace) -> dict[str, float]:
-    paths = {"a": "optimum", "b": "s1", "c": "s1-nobeam", "d": "s2"}
     cmd = [
         sys.executable,
         __file__,
@@ -168,15 +177,15 @@ def measure(config: str, work: Path, opts: argparse.Namespace) -> dict[str, floa
         cmd = ["taskset", "-c", opts.cores, *cmd]
     out = run(cmd, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    result["path"] = paths[config]  # type: ignore[assignment]
     return result
 
 
 def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     table: dict[str, dict[str, float]] = {}
-    for config in CONFIGS:
+    for config, (_, _, runtime) in CONFIGS.items():
+        base = BASELINE[runtime]
         speeds = [r[config]["decode_tok_s"] for r in rounds]
-        ratios = [r[config]["decode_tok_s"] / r["a"]["decode_tok_s"] for r in rounds]
+        ratios = [r[config]["decode_tok_s"] / r[base]["decode_tok_s"] for r in rounds]
         table[config] = {
             "tok_s_median": statistics.median(speeds),
             "tok_s_min": min(speeds),
@@ -208,9 +217,10 @@ def main() -> int:
         make_hf_dir(opts.model, opts.make_hf_dir)
         return 0
     if opts.worker:
-        path = work / {"a": "optimum", "b": "s1", "c": "s1-nobeam", "d": "s2"}[opts.worker]
-        fn = worker_genai if opts.worker == "a" else worker_chain
-        print(json.dumps(fn(path, opts.threads, opts.tokens)))
+        _, folder, runtime = CONFIGS[opts.worker]
+        props = EXACT_PROPERTIES if runtime == "exact" else {}
+        fn = worker_genai if folder == "optimum" else worker_chain
+        print(json.dumps(fn(work / folder, opts.threads, opts.tokens, props)))
         return 0
 
     work.mkdir(parents=True, exist_ok=True)
@@ -228,12 +238,12 @@ def main() -> int:
     lines = [
         f"Decode tok/s, {opts.model}, {opts.weights} weights, {opts.threads} inference thread(s), "
         f"cores {opts.cores or 'unpinned'}, {opts.tokens} new tokens, {opts.rounds} rounds; "
-        "CPU default KV cache precision",
+        "exact runtime = KV_CACHE_PRECISION f32 + DYNAMIC_QUANTIZATION_GROUP_SIZE 0",
         "",
-        "| config | tok/s median [min, max] | ratio to (a) median [min, max] | TTFT ms |",
+        "| config | tok/s median [min, max] | ratio to genai, same runtime [min, max] | TTFT ms |",
         "|---|---|---|---|",
     ]
-    for config, name in CONFIGS.items():
+    for config, (name, _, _) in CONFIGS.items():
         t = table[config]
         lines.append(
             f"| ({config}) {name} | {t['tok_s_median']:.2f} [{t['tok_s_min']:.2f}, "

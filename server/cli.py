@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.options import comma_ints, comma_list
+from server.options import comma_ints, comma_list, parse_properties
 
 if TYPE_CHECKING:
     from stage_node.runner import RunnerOptions
@@ -31,6 +31,13 @@ def _add_runner_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ov-cache-dir", type=Path, default=None, help="OpenVINO model cache folder (CACHE_DIR)"
     )
+    group.add_argument(
+        "--ov-property",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other OpenVINO compile property, e.g. DYNAMIC_QUANTIZATION_GROUP_SIZE=0",
+    )
 
 
 def _runner_options(args: argparse.Namespace) -> RunnerOptions:
@@ -42,6 +49,7 @@ def _runner_options(args: argparse.Namespace) -> RunnerOptions:
         kv_cache_precision=args.kv_cache_precision,
         inference_precision=args.inference_precision,
         cache_dir=args.ov_cache_dir,
+        properties=parse_properties(args.ov_property),
     )
 
 
@@ -158,22 +166,74 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 1 if report.failures() else 0
 
 
-COMMANDS = {"export": _run_export, "verify": _run_verify}
+def _stage_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "stage",
+        help="serve one stage shard over gRPC",
+        description="Each flag can also be set as PIPESHARD_STAGE_<NAME>, e.g. "
+        "PIPESHARD_STAGE_THREADS=2.",
+    )
+    p.add_argument("--shards", type=Path, help="export folder (manifest.json + stage folders)")
+    p.add_argument("--stage", type=int, help="stage index K")
+    p.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:50051)")
+    p.add_argument("--device", help="OpenVINO device (default CPU)")
+    p.add_argument("--threads", type=int, help="inference threads (0: default)")
+    p.add_argument("--cpus", help="pin to these CPUs, e.g. 0 or 0-3")
+    p.add_argument("--streams", type=int, help="sessions computed at the same time (default 1)")
+    p.add_argument("--kv-cache-precision", help="KV_CACHE_PRECISION, e.g. f16, f32, u8")
+    p.add_argument("--inference-precision", help="INFERENCE_PRECISION_HINT, e.g. f32")
+    p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (CACHE_DIR)")
+    p.add_argument("--max-sessions", type=int, help="sessions held at once (default 64)")
+    p.add_argument("--session-idle-timeout", type=float, help="seconds (default 300)")
+    p.add_argument("--hidden-dtype", choices=["fp16", "fp32"], help="hidden states sent on")
+    p.add_argument("--secret", help="shared secret required on every call")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate to serve with")
+    p.add_argument("--tls-key", type=Path, help="PEM key of --tls-cert")
+    p.add_argument("--tls-ca", type=Path, help="CA bundle to verify the next stage (TLS to it)")
+    p.add_argument("--tls-server-name", help="name expected in the next stage's certificate")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port")
+
+
+def _run_stage(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from stage_node.server import run
+    from stage_node.settings import StageSettings
+
+    fields = StageSettings.model_fields
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    try:
+        settings = StageSettings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"bad settings: {problems}") from None
+    return run(settings)
+
+
+COMMANDS = {"export": _run_export, "verify": _run_verify, "stage": _run_stage}
+SERVICES = {"stage"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeshard", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="DEBUG, INFO, WARNING, ERROR (default: INFO for services, WARNING for tools)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _export_parser(sub)
     _verify_parser(sub)
+    _stage_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    service = args.command in SERVICES
+    level = args.log_level or ("INFO" if service else "WARNING")
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from exporter.errors import ExportError
 

@@ -19,3 +19,14 @@ def comma_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from exc
+
+
+def parse_properties(items: list[str]) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` -> dict; OpenVINO converts the string values itself."""
+    properties = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
+        properties[key.strip()] = value.strip()
+    return properties

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ class StageSession:
         self.request = request
         self.length = 0
         self.lock = threading.Lock()
+        self.last_used = time.monotonic()
 
 
 class ShardRunner:
@@ -146,6 +148,15 @@ class ShardRunner:
         """Free a session's KV state; returns whether it existed."""
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
+
+    def release_idle(self, max_idle_s: float) -> list[str]:
+        """Free sessions untouched for ``max_idle_s`` seconds (abandoned by their caller)."""
+        cutoff = time.monotonic() - max_idle_s
+        with self._lock:
+            idle = [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+            for sid in idle:
+                del self._sessions[sid]
+        return idle
 
     # -- compute --------------------------------------------------------------------------
     def _check_chunk(self, data: np.ndarray) -> np.ndarray:
@@ -220,6 +231,7 @@ class ShardRunner:
                 inputs["beam_idx"] = np.zeros(1, dtype=np.int32)
             result = session.request.infer(inputs)
             session.length = total
+            session.last_used = time.monotonic()
             return np.asarray(result[0])[0]
 
     def rollback(self, session_id: str, count: int) -> None:

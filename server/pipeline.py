@@ -1,0 +1,473 @@
+"""The gateway's client of the stage ring.
+
+``engine step (token ids, positions, sampling) -> pb.Step -> stage 0 -> ... -> last stage ->
+pb.StepResult -> SampledToken list``
+
+It checks that the stages form one export's ring before use (same manifest hash, stage indices
+in order, layer ranges without gap or overlap), links each stage to the next, pushes steps to
+stage 0 on one long-lived stream and receives results from the last stage on a subscription.
+A health monitor marks stages up or down: a stage that refuses connections fails the steps in
+flight with UNAVAILABLE at once (and frees their sessions on the stages still up); a stalled one
+is caught by the step deadline. When a stage comes back, the ring is re-checked and re-linked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from protos import pipeshard_v1_pb2 as pb
+from protos import pipeshard_v1_pb2_grpc as pb_grpc
+from protos.codec import sampled_from_pb, sampling_to_pb
+from protos.manifest import ShardManifest
+from protos.transport import call_metadata, open_channel
+from stage_node.sampling import SampledToken, SamplingParams
+
+log = logging.getLogger(__name__)
+GREEDY = SamplingParams()
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class PipelineError(Exception):
+    """A step or ring failure, with the gRPC status code that says what kind."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, stage: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.stage = stage
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    tokens: list[SampledToken]
+    session_length: int
+
+
+@dataclass
+class StageState:
+    index: int
+    address: str
+    up: bool = False
+    link_ok: bool = True  # this stage's stream to the next stage is connected
+    detail: str = "not checked yet"
+    info: pb.StageInfo | None = None
+    stub: pb_grpc.StageStub | None = field(default=None, repr=False)
+    channel: grpc.aio.Channel | None = field(default=None, repr=False)
+
+
+class PipelineClient:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        secret: str | None = None,
+        tls_ca: Path | None = None,
+        tls_server_name: str | None = None,
+        step_timeout: float = 120.0,
+        health_interval: float = 0.5,
+        health_timeout: float = 1.0,
+        client_id: str | None = None,
+    ) -> None:
+        if not addresses:
+            raise ValueError("the pipeline needs at least one stage address")
+        self.stages = [StageState(i, a) for i, a in enumerate(addresses)]
+        self.secret = secret
+        self.tls_ca = tls_ca
+        self.tls_server_name = tls_server_name
+        self.step_timeout = step_timeout
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.client_id = client_id or uuid.uuid4().hex
+        self.manifest: ShardManifest | None = None
+        self.manifest_hash: str | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[StepOutput], str]] = {}
+        self._push_queue: asyncio.Queue[pb.Step] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._push_task: asyncio.Task[None] | None = None
+        self._results_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- ring set-up -----------------------------------------------------------------------
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return call_metadata(self.secret, self.manifest_hash)
+
+    async def start(self, timeout: float = 120.0) -> ShardManifest:
+        """Connect, check and link the ring; waits up to ``timeout`` for stages to come up."""
+        for state in self.stages:
+            state.channel = open_channel(state.address, self.tls_ca, self.tls_server_name)
+            state.stub = pb_grpc.StageStub(state.channel)
+        infos = await self._wait_for_infos(timeout)
+        self._check_ring(infos)
+        await self._link()
+        await self._subscribe()
+        self._tasks.append(asyncio.create_task(self._monitor()))
+        assert self.manifest is not None
+        return self.manifest
+
+    async def _wait_for_infos(self, timeout: float) -> list[pb.StageInfo]:
+        deadline = time.monotonic() + timeout
+        while True:
+            results = await asyncio.gather(
+                *(self._info(s) for s in self.stages), return_exceptions=True
+            )
+            missing = [
+                (s, r)
+                for s, r in zip(self.stages, results, strict=True)
+                if isinstance(r, BaseException)
+            ]
+            if not missing:
+                return [r for r in results if isinstance(r, pb.StageInfo)]
+            for state, error in missing:
+                if isinstance(error, grpc.aio.AioRpcError) and error.code() not in _TRANSIENT:
+                    raise PipelineError(
+                        error.code(),
+                        f"stage {state.index} at {state.address} refused: {error.details()}",
+                        state.index,
+                    )
+            if time.monotonic() > deadline:
+                state, error = missing[0]
+                detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else error
+                raise PipelineError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stage {state.index} at {state.address} is missing: {detail}",
+                    state.index,
+                )
+            await asyncio.sleep(0.25)
+
+    async def _info(self, state: StageState) -> pb.StageInfo:
+        assert state.stub is not None
+        info: pb.StageInfo = await state.stub.Info(
+            pb.InfoRequest(), metadata=self._metadata(), timeout=self.health_timeout * 2
+        )
+        state.info = info
+        return info
+
+    def _check_ring(self, infos: list[pb.StageInfo]) -> None:
+        first = infos[0]
+        for state, info in zip(self.stages, infos, strict=True):
+            where = f"stage at {state.address}"
+            if info.manifest_sha256 != first.manifest_sha256:
+                raise PipelineError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{where} serves export {info.manifest_sha256}, but {self.stages[0].address} "
+                    f"serves {first.manifest_sha256}: the stages come from different exports",
+                    state.index,
+                )
+            if info.stage_index != state.index:
+                raise PipelineError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{where} serves stage {info.stage_index} but is listed as stage {state.index}",
+                    state.index,
+                )
+        if first.num_stages != len(infos):
+            raise PipelineError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the export has {first.num_stages} stages but {len(infos)} addresses were given: "
+                f"stage {len(infos) if len(infos) < first.num_stages else first.num_stages} "
+                "is missing"
+                if len(infos) < first.num_stages
+                else "too many stages",
+            )
+        expected = 0
+        for state, info in zip(self.stages, infos, strict=True):
+            if info.layer_start != expected:
+                kind = "gap" if info.layer_start > expected else "overlap"
+                raise PipelineError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"layer {kind}: stage {state.index} starts at layer {info.layer_start}, "
+                    f"expected {expected}",
+                    state.index,
+                )
+            expected = info.layer_end
+        if expected != first.num_layers:
+            raise PipelineError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the stages cover {expected} of {first.num_layers} layers",
+            )
+        self.manifest_hash = first.manifest_sha256
+        self.manifest = ShardManifest.model_validate_json(first.manifest_json)
+        for state in self.stages:
+            state.up, state.detail = True, "serving"
+
+    async def _link(self) -> None:
+        calls = []
+        for state in self.stages:
+            assert state.stub is not None
+            nxt = self.stages[state.index + 1].address if state.index + 1 < len(self.stages) else ""
+            calls.append(
+                state.stub.Link(
+                    pb.LinkRequest(next_address=nxt),
+                    metadata=self._metadata(),
+                    timeout=self.health_timeout * 2,
+                )
+            )
+        await asyncio.gather(*calls)
+
+    async def _subscribe(self) -> None:
+        last = self.stages[-1]
+        assert last.stub is not None
+        call = last.stub.Results(
+            pb.ResultsRequest(client_id=self.client_id), metadata=self._metadata()
+        )
+        await call.initial_metadata()  # the last stage has registered our queue
+        if self._results_task is not None:
+            self._results_task.cancel()
+        self._results_task = asyncio.create_task(self._read_results(call))
+
+    async def _read_results(self, call: AsyncIterator[pb.StepResult]) -> None:
+        try:
+            async for result in call:
+                entry = self._pending.pop(result.step_id, None)
+                if entry is None or entry[0].done():
+                    continue
+                future = entry[0]
+                if result.HasField("error"):
+                    code = _status_code(result.error.code)
+                    future.set_exception(
+                        PipelineError(code, result.error.message, result.error.stage)
+                    )
+                else:
+                    future.set_result(
+                        StepOutput(
+                            tokens=[sampled_from_pb(t) for t in result.tokens],
+                            session_length=result.session_length,
+                        )
+                    )
+        except grpc.aio.AioRpcError as exc:
+            if not self._closed:
+                self._stage_down(self.stages[-1], exc.details() or exc.code().name)
+        except asyncio.CancelledError:
+            pass
+
+    # -- health ----------------------------------------------------------------------------
+    async def _monitor(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.health_interval)
+            await asyncio.gather(*(self._probe(s) for s in self.stages))
+
+    async def _probe(self, state: StageState) -> None:
+        assert state.stub is not None
+        try:
+            reply = await state.stub.Health(
+                pb.HealthRequest(), metadata=self._metadata(), timeout=self.health_timeout
+            )
+            state.link_ok = reply.downstream_ok
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                state.detail = "not answering (stalled?)"
+                state.up = False
+            else:
+                self._stage_down(state, exc.details() or exc.code().name)
+            return
+        if not state.up:
+            await self._recover(state)
+
+    def _stage_down(self, state: StageState, detail: str) -> None:
+        was_up = state.up
+        state.up, state.detail = False, f"unavailable: {detail}"
+        if was_up:
+            log.warning("stage %d at %s is down: %s", state.index, state.address, detail)
+        self._fail_pending(
+            PipelineError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"stage {state.index} at {state.address} is unavailable",
+                state.index,
+            )
+        )
+
+    def _fail_pending(self, error: PipelineError) -> None:
+        sessions = set()
+        for future, session_id in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+                sessions.add(session_id)
+        self._pending.clear()
+        self._release_soon(sessions)
+
+    def _release_soon(self, sessions: set[str]) -> None:
+        if sessions and not self._closed:
+            task = asyncio.create_task(self.release(*sessions))
+            task.add_done_callback(lambda t: t.exception())
+
+    async def _recover(self, state: StageState) -> None:
+        try:
+            info = await self._info(state)
+        except grpc.aio.AioRpcError:
+            return
+        if info.manifest_sha256 != self.manifest_hash or info.stage_index != state.index:
+            state.detail = (
+                f"came back serving stage {info.stage_index} of export {info.manifest_sha256}"
+            )
+            return
+        try:
+            await self._link()
+            if state is self.stages[-1] or self._results_task is None or self._results_task.done():
+                await self._subscribe()
+        except grpc.aio.AioRpcError as exc:
+            state.detail = f"reconnecting: {exc.details()}"
+            return
+        state.up, state.detail = True, "serving"
+        log.info("stage %d at %s is back", state.index, state.address)
+
+    @property
+    def ready(self) -> bool:
+        return all(s.up and s.link_ok for s in self.stages)
+
+    # -- steps -----------------------------------------------------------------------------
+    async def _run_push(self) -> None:
+        first = self.stages[0]
+        assert first.stub is not None
+        try:
+            call = first.stub.Push(metadata=self._metadata())
+            while True:
+                await call.write(await self._push_queue.get())
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            if not self._closed:
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                self._stage_down(first, detail or type(exc).__name__)
+
+    async def step(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        start_position: int,
+        *,
+        rollback: int = 0,
+        num_logits: int = 1,
+        sampling: SamplingParams = GREEDY,
+        history: Sequence[int] = (),
+        timeout: float | None = None,
+    ) -> StepOutput:
+        """Feed ``tokens`` at ``start_position`` through the ring; sample ``num_logits`` rows.
+
+        A ring failure (UNAVAILABLE, DEADLINE_EXCEEDED) leaves the session's state unknown, so
+        the session is released on every stage still reachable; other errors (bad input) leave
+        the session as it was.
+        """
+        try:
+            return await self._step(
+                session_id, tokens, start_position, rollback, num_logits, sampling, history, timeout
+            )
+        except PipelineError as exc:
+            if exc.retryable:
+                self._release_soon({session_id})
+            raise
+
+    async def _step(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        start_position: int,
+        rollback: int,
+        num_logits: int,
+        sampling: SamplingParams,
+        history: Sequence[int],
+        timeout: float | None,
+    ) -> StepOutput:
+        if self.manifest is None:
+            raise RuntimeError("call start() first")
+        for state in self.stages:
+            if not state.up:
+                raise PipelineError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stage {state.index} at {state.address} is {state.detail}",
+                    state.index,
+                )
+            if not state.link_ok:
+                nxt = self.stages[state.index + 1]
+                raise PipelineError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stage {state.index} cannot reach stage {nxt.index} at {nxt.address}",
+                    nxt.index,
+                )
+        timeout = self.step_timeout if timeout is None else timeout
+        step_id = next(self._ids)
+        future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
+        self._pending[step_id] = (future, session_id)
+        self._push_queue.put_nowait(
+            pb.Step(
+                session_id=session_id,
+                step_id=step_id,
+                client_id=self.client_id,
+                token_ids=list(tokens),
+                start_position=start_position,
+                rollback=rollback,
+                num_logits=num_logits,
+                sampling=sampling_to_pb(sampling),
+                history=list(history),
+                deadline_unix_ms=int((time.time() + timeout) * 1000),
+            )
+        )
+        if self._push_task is None or self._push_task.done():
+            self._push_task = asyncio.create_task(self._run_push())
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            self._pending.pop(step_id, None)
+            raise PipelineError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"step of session {session_id!r} took longer than {timeout:g}s",
+            ) from None
+
+    async def release(self, *session_ids: str) -> int:
+        """Free sessions on every stage that is reachable; returns how many stages answered."""
+        if not session_ids:
+            return 0
+
+        async def one(state: StageState) -> bool:
+            assert state.stub is not None
+            try:
+                await state.stub.Release(
+                    pb.ReleaseRequest(session_ids=list(session_ids)),
+                    metadata=self._metadata(),
+                    timeout=self.health_timeout * 2,
+                )
+            except grpc.aio.AioRpcError:
+                return False
+            return True
+
+        return sum(await asyncio.gather(*(one(s) for s in self.stages)))
+
+    async def stage_infos(self) -> list[pb.StageInfo | None]:
+        async def one(state: StageState) -> pb.StageInfo | None:
+            try:
+                return await self._info(state)
+            except grpc.aio.AioRpcError:
+                return None
+
+        return list(await asyncio.gather(*(one(s) for s in self.stages)))
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in [*self._tasks, self._push_task, self._results_task]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        self._fail_pending(PipelineError(grpc.StatusCode.CANCELLED, "pipeline client closed"))
+        for state in self.stages:
+            if state.channel is not None:
+                await state.channel.close()
+
+
+def _status_code(value: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN

@@ -1,0 +1,37 @@
+"""Prometheus metrics of one stage process (served on its own port)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class StageMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.forward_seconds = Histogram(
+            "pipeshard_stage_forward_seconds",
+            "Time of one forward pass of this stage's layers",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.sessions = Gauge(
+            "pipeshard_stage_sessions", "Sessions holding KV state", registry=self.registry
+        )
+        self.tokens = Counter(
+            "pipeshard_stage_tokens", "Tokens processed", ["phase"], registry=self.registry
+        )
+        self.bytes = Counter(
+            "pipeshard_stage_bytes",
+            "Payload bytes of steps received and sent",
+            ["direction"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "pipeshard_stage_errors",
+            "Failed steps by gRPC status code",
+            ["code"],
+            registry=self.registry,
+        )

@@ -1,0 +1,322 @@
+"""Token sampling for one row of logits on the last pipeline stage (numpy only, no torch).
+
+Pipeline, in this order:
+
+1. ``logit_bias`` is added and OpenAI presence/frequency penalties are subtracted using the
+   counts of ``history`` (the tokens generated so far in this request). The input array is never
+   modified; a copy is made only when one of these actually changes something.
+2. Reported logprobs (``logprobs`` / ``top_logprobs``) are the log-softmax of these adjusted
+   logits, before temperature and truncation, as OpenAI reports them; they are therefore the same
+   for greedy and sampled requests. They cost one extra pass and are computed only on request.
+3. ``temperature == 0`` is greedy: one ``argmax`` (ties go to the lowest token id).
+4. Otherwise the logits are scaled by ``1 / temperature``, truncated to ``top_k`` and then to the
+   nucleus ``top_p`` (the smallest set of most probable tokens whose cumulative probability is
+   ``>= top_p``, at least one token), renormalised, and one token is drawn by inverse CDF over the
+   kept tokens ordered by (probability desc, token id asc) - precisely by adjusted logit desc,
+   then id asc, which temperature cannot reorder. :func:`probabilities` returns exactly
+   that ordered distribution; :func:`sample` draws from it.
+
+Reproducibility: the draw for a token depends only on ``(seed, position)``. Each token uses
+exactly one uniform ``u = np.random.default_rng([seed mod 2**64, position]).random()``, so a token
+is the same whatever the batching, retries or rollbacks around it. ``seed=None`` means the fixed
+seed 0: choosing a random seed per request when the user gave none is the caller's (the
+gateway's) job, so that the seed it picked can be recorded and the request replayed.
+
+Speed (vocab ~152k, every token): nothing sorts the whole vocabulary in the common case. Top-k
+selection (``top_k``, ``top_logprobs`` and the 512 nucleus candidates) first bounds the k-th
+largest value from below by the k-th largest maximum over strided groups of the vocabulary, one
+cheap pass, and only partitions the few survivors. ``top_p`` without ``top_k``, and plain
+temperature sampling, look at the 512 most probable tokens first; only when those do not reach
+``top_p`` (or, for plain temperature, when ``u`` falls past them) do they widen to 8192 and then
+to a full sort. Every prefix has the same probabilities and cumulative sums as the full sorted
+distribution, so the wider look gives the identical token, only slower.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["SampledToken", "SamplingParams", "probabilities", "sample"]
+
+FloatArray = npt.NDArray[np.float32]
+IdArray = npt.NDArray[np.int64]
+ProbArray = npt.NDArray[np.float64]
+
+MAX_TOP_LOGPROBS = 20
+# Tokens the nucleus / plain-temperature paths look at first (then 16x more, then all).
+NUCLEUS_CANDIDATES = 512
+_GROUP = 64  # stride-group size of the top-k prefilter
+_SEED_MOD = 1 << 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI semantics). Call :meth:`validate` once per request."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax; ties -> lowest id)
+    top_p: float = 1.0  # nucleus, (0, 1]
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None: fixed seed 0; the gateway picks a random one per request
+    top_logprobs: int = 0  # 0..20 alternatives to report
+    logprobs: bool = False  # report the chosen token's logprob
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # added before everything
+    presence_penalty: float = 0.0  # subtracted once from every token in `history`
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in `history`
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first out-of-range parameter."""
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not (
+            _is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 63)
+        ):
+            raise ValueError(f"seed must be a 64-bit signed integer or None, got {self.seed!r}")
+        if not (_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.top_logprobs!r}"
+            )
+        if not isinstance(self.logprobs, bool | np.bool_):
+            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        for token, bias in self.logit_bias.items():
+            if not (_is_int(token) and 0 <= token < vocab_size):
+                raise ValueError(
+                    f"logit_bias token id {token!r} is outside the vocabulary [0, {vocab_size})"
+                )
+            if not (_is_real(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(
+                    f"logit_bias value for token {token} must be in [-100, 100], got {bias!r}"
+                )
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A chosen token with the logprobs that were asked for.
+
+    ``logprob`` is None unless ``logprobs`` or ``top_logprobs > 0`` was requested. Both it and
+    ``top`` are log-softmax values of the logits after bias and penalties, before temperature and
+    truncation. ``top`` is sorted by logprob desc (ties: lowest id first), ``top_logprobs`` long.
+    """
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
+def sample(
+    logits: npt.ArrayLike,
+    params: SamplingParams,
+    position: int,
+    history: Sequence[int] = (),
+) -> SampledToken:
+    """Pick the token at absolute sequence ``position`` from one row of logits ``[vocab]``.
+
+    ``history`` is the tokens generated so far in this request (for the penalties). ``params``
+    is assumed to have passed :meth:`SamplingParams.validate`.
+    """
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    adjusted = _adjust(logits, params, history)
+    if params.temperature == 0.0:
+        token = int(np.argmax(adjusted))
+        if not math.isfinite(float(adjusted[token])):
+            raise ValueError("logits must contain a finite maximum (NaN, +inf or all -inf)")
+    else:
+        u = float(np.random.default_rng([_seed_key(params.seed), position]).random())
+        token = _draw(adjusted, params, u)
+
+    if not (params.logprobs or params.top_logprobs > 0):
+        return SampledToken(token_id=token, logprob=None, top=[])
+    peak = float(adjusted.max())
+    log_z = peak + math.log(float(np.exp(adjusted - np.float32(peak)).sum()))
+    top: list[tuple[int, float]] = []
+    if params.top_logprobs > 0:
+        ids = _top_sorted(adjusted, params.top_logprobs)
+        values = adjusted[ids].astype(np.float64) - log_z
+        top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+    return SampledToken(token_id=token, logprob=float(adjusted[token]) - log_z, top=top)
+
+
+def probabilities(
+    logits: npt.ArrayLike, params: SamplingParams, history: Sequence[int] = ()
+) -> tuple[IdArray, ProbArray]:
+    """The final sampling distribution for ``temperature > 0`` as ``(token_ids, probs)``.
+
+    Only the kept (truncated) tokens are returned, in draw order (probability desc, id asc), with
+    ``probs`` (float64) renormalised to sum to 1. ``history`` feeds the penalties as in
+    :func:`sample`. Without ``top_k``/``top_p`` this is the whole vocabulary (a full sort).
+    """
+    if params.temperature <= 0.0:
+        raise ValueError("probabilities() needs temperature > 0 (greedy has no distribution)")
+    return _distribution(_adjust(logits, params, history), params)
+
+
+# --- internals -------------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not (_is_real(value) and low <= value <= high):  # False for NaN too
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+
+
+def _seed_key(seed: int | None) -> int:
+    # Negative 64-bit seeds map to distinct non-negative keys (SeedSequence needs >= 0).
+    return 0 if seed is None else int(seed) % _SEED_MOD
+
+
+def _adjust(logits: npt.ArrayLike, params: SamplingParams, history: Sequence[int]) -> FloatArray:
+    """float32 logits with bias and penalties applied; a copy only when something changes."""
+    row: FloatArray = np.asarray(logits, dtype=np.float32)
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"expected one non-empty row of logits, got shape {row.shape}")
+    penalise = len(history) > 0 and (
+        params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    )
+    if not params.logit_bias and not penalise:
+        return row
+    row = row.copy()
+    if params.logit_bias:
+        ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias))
+        bias = np.fromiter(
+            params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias)
+        )
+        row[ids] += bias
+    if penalise:
+        seen, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
+        if seen[0] < 0 or seen[-1] >= row.size:
+            raise ValueError(f"history holds token ids outside the vocabulary [0, {row.size})")
+        penalty = params.presence_penalty + params.frequency_penalty * counts
+        row[seen] -= penalty.astype(np.float32)
+    return row
+
+
+def _peak(adjusted: FloatArray) -> np.float32:
+    peak = adjusted.max()
+    if not np.isfinite(peak):
+        raise ValueError("logits must contain a finite maximum (NaN, +inf or all -inf)")
+    return np.float32(peak)
+
+
+def _weights(logits: FloatArray, peak: np.float32, temperature: float) -> FloatArray:
+    """Unnormalised probabilities ``exp((logits - max) / temperature)``; no overflow possible."""
+    weights: FloatArray = np.subtract(logits, peak)
+    weights *= np.float32(1.0 / temperature)
+    return np.exp(weights, out=weights)
+
+
+def _top_sorted(values: FloatArray, k: int) -> IdArray:
+    """Ids of the ``k`` largest values, sorted by (value desc, id asc); exact on ties."""
+    size = values.size
+    if k >= size:
+        return np.argsort(-values, kind="stable").astype(np.int64, copy=False)
+    # Prefilter: the k-th largest maximum over disjoint groups is <= the k-th largest value, so
+    # every top-k element (and every tie of the k-th value) is >= it. Groups are strided
+    # (column maxima of a [group, size // group] view), which numpy reduces in one fast pass.
+    group = min(_GROUP, size // (4 * k))
+    cand: IdArray | None = None
+    sub = values
+    if group >= 2:
+        body = size - size % group
+        maxima = values[:body].reshape(group, -1).max(axis=0)
+        if body < size:  # leftover elements are singleton groups
+            maxima = np.concatenate([maxima, values[body:]])
+        bound = np.partition(maxima, maxima.size - k)[maxima.size - k]
+        cand = np.flatnonzero(values >= bound)
+        sub = values[cand]
+    if sub.size > k:
+        part = np.argpartition(sub, sub.size - k)[sub.size - k :]
+        kth = sub[part].min()
+        above = part[sub[part] > kth]
+        ties = np.flatnonzero(sub == kth)[: k - above.size]  # ascending ids
+        picked = np.concatenate([above, ties])
+    else:
+        picked = np.arange(sub.size)
+    ids = picked if cand is None else cand[picked]
+    ids = ids.astype(np.int64, copy=False)
+    return ids[np.lexsort((ids, -values[ids]))]
+
+
+def _nucleus(probs: ProbArray, top_p: float) -> int:
+    """How many of the sorted ``probs`` the nucleus keeps (>= 1), or 0 if they fall short."""
+    cdf = np.cumsum(probs)
+    if cdf[-1] < top_p:
+        return 0
+    return int(np.searchsorted(cdf, top_p, side="left")) + 1
+
+
+def _distribution(
+    adjusted: FloatArray, params: SamplingParams, reach: float | None = None
+) -> tuple[IdArray, ProbArray]:
+    """The sorted sampling distribution; see :func:`probabilities`.
+
+    With ``reach`` set and no truncation, the result may be just the most probable prefix of the
+    full distribution, not renormalised, whose cumulative probability exceeds ``reach``: an
+    inverse-CDF draw of ``u == reach`` on it is exactly the draw on the whole distribution.
+    """
+    # Order and top-k selection use the adjusted logits themselves, not the scaled ones: scaling
+    # is monotone, and float32 rounding after it could merge distinct logits into ties.
+    peak = _peak(adjusted)
+    size = adjusted.size
+    truncate_p = params.top_p < 1.0
+    if 0 < params.top_k < size:
+        ids = _top_sorted(adjusted, params.top_k)
+        weights = _weights(adjusted[ids], peak, params.temperature).astype(np.float64)
+        probs = weights / weights.sum()
+        if truncate_p:
+            keep = _nucleus(probs, params.top_p) or ids.size
+            ids, probs = ids[:keep], probs[:keep]
+            probs = probs / probs.sum()
+        return ids, probs
+
+    # Look at the most probable NUCLEUS_CANDIDATES first, then 16x more, then everything. Every
+    # prefix has the same probabilities and cumulative sums as the full sorted distribution.
+    weights32 = _weights(adjusted, peak, params.temperature)
+    total = float(weights32.sum())
+    count = size if not truncate_p and reach is None else min(NUCLEUS_CANDIDATES, size)
+    while True:
+        ids = _top_sorted(adjusted, count)
+        probs = weights32[ids].astype(np.float64) / total
+        if truncate_p:
+            keep = _nucleus(probs, params.top_p)
+            if keep or count == size:  # rounding can leave the full sum just under top_p
+                probs = probs[: keep or size]
+                return ids[: keep or size], probs / probs.sum()
+        elif count == size or (reach is not None and np.cumsum(probs)[-1] > reach):
+            return ids, probs
+        count = count * 16
+        if 2 * count > size:
+            count = size
+
+
+def _inverse_cdf(probs: ProbArray, u: float) -> int:
+    """Index of the draw ``u`` in sorted ``probs``; never a zero-probability tail entry."""
+    cdf = np.cumsum(probs)
+    index = int(np.searchsorted(cdf, u, side="right"))
+    if index >= cdf.size:  # u beyond the rounded total: the last token with probability > 0
+        index = int(np.searchsorted(cdf, cdf[-1], side="left"))
+    return index
+
+
+def _draw(adjusted: FloatArray, params: SamplingParams, u: float) -> int:
+    ids, probs = _distribution(adjusted, params, reach=u)
+    return int(ids[_inverse_cdf(probs, u)])

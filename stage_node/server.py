@@ -1,0 +1,157 @@
+"""`pipeshard stage`: one process serving one stage shard over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import start_http_server
+
+from protos import pipeshard_v1_pb2_grpc as pb_grpc
+from protos.manifest import MANIFEST_NAME, manifest_hash
+from protos.transport import CHANNEL_OPTIONS, MANIFEST_KEY, OPEN_METHODS, SECRET_KEY
+from stage_node.metrics import StageMetrics
+from stage_node.runner import RunnerOptions, ShardRunner
+from stage_node.service import StageService
+from stage_node.settings import StageSettings
+
+log = logging.getLogger(__name__)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of the same shape as ``handler`` that only aborts the call."""
+
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class StageGuard(grpc.aio.ServerInterceptor):
+    """Checks the shared secret on every call and the caller's manifest hash on the data path."""
+
+    def __init__(self, secret: str | None, manifest_sha256: str) -> None:
+        self.secret = secret.encode() if secret else None
+        self.manifest_sha256 = manifest_sha256
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if self.secret is not None:
+            presented = str(metadata.get(SECRET_KEY, "")).encode()
+            if not hmac.compare_digest(presented, self.secret):
+                return _refusal(
+                    handler, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared secret"
+                )
+        method = details.method.rsplit("/", 1)[-1]
+        if method not in OPEN_METHODS:
+            presented_hash = metadata.get(MANIFEST_KEY)
+            if presented_hash != self.manifest_sha256:
+                return _refusal(
+                    handler,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"caller's manifest {presented_hash or '(none)'} differs from this stage's "
+                    f"{self.manifest_sha256}",
+                )
+        return handler
+
+
+def _server_credentials(settings: StageSettings) -> grpc.ServerCredentials | None:
+    if settings.tls_cert is None and settings.tls_key is None:
+        return None
+    if settings.tls_cert is None or settings.tls_key is None:
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())]
+    )
+
+
+async def serve(settings: StageSettings, ready: Callable[[int], None] | None = None) -> None:
+    cpus = settings.cpu_list()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    options = RunnerOptions(
+        device=settings.device,
+        threads=settings.threads,
+        kv_cache_precision=settings.kv_cache_precision,
+        inference_precision=settings.inference_precision,
+        cache_dir=settings.ov_cache_dir,
+        max_sessions=settings.max_sessions,
+    )
+    if settings.ov_cache_dir is not None:
+        settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)
+    runner = ShardRunner(settings.shards, settings.stage, options)
+    digest = manifest_hash(settings.shards)
+    manifest_json = (settings.shards / MANIFEST_NAME).read_bytes()
+    metrics = StageMetrics()
+    if settings.metrics_port is not None:
+        start_http_server(settings.metrics_port, registry=metrics.registry)
+
+    secret = settings.secret.get_secret_value() if settings.secret else None
+    server = grpc.aio.server(interceptors=[StageGuard(secret, digest)], options=CHANNEL_OPTIONS)
+    service = StageService(runner, settings, metrics, digest, manifest_json)
+    pb_grpc.add_StageServicer_to_server(service, server)
+    credentials = _server_credentials(settings)
+    if credentials is None:
+        port = server.add_insecure_port(settings.listen)
+    else:
+        port = server.add_secure_port(settings.listen, credentials)
+    if port == 0:
+        raise ValueError(f"cannot listen on {settings.listen}")
+    await server.start()
+    stage = runner.stage
+    log.info(
+        "stage %d/%d of %s (layers [%d, %d)) serving on %s%s",
+        stage.index,
+        runner.manifest.num_stages,
+        runner.manifest.model.model_id,
+        stage.layer_start,
+        stage.layer_end,
+        settings.listen,
+        " with TLS" if credentials else "",
+    )
+    if ready is not None:
+        ready(port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def reap() -> None:
+        interval = min(30.0, settings.session_idle_timeout / 2)
+        while True:
+            await asyncio.sleep(interval)
+            idle = runner.release_idle(settings.session_idle_timeout)
+            if idle:
+                log.info("released %d idle session(s)", len(idle))
+                metrics.sessions.set(runner.session_count)
+
+    reaper = asyncio.create_task(reap())
+    await stop.wait()
+    log.info("stage %d stopping", stage.index)
+    reaper.cancel()
+    await server.stop(grace=1.0)
+    await service.close()
+
+
+def run(settings: StageSettings) -> int:
+    logging.getLogger().setLevel(settings.log_level.upper())
+    asyncio.run(serve(settings, ready=lambda port: print(f"READY {port}", flush=True)))
+    return 0

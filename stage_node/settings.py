@@ -1,0 +1,65 @@
+"""Settings of one stage process: command-line flags over `PIPESHARD_STAGE_*` variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_ov_cache() -> Path:
+    return Path.home() / ".cache" / "pipeshard" / "ov-cache"
+
+
+class StageSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PIPESHARD_STAGE_", extra="forbid")
+
+    shards: Path = Field(description="export folder (manifest.json + this stage's folder)")
+    stage: int = Field(ge=0, description="which stage of the export this process serves")
+    listen: str = Field(default="127.0.0.1:50051", description="gRPC address HOST:PORT")
+    device: str = Field(default="CPU", description="OpenVINO device: CPU, GPU, NPU, AUTO, ...")
+    threads: int = Field(default=0, ge=0, description="inference threads (0: OpenVINO default)")
+    cpus: str | None = Field(default=None, description="pin the process to these CPUs, e.g. 0,1")
+    streams: int = Field(default=1, ge=1, description="sessions computed at the same time")
+    kv_cache_precision: str | None = Field(default=None, description="KV_CACHE_PRECISION")
+    inference_precision: str | None = Field(default=None, description="INFERENCE_PRECISION_HINT")
+    ov_cache_dir: Path | None = Field(
+        default_factory=default_ov_cache, description="OpenVINO model cache (CACHE_DIR)"
+    )
+    max_sessions: int = Field(default=64, ge=1, description="sessions held at once")
+    session_idle_timeout: float = Field(
+        default=300.0, gt=0, description="seconds before an untouched session is freed"
+    )
+    hidden_dtype: Literal["fp16", "fp32"] = Field(
+        default="fp32", description="dtype of hidden states sent to the next stage"
+    )
+    secret: SecretStr | None = Field(default=None, description="shared secret for every call")
+    tls_cert: Path | None = Field(default=None, description="PEM certificate this stage serves")
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
+    tls_ca: Path | None = Field(
+        default=None, description="PEM CA bundle to verify the next stage (enables TLS to it)"
+    )
+    tls_server_name: str | None = Field(
+        default=None, description="expected name in the next stage's certificate"
+    )
+    metrics_port: int | None = Field(default=None, description="Prometheus /metrics port")
+    log_level: str = Field(default="INFO")
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
+        return value
+
+    def cpu_list(self) -> set[int] | None:
+        if not self.cpus:
+            return None
+        cpus: set[int] = set()
+        for part in self.cpus.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+        return cpus

@@ -1,0 +1,432 @@
+"""Stage processes over real gRPC on loopback: the ring equals the in-process chain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from exporter.verify import reference_greedy
+from protos import pipeshard_v1_pb2 as pb
+from protos import pipeshard_v1_pb2_grpc as pb_grpc
+from protos.codec import numpy_to_tensor
+from protos.manifest import manifest_hash
+from protos.transport import call_metadata
+from server.pipeline import PipelineClient, PipelineError
+from stage_node.chain import LocalChain
+from tests.conftest import EXACT, ExportFn
+from tests.processes import Proc, start_stages
+
+PROMPTS = [
+    [5, 17, 33, 99, 100, 7, 42, 8],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    [200, 150, 100, 50],
+    [9, 9, 9, 9, 9, 9],
+    [77, 31, 12, 140, 141, 142, 3],
+    [250, 3, 250, 3, 250],
+    [60, 61, 62],
+    [18, 180, 81, 118, 181, 8, 88, 188],
+]
+STEPS = 16
+
+
+async def ring_greedy(
+    client: PipelineClient, session: str, prompt: list[int], steps: int
+) -> list[int]:
+    out = await client.step(session, prompt, 0)
+    tokens = [out.tokens[0].token_id]
+    position = len(prompt)
+    while len(tokens) < steps:
+        out = await client.step(session, tokens[-1:], position)
+        position += 1
+        tokens.append(out.tokens[0].token_id)
+    return tokens
+
+
+def stop_all(procs: list[Proc]) -> None:
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen_ring(
+    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[str]]]:
+    export = tiny_export("qwen2", 2)
+    procs, addresses = start_stages(export, tmp_path_factory.mktemp("qwen-ring"))
+    yield export, addresses
+    stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def gemma_ring(
+    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[str]]]:
+    export = tiny_export("gemma3", 3)
+    procs, addresses = start_stages(export, tmp_path_factory.mktemp("gemma-ring"))
+    yield export, addresses
+    stop_all(procs)
+
+
+@pytest.mark.parametrize("ring", ["qwen_ring", "gemma_ring"])
+def test_ring_equals_chain_and_transformers(
+    ring: str, request: pytest.FixtureRequest, tiny_model: object
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    export, addresses = request.getfixturevalue(ring)
+    arch = "qwen2" if ring == "qwen_ring" else "gemma3"
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch))).eval()  # type: ignore[operator]
+    chain = LocalChain(export, EXACT)
+
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        try:
+            return [await ring_greedy(client, f"p{i}", p, STEPS) for i, p in enumerate(PROMPTS[:3])]
+        finally:
+            await client.release(*(f"p{i}" for i in range(3)))
+            await client.close()
+
+    over_ring = asyncio.run(run())
+    for prompt, tokens in zip(PROMPTS, over_ring, strict=False):
+        in_process, _ = chain.greedy("local", prompt, STEPS)
+        chain.release("local")
+        expected, _ = reference_greedy(reference, prompt, STEPS)
+        assert tokens == in_process == expected
+
+
+def test_interleaved_sessions_equal_each_alone(qwen_ring: tuple[Path, list[str]]) -> None:
+    _, addresses = qwen_ring
+
+    async def run() -> tuple[list[list[int]], list[list[int]], list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        alone = []
+        for i, prompt in enumerate(PROMPTS):
+            alone.append(await ring_greedy(client, f"alone-{i}", prompt, STEPS))
+            await client.release(f"alone-{i}")
+        together = await asyncio.gather(
+            *(ring_greedy(client, f"together-{i}", p, STEPS) for i, p in enumerate(PROMPTS))
+        )
+        in_use = [info.sessions_in_use for info in await client.stage_infos() if info]
+        await client.release(*(f"together-{i}" for i in range(len(PROMPTS))))
+        after = [info.sessions_in_use for info in await client.stage_infos() if info]
+        await client.close()
+        assert in_use == [len(PROMPTS)] * 2
+        return alone, list(together), after
+
+    alone, together, after = asyncio.run(run())
+    assert together == alone
+    assert len({tuple(t) for t in alone}) > 1  # the prompts do lead to different outputs
+    assert after == [0, 0]
+
+
+def test_rollback_over_the_ring(qwen_ring: tuple[Path, list[str]]) -> None:
+    _, addresses = qwen_ring
+    prompt = PROMPTS[0]
+
+    async def run() -> tuple[list[int], list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        clean = await ring_greedy(client, "clean", prompt, 8)
+        # Feed the prompt, then 3 junk tokens, roll them back while feeding the real next token.
+        first = await client.step("dirty", prompt, 0)
+        junk = await client.step("dirty", [11, 12, 13], len(prompt), num_logits=3)
+        assert len(junk.tokens) == 3 and junk.session_length == len(prompt) + 3
+        tokens = [first.tokens[0].token_id]
+        position = len(prompt)
+        out = await client.step("dirty", tokens[-1:], position, rollback=3)
+        tokens.append(out.tokens[0].token_id)
+        position += 1
+        while len(tokens) < 8:
+            out = await client.step("dirty", tokens[-1:], position)
+            tokens.append(out.tokens[0].token_id)
+            position += 1
+        await client.release("clean", "dirty")
+        await client.close()
+        return clean, tokens
+
+    clean, dirty = asyncio.run(run())
+    assert dirty == clean
+
+
+def test_bad_steps_get_status_codes_and_change_nothing(qwen_ring: tuple[Path, list[str]]) -> None:
+    export, addresses = qwen_ring
+    digest = manifest_hash(export)
+
+    async def run() -> None:
+        client = PipelineClient(addresses)
+        await client.start()
+        good = await client.step("good", PROMPTS[0], 0)
+        cases = [
+            (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [9999], len(PROMPTS[0]))),
+            (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [1], len(PROMPTS[0]) + 5)),
+            (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [1], 0, rollback=100)),
+            (grpc.StatusCode.NOT_FOUND, client.step("nobody", [1], 4)),
+            (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [], len(PROMPTS[0]))),
+        ]
+        for code, call in cases:
+            with pytest.raises(PipelineError) as caught:
+                await call
+            assert caught.value.code == code, caught.value
+
+        # Malformed hidden states sent straight to stage 1: dtype, shape, byte length.
+        async with grpc.aio.insecure_channel(addresses[1]) as channel:
+            stub = pb_grpc.StageStub(channel)
+            metadata = call_metadata(None, digest)
+            results = stub.Results(pb.ResultsRequest(client_id="raw"), metadata=metadata)
+            await results.initial_metadata()
+            hidden = numpy_to_tensor(np.zeros((1, 64), np.float32))
+            wrong_dtype = pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[1, 64], data=hidden.data)
+            wrong_shape = numpy_to_tensor(np.zeros((1, 63), np.float32))
+            short = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 64], data=hidden.data[:-4])
+            steps = [
+                pb.Step(
+                    session_id="good",
+                    step_id=i + 1,
+                    client_id="raw",
+                    hidden=t,
+                    start_position=len(PROMPTS[0]),
+                    num_logits=1,
+                )
+                for i, t in enumerate([wrong_dtype, wrong_shape, short])
+            ]
+
+            async def feed() -> None:
+                for step in steps:
+                    yield step
+
+            await stub.Push(feed(), metadata=metadata)
+            for _ in steps:
+                result = await results.read()
+                assert result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert result.error.stage == 1
+            results.cancel()
+
+        # The session is intact: it continues exactly like a fresh one.
+        nxt = good.tokens[0].token_id
+        after = await client.step("good", [nxt], len(PROMPTS[0]))
+        fresh = await ring_greedy(client, "fresh", PROMPTS[0], 2)
+        assert [nxt, after.tokens[0].token_id] == fresh
+        await client.release("good", "fresh")
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_ring_refuses_mismatched_missing_and_misordered_stages(
+    tiny_export: ExportFn, qwen_ring: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    export, addresses = qwen_ring
+    other = tiny_export("qwen2", 2, "fp16")
+    procs, other_addresses = start_stages(other, tmp_path, stages=[1])
+    try:
+
+        async def refused(ring: list[str]) -> str:
+            client = PipelineClient(ring)
+            with pytest.raises(PipelineError) as caught:
+                await client.start(timeout=5)
+            await client.close()
+            return str(caught.value)
+
+        message = asyncio.run(refused([addresses[0], other_addresses[0]]))
+        assert manifest_hash(export) in message and manifest_hash(other) in message
+        assert "stage 1 is missing" in asyncio.run(refused(addresses[:1]))
+        assert "serves stage 1 but is listed as stage 0" in asyncio.run(refused(addresses[::-1]))
+    finally:
+        stop_all(procs)
+
+
+def test_secret_idle_timeout_and_metrics(tiny_export: ExportFn, tmp_path: Path) -> None:
+    import urllib.request
+
+    from tests.processes import free_port
+
+    export = tiny_export("qwen2", 1)
+    metrics_port = free_port()
+    procs, addresses = start_stages(
+        export,
+        tmp_path,
+        extra=[
+            "--secret",
+            "s3cret",
+            "--session-idle-timeout",
+            "1",
+            "--metrics-port",
+            str(metrics_port),
+        ],
+    )
+    try:
+
+        async def run() -> None:
+            wrong = PipelineClient(addresses, secret="guess")
+            with pytest.raises(PipelineError) as caught:
+                await wrong.start(timeout=5)
+            assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+            await wrong.close()
+
+            client = PipelineClient(addresses, secret="s3cret")
+            await client.start()
+            await ring_greedy(client, "abandoned", PROMPTS[1], 3)
+            infos = await client.stage_infos()
+            assert infos[0] is not None and infos[0].sessions_in_use == 1
+            await asyncio.sleep(2.0)  # idle timeout 1 s, reaper every 0.5 s
+            infos = await client.stage_infos()
+            assert infos[0] is not None and infos[0].sessions_in_use == 0
+            await client.close()
+
+        asyncio.run(run())
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+        assert 'pipeshard_stage_forward_seconds_count{phase="decode"} 2.0' in text
+        assert 'pipeshard_stage_tokens_total{phase="prefill"} 12.0' in text
+        assert "pipeshard_stage_sessions 0.0" in text
+    finally:
+        stop_all(procs)
+
+
+def test_killed_stage_fails_fast_and_the_ring_recovers(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    export = tiny_export("qwen2", 2)
+    procs, addresses = start_stages(export, tmp_path)
+    try:
+
+        async def run() -> float:
+            client = PipelineClient(addresses, health_interval=0.25)
+            await client.start()
+            await ring_greedy(client, "before", PROMPTS[0], 4)
+            await client.release("before")
+
+            async def generate_forever() -> None:
+                position = 0
+                prompt = PROMPTS[1]
+                out = await client.step("victim", prompt, position)
+                position = len(prompt)
+                while True:
+                    out = await client.step("victim", [out.tokens[0].token_id], position)
+                    position += 1
+
+            task = asyncio.create_task(generate_forever())
+            await asyncio.sleep(0.3)
+            killed_at = time.monotonic()
+            procs[1].kill()
+            with pytest.raises(PipelineError) as caught:
+                await task
+            elapsed = time.monotonic() - killed_at
+            assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+            assert caught.value.stage == 1
+            assert not client.ready
+            # Sessions on the surviving stage are released.
+            await asyncio.sleep(0.5)
+            info0 = (await client.stage_infos())[0]
+            assert info0 is not None and info0.sessions_in_use == 0
+
+            # The stage comes back on the same address: the client reconnects by itself.
+            port = int(addresses[1].rsplit(":", 1)[1])
+            restarted, _ = start_stages(export, tmp_path, ports=[port], stages=[1])
+            procs[1] = restarted[0]
+            for _ in range(100):
+                if client.ready:
+                    break
+                await asyncio.sleep(0.1)
+            assert client.ready
+            assert await ring_greedy(client, "after", PROMPTS[0], 4) == await ring_greedy(
+                client, "again", PROMPTS[0], 4
+            )
+            await client.close()
+            return elapsed
+
+        elapsed = asyncio.run(run())
+        assert elapsed < 2.0
+    finally:
+        stop_all(procs)
+
+
+def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
+    """A throw-away CA and a server certificate for 127.0.0.1/localhost, made with openssl."""
+    import subprocess
+
+    ca_key, ca, key, csr, cert = (
+        folder / n for n in ("ca.key", "ca.pem", "s.key", "s.csr", "s.pem")
+    )
+    ext = folder / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+        "-days",
+        "1",
+        "-subj",
+        "/CN=pipeshard test CA",
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        "/CN=localhost",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-out",
+        str(cert),
+        "-days",
+        "1",
+        "-extfile",
+        str(ext),
+    )
+    return ca, cert, key
+
+
+def test_tls_on_every_hop(tiny_export: ExportFn, tmp_path: Path) -> None:
+    ca, cert, key = make_certificates(tmp_path)
+    export = tiny_export("qwen2", 2)
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)]
+    procs, addresses = start_stages(export, tmp_path, extra=tls)
+    try:
+
+        async def run() -> list[int]:
+            plain = PipelineClient(addresses)
+            with pytest.raises(PipelineError) as caught:
+                await plain.start(timeout=2)
+            assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+            await plain.close()
+
+            client = PipelineClient(addresses, tls_ca=ca)
+            await client.start()
+            tokens = await ring_greedy(client, "tls", PROMPTS[0], 6)
+            await client.release("tls")
+            await client.close()
+            return tokens
+
+        chain = LocalChain(export, EXACT)
+        assert asyncio.run(run()) == chain.greedy("x", PROMPTS[0], 6)[0]
+    finally:
+        stop_all(procs)
