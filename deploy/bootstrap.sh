@@ -26,3 +26,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
+# The gRPC stubs are generated from protos/*.proto (never committed); regenerate them every
+# time so an edited .proto never meets stale stubs.
+.venv/bin/python -m protos.codegen

@@ -144,8 +144,8 @@ def _verify_parser(sub: argparse._SubParsersAction) -> None:
         "--atol",
         type=float,
         default=None,
-        help="logit tolerance for strict checks (default 1e-3 with an f32 KV cache and f32 "
-        "inference precision, else 0.5)",
+        help="logit tolerance for strict checks (default 1e-3 where the runtime is exact: f32 "
+        "compute, and for the transformers check also an f32 KV cache; else 0.5)",
     )
     _add_runner_options(p)
 

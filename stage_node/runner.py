@@ -49,19 +49,26 @@ class RunnerOptions:
     device: str = "CPU"
     threads: int = 0  # 0: OpenVINO's default for the device
     kv_cache_precision: str | None = None  # CPU default is u8 on x86; "f32"/"f16" for exactness
-    inference_precision: str | None = None  # e.g. "f32"; None keeps the device default
+    # None: f32 on CPU (see compile_properties), the device's default elsewhere; "default": the
+    # device's default everywhere; anything else is passed as INFERENCE_PRECISION_HINT.
+    inference_precision: str | None = None
     cache_dir: Path | None = None  # OpenVINO CACHE_DIR: a restart does not recompile
     max_sessions: int = 64
     properties: dict[str, Any] = field(default_factory=dict)  # passed through verbatim
 
     def compile_properties(self) -> dict[str, Any]:
         props: dict[str, Any] = {}
-        if self.device.upper().startswith("CPU") and self.threads > 0:
+        cpu = self.device.upper().startswith("CPU")
+        if cpu and self.threads > 0:
             props["INFERENCE_NUM_THREADS"] = self.threads
         if self.kv_cache_precision:
             props["KV_CACHE_PRECISION"] = self.kv_cache_precision
-        if self.inference_precision:
-            props["INFERENCE_PRECISION_HINT"] = self.inference_precision
+        # On CPUs with bf16 the plugin computes in bf16 by default, and where a graph is cut
+        # into stages changes where it rounds: a split model then differs from the unsplit one.
+        # In f32 it is identical bit for bit, at the same speed for compressed weights.
+        precision = self.inference_precision or ("f32" if cpu else None)
+        if precision and precision != "default":
+            props["INFERENCE_PRECISION_HINT"] = precision
         if self.cache_dir is not None:
             props["CACHE_DIR"] = str(self.cache_dir)
         props.update(self.properties)

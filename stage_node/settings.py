@@ -24,7 +24,10 @@ class StageSettings(BaseSettings):
     cpus: str | None = Field(default=None, description="pin the process to these CPUs, e.g. 0,1")
     streams: int = Field(default=1, ge=1, description="sessions computed at the same time")
     kv_cache_precision: str | None = Field(default=None, description="KV_CACHE_PRECISION")
-    inference_precision: str | None = Field(default=None, description="INFERENCE_PRECISION_HINT")
+    inference_precision: str | None = Field(
+        default=None,
+        description="INFERENCE_PRECISION_HINT (default f32 on CPU; 'default': the device's own)",
+    )
     ov_cache_dir: Path | None = Field(
         default_factory=default_ov_cache, description="OpenVINO model cache (CACHE_DIR)"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.verify import verify_export
+from stage_node.runner import RunnerOptions
 from tests.conftest import EXACT, ExportFn
 
 # (architecture, stages, weight format): every architecture at 1, 2 and 3 stages, both float
@@ -41,15 +42,21 @@ def test_chain_matches_transformers(
     assert report.failures() == []
 
 
+@pytest.mark.parametrize("runtime", ["exact", "default"])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_split_quantized_equals_unsplit_quantized(tiny_export: ExportFn, weights: str) -> None:
-    """Compression is applied per layer the same way whatever the split: 3 stages == 1 stage."""
+def test_split_quantized_equals_unsplit_quantized(
+    tiny_export: ExportFn, weights: str, runtime: str
+) -> None:
+    """Compression is applied per layer the same way whatever the split: 3 stages == 1 stage.
+
+    Also under the default runtime (u8 KV cache, dynamic int8 activations, f32 compute).
+    """
     report = verify_export(
         tiny_export("qwen2", 3, weights),
         steps=32,
         against=tiny_export("qwen2", 1, weights),
         reference=False,
-        options=EXACT,
+        options=EXACT if runtime == "exact" else RunnerOptions(),
     )
     for result in report.results:
         assert result.against is not None
