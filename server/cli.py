@@ -9,8 +9,9 @@ import argparse
 import logging
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.options import comma_ints, comma_list, parse_properties
 
@@ -195,23 +196,75 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_stage(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from stage_node.server import run
     from stage_node.settings import StageSettings
 
-    fields = StageSettings.model_fields
+    overrides = _overrides(args, StageSettings)
+    return run(_settings(lambda: StageSettings(**overrides)))
+
+
+def _overrides(args: argparse.Namespace, settings_class: type[Any]) -> dict[str, Any]:
+    fields = settings_class.model_fields
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if args.log_level:
+        overrides["log_level"] = args.log_level
+    return overrides
+
+
+def _settings(make: Callable[[], Any]) -> Any:
+    from pydantic import ValidationError
+
     try:
-        settings = StageSettings(**overrides)
+        return make()
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"bad settings: {problems}") from None
-    return run(settings)
 
 
-COMMANDS = {"export": _run_export, "verify": _run_verify, "stage": _run_stage}
-SERVICES = {"stage"}
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible gateway over a ring of stages",
+        description="Each flag can also be set as PIPESHARD_GATEWAY_<NAME> or in the --config "
+        "TOML file (flags win over the environment, which wins over the file).",
+    )
+    p.add_argument("--stages", help="stage addresses in order: HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--listen", help="HTTP HOST:PORT (default 127.0.0.1:8000)")
+    p.add_argument("--api-key", dest="api_keys", action="append", help="accepted key (repeat)")
+    p.add_argument("--model-name", help="model id to serve (default: the export's)")
+    p.add_argument("--tokenizer", type=Path, help="local tokenizer folder (default: from stages)")
+    p.add_argument("--secret", help="the stages' shared secret")
+    p.add_argument("--tls-ca", type=Path, help="CA bundle to verify the stages (TLS)")
+    p.add_argument("--tls-server-name", help="name expected in stage certificates")
+    p.add_argument("--step-timeout", type=float, help="seconds one pipeline step may take")
+    p.add_argument("--start-timeout", type=float, help="seconds to wait for the stages")
+    p.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
+    p.add_argument("--max-concurrent", type=int, help="choices generating at once")
+    p.add_argument("--config", type=Path, help="TOML file with the same settings")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import create_app
+    from server.settings import GatewaySettings
+
+    overrides = _overrides(args, GatewaySettings)
+    settings = _settings(lambda: GatewaySettings.load(args.config, **overrides))
+    host, _, port = settings.listen.rpartition(":")
+    logging.getLogger().setLevel(settings.log_level.upper())
+    uvicorn.run(
+        create_app(settings),
+        host=host.strip("[]"),
+        port=int(port),
+        log_level=settings.log_level.lower(),
+        access_log=False,
+    )
+    return 0
+
+
+COMMANDS = {"export": _run_export, "verify": _run_verify, "stage": _run_stage, "serve": _run_serve}
+SERVICES = {"stage", "serve"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     _export_parser(sub)
     _verify_parser(sub)
     _stage_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

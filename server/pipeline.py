@@ -444,6 +444,24 @@ class PipelineClient:
 
         return sum(await asyncio.gather(*(one(s) for s in self.stages)))
 
+    async def tokenizer_files(self) -> dict[str, bytes]:
+        """The export's tokenizer files from the first stage that has them."""
+        problems = []
+        for state in self.stages:
+            assert state.stub is not None
+            try:
+                reply = await state.stub.Tokenizer(
+                    pb.TokenizerRequest(), metadata=self._metadata(), timeout=30
+                )
+            except grpc.aio.AioRpcError as exc:
+                problems.append(f"stage {state.index}: {exc.details()}")
+                continue
+            return {f.name: f.data for f in reply.files}
+        raise PipelineError(
+            grpc.StatusCode.NOT_FOUND,
+            "no stage has the tokenizer files (" + "; ".join(problems) + ")",
+        )
+
     async def stage_infos(self) -> list[pb.StageInfo | None]:
         async def one(state: StageState) -> pb.StageInfo | None:
             try:

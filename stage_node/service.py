@@ -185,6 +185,15 @@ class StageService(pb_grpc.StageServicer):
         self.metrics.sessions.set(self.runner.session_count)
         return pb.ReleaseReply(released=released)
 
+    async def Tokenizer(self, request: pb.TokenizerRequest, context: Any) -> pb.TokenizerFiles:
+        folder = self.settings.shards / self.runner.manifest.tokenizer.directory
+        files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
+        if not files:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no tokenizer files in {folder}")
+        return pb.TokenizerFiles(
+            files=[pb.NamedFile(name=p.name, data=p.read_bytes()) for p in files]
+        )
+
     async def Results(
         self, request: pb.ResultsRequest, context: Any
     ) -> AsyncIterator[pb.StepResult]:

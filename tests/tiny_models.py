@@ -23,10 +23,11 @@ def make_tokenizer(folder: Path, vocab: int = VOCAB, chat_template: str | None =
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # The alphabet is the corpus's own (ASCII) characters, not all 256 bytes: every token then
+    # decodes to readable text, which the gateway tests (stop strings, streaming) need.
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
         special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
@@ -87,7 +88,20 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
     raise ValueError(arch)
 
 
-def make_model(arch: str, folder: Path, seed: int = 0, layers: int = 6, vocab: int = VOCAB) -> Path:
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def make_model(
+    arch: str,
+    folder: Path,
+    seed: int = 0,
+    layers: int = 6,
+    vocab: int = VOCAB,
+    chat_template: str | None = None,
+) -> Path:
     """Save a random model of ``arch`` with the tiny tokenizer into ``folder``."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -100,5 +114,5 @@ def make_model(arch: str, folder: Path, seed: int = 0, layers: int = 6, vocab: i
             if param.dim() == 2:
                 param.mul_(2.0)
     model.save_pretrained(folder)
-    make_tokenizer(folder, min(vocab, VOCAB))
+    make_tokenizer(folder, min(vocab, VOCAB), chat_template)
     return folder

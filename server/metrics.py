@@ -1,0 +1,44 @@
+"""Prometheus metrics of the gateway (served on its own /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "pipeshard_gateway_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "pipeshard_gateway_time_to_first_token_seconds",
+            "From request received to first token sampled",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "pipeshard_gateway_inter_token_latency_seconds",
+            "Time between consecutive tokens of one choice",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "pipeshard_gateway_prompt_tokens", "Prompt tokens processed", registry=self.registry
+        )
+        self.generated_tokens = Counter(
+            "pipeshard_gateway_generated_tokens", "Tokens generated", registry=self.registry
+        )
+        self.running = Gauge(
+            "pipeshard_gateway_requests_running", "Choices generating now", registry=self.registry
+        )
+        self.queued = Gauge(
+            "pipeshard_gateway_requests_queued",
+            "Choices waiting for a slot",
+            registry=self.registry,
+        )

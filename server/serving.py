@@ -1,0 +1,453 @@
+"""Chat and text completions: OpenAI requests in, engine generations out, JSON or SSE back.
+
+``ChatCompletionRequest -> (template, tokenizer) prompt ids + SamplingParams ->
+Engine.generate per choice -> (detokenizer, stop strings) text -> ChatCompletion / chunks``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+
+from server.detokenizer import IncrementalDetokenizer
+from server.engine import Engine, GenerationRequest, GenerationStats, QueueFull
+from server.metrics import GatewayMetrics
+from server.pipeline import PipelineError
+from server.protocol import (
+    APIError,
+    ChatChoiceLogprobs,
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    FinishReason,
+    Usage,
+    chat_token_logprob,
+    effective_max_tokens,
+    include_usage,
+    new_id,
+    stop_list,
+    template_messages,
+    to_sampling_params,
+)
+from server.sse import (
+    chat_content_chunk,
+    chat_final_chunk,
+    chat_usage_chunk,
+    completion_final_chunk,
+    completion_text_chunk,
+    completion_usage_chunk,
+    first_chat_chunk,
+    sse_done,
+    sse_error,
+    sse_event,
+)
+from server.tokenization import TextCodec
+from stage_node.sampling import SampledToken
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "stage_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "stage_timeout"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded", "capacity"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+}
+
+
+def pipeline_api_error(exc: PipelineError) -> APIError:
+    status, kind, code = _STATUS.get(exc.code, (500, "server_error", None))
+    return APIError(status, str(exc), type=kind, code=code)
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str = ""
+    finish_reason: FinishReason = "length"
+    tokens: int = 0
+    chat_logprobs: list[ChatTokenLogprob] = field(default_factory=list)
+    legacy_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+
+
+@dataclass
+class Prepared:
+    """A request turned into engine input, with what is needed to shape the answer."""
+
+    request_id: str
+    created: int
+    model: str
+    generation: GenerationRequest
+    stop: list[str]
+    logprobs: bool
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    token: SampledToken | None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionService:
+    def __init__(
+        self,
+        engine: Engine,
+        codec: TextCodec,
+        model: str,
+        max_context: int,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.engine = engine
+        self.codec = codec
+        self.model = model
+        self.max_context = max_context
+        self.metrics = metrics
+
+    # -- preparing ------------------------------------------------------------------------
+    def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> Prepared:
+        if req.model != self.model:
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist; this server serves '{self.model}'.",
+                param="model",
+                code="model_not_found",
+            )
+        chat = isinstance(req, ChatCompletionRequest)
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                prompt = self.codec.chat_prompt(template_messages(req.messages))
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+            logprobs = bool(req.logprobs)
+        else:
+            if isinstance(req.prompt, str):
+                prompt = self.codec.encode(req.prompt)
+            else:
+                prompt = list(req.prompt)
+                vocab = self.codec.vocab_size
+                if any(not 0 <= t < vocab for t in prompt):
+                    raise APIError(
+                        400, f"prompt token ids must lie in [0, {vocab})", param="prompt"
+                    )
+            logprobs = req.logprobs is not None and req.logprobs > 0
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", param="prompt" if not chat else "messages")
+        room = self.max_context - len(prompt)
+        max_tokens = effective_max_tokens(req)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens. However, you "
+                f"requested {len(prompt) + (max_tokens or 1)} tokens ({len(prompt)} in the "
+                f"prompt, {max_tokens or 1} for the completion).",
+                param="max_tokens" if room >= 1 else "messages",
+                code="context_length_exceeded",
+            )
+        sampling = to_sampling_params(req, vocab_size=self.codec.vocab_size)
+        if sampling.seed is None:
+            sampling = replace(sampling, seed=secrets.randbits(63))
+        generation = GenerationRequest(
+            request_id=request_id,
+            prompt_ids=prompt,
+            max_tokens=max_tokens if max_tokens is not None else room,
+            sampling=sampling,
+            n=req.n or 1,
+        )
+        return Prepared(
+            request_id=request_id,
+            created=int(time.time()),
+            model=self.model,
+            generation=generation,
+            stop=stop_list(req),
+            logprobs=logprobs,
+            stream=bool(req.stream),
+            include_usage=include_usage(req),
+            chat=chat,
+        )
+
+    # -- generating one choice --------------------------------------------------------------
+    async def _choice_events(self, prep: Prepared, index: int) -> AsyncGenerator[ChoiceEvent, None]:
+        """Text pieces of one choice as they become safe to emit, then its finish reason."""
+        detok = IncrementalDetokenizer(self.codec.tokenizer, prep.generation.prompt_ids, prep.stop)
+        stats = GenerationStats()
+        received = time.perf_counter()
+        last = received
+        self.metrics.running.inc()
+        finish: FinishReason = "length"
+        try:
+            async with contextlib.aclosing(
+                self.engine.generate(prep.generation, index, stats)
+            ) as tokens:
+                async for token in tokens:
+                    now = time.perf_counter()
+                    if stats.tokens == 1:
+                        self.metrics.time_to_first_token.observe(now - received)
+                    else:
+                        self.metrics.inter_token_latency.observe(now - last)
+                    last = now
+                    self.metrics.generated_tokens.inc()
+                    if token.token_id in self.engine.eos_ids:
+                        finish = "stop"
+                        break
+                    piece = detok.add(token.token_id)
+                    yield ChoiceEvent(index, piece, token)
+                    if detok.stopped:
+                        finish = "stop"
+                        break
+            tail = "" if detok.stopped else detok.finish()
+            yield ChoiceEvent(index, tail, None, finish)
+        finally:
+            self.metrics.running.dec()
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.codec.tokenizer.id_to_token(token_id) or ""
+        return _byte_level_bytes(piece)
+
+    def _record(self, prep: Prepared, result: ChoiceResult, event: ChoiceEvent) -> None:
+        if event.token is None:
+            return
+        result.tokens += 1
+        if not prep.logprobs or event.token.logprob is None:
+            return
+        raw = self._token_bytes(event.token.token_id)
+        top = [(self._token_bytes(t), lp) for t, lp in event.token.top]
+        if prep.chat:
+            result.chat_logprobs.append(chat_token_logprob(raw, event.token.logprob, top))
+        else:
+            lp = result.legacy_logprobs
+            lp.text_offset.append(len(result.text))
+            lp.tokens.append(raw.decode("utf-8", errors="replace"))
+            lp.token_logprobs.append(event.token.logprob)
+            lp.top_logprobs.append({t.decode("utf-8", errors="replace"): v for t, v in top})
+
+    async def _run_choice(self, prep: Prepared, index: int) -> ChoiceResult:
+        result = ChoiceResult(index)
+        async for event in self._choice_events(prep, index):
+            self._record(prep, result, event)
+            result.text += event.text
+            if event.finish_reason:
+                result.finish_reason = event.finish_reason
+        return result
+
+    # -- non-streaming --------------------------------------------------------------------
+    async def complete(self, prep: Prepared) -> ChatCompletion | Completion:
+        self.metrics.prompt_tokens.inc(len(prep.generation.prompt_ids) * prep.generation.n)
+        try:
+            results = await asyncio.gather(
+                *(self._run_choice(prep, i) for i in range(prep.generation.n))
+            )
+        except PipelineError as exc:
+            raise pipeline_api_error(exc) from exc
+        except QueueFull as exc:
+            raise APIError(429, str(exc), type="rate_limit_exceeded") from exc
+        usage = Usage.of(
+            len(prep.generation.prompt_ids) * prep.generation.n, sum(r.tokens for r in results)
+        )
+        if prep.chat:
+            return ChatCompletion(
+                id=prep.request_id,
+                created=prep.created,
+                model=prep.model,
+                usage=usage,
+                choices=[
+                    ChatCompletionChoice(
+                        index=r.index,
+                        message=ChatResponseMessage(content=r.text),
+                        logprobs=ChatChoiceLogprobs(content=r.chat_logprobs)
+                        if prep.logprobs
+                        else None,
+                        finish_reason=r.finish_reason,
+                    )
+                    for r in results
+                ],
+            )
+        return Completion(
+            id=prep.request_id,
+            created=prep.created,
+            model=prep.model,
+            usage=usage,
+            choices=[
+                CompletionChoice(
+                    index=r.index,
+                    text=r.text,
+                    logprobs=r.legacy_logprobs if prep.logprobs else None,
+                    finish_reason=r.finish_reason,
+                )
+                for r in results
+            ],
+        )
+
+    # -- streaming ------------------------------------------------------------------------
+    async def open_stream(self, prep: Prepared) -> AsyncIterator[bytes]:
+        """Start every choice and wait for its first event, so that errors before any output
+        are raised here (and become plain HTTP errors); then return the SSE byte stream."""
+        self.metrics.prompt_tokens.inc(len(prep.generation.prompt_ids) * prep.generation.n)
+        streams = [self._choice_events(prep, i) for i in range(prep.generation.n)]
+        firsts: list[ChoiceEvent] = []
+        try:
+            for stream in streams:
+                firsts.append(await anext(stream))
+        except BaseException as exc:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(exc, PipelineError):
+                raise pipeline_api_error(exc) from exc
+            if isinstance(exc, QueueFull):
+                raise APIError(429, str(exc), type="rate_limit_exceeded") from exc
+            raise
+        return self._sse(prep, streams, firsts)
+
+    async def _sse(
+        self,
+        prep: Prepared,
+        streams: list[AsyncGenerator[ChoiceEvent, None]],
+        firsts: list[ChoiceEvent],
+    ) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+
+        async def pump(stream: AsyncGenerator[ChoiceEvent, None]) -> None:
+            try:
+                async for event in stream:
+                    await queue.put(event)
+            except BaseException as exc:  # surfaced on the stream as one error event
+                await queue.put(exc)
+                return
+            await queue.put(None)
+
+        for first in firsts:
+            queue.put_nowait(first)
+        tasks = [asyncio.create_task(pump(s)) for s in streams]
+        results = [ChoiceResult(i) for i in range(len(streams))]
+        pending = len(streams)
+        try:
+            if prep.chat:
+                for i in range(len(streams)):
+                    yield sse_event(first_chat_chunk(prep.request_id, prep.created, prep.model, i))
+            while pending:
+                item = await queue.get()
+                if item is None:
+                    pending -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):
+                        raise item
+                    error = (
+                        pipeline_api_error(item)
+                        if isinstance(item, PipelineError)
+                        else APIError(500, f"generation failed: {item}", type="server_error")
+                    )
+                    log.warning("request %s failed while streaming: %s", prep.request_id, item)
+                    yield sse_error(error)
+                    yield sse_done()
+                    return
+                for chunk in self._chunks(prep, results[item.index], item):
+                    yield chunk
+            if prep.include_usage:
+                usage = Usage.of(
+                    len(prep.generation.prompt_ids) * prep.generation.n,
+                    sum(r.tokens for r in results),
+                )
+                make = chat_usage_chunk if prep.chat else completion_usage_chunk
+                yield sse_event(make(prep.request_id, prep.created, prep.model, usage))
+            yield sse_done()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                with contextlib.suppress(BaseException):
+                    await stream.aclose()
+
+    def _chunks(self, prep: Prepared, result: ChoiceResult, event: ChoiceEvent) -> list[bytes]:
+        before = len(result.chat_logprobs) if prep.chat else len(result.legacy_logprobs.tokens)
+        self._record(prep, result, event)
+        out: list[bytes] = []
+        ident = (prep.request_id, prep.created, prep.model)
+        if prep.chat:
+            new_lp = result.chat_logprobs[before:] if prep.logprobs else None
+            if event.text or new_lp:
+                out.append(
+                    sse_event(
+                        chat_content_chunk(
+                            *ident, event.text, event.index, new_lp if new_lp else None
+                        )
+                    )
+                )
+            if event.finish_reason:
+                out.append(sse_event(chat_final_chunk(*ident, event.finish_reason, event.index)))
+        else:
+            lp = result.legacy_logprobs
+            piece = None
+            if prep.logprobs and len(lp.tokens) > before:
+                piece = CompletionLogprobs(
+                    tokens=lp.tokens[before:],
+                    token_logprobs=lp.token_logprobs[before:],
+                    top_logprobs=lp.top_logprobs[before:],
+                    text_offset=lp.text_offset[before:],
+                )
+            if event.finish_reason:
+                out.append(
+                    sse_event(
+                        completion_final_chunk(
+                            *ident,
+                            event.finish_reason,
+                            event.index,
+                            event.text,
+                            piece,
+                        )
+                    )
+                )
+            elif event.text or piece:
+                out.append(sse_event(completion_text_chunk(*ident, event.text, event.index, piece)))
+        result.text += event.text
+        return out
+
+
+def _byte_level_bytes(piece: str) -> bytes:
+    """The raw bytes of a byte-level BPE token string (GPT-2 style byte-to-unicode map)."""
+    table = _unicode_to_byte()
+    if all(ch in table for ch in piece):
+        return bytes(table[ch] for ch in piece)
+    return piece.encode("utf-8")
+
+
+_TABLE: dict[str, int] = {}
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    if not _TABLE:
+        visible = (
+            list(range(ord("!"), ord("~") + 1))
+            + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1))
+        )
+        codes = visible[:]
+        extra = 0
+        for b in range(256):
+            if b not in visible:
+                visible.append(b)
+                codes.append(256 + extra)
+                extra += 1
+        _TABLE.update({chr(c): b for b, c in zip(visible, codes, strict=True)})
+    return _TABLE
+
+
+ResponseFactory = Callable[..., Any]
+new_request_id: Callable[[str], str] = new_id

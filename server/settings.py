@@ -1,0 +1,91 @@
+"""Settings of the gateway: flags over `PIPESHARD_GATEWAY_*` variables over a TOML config file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PIPESHARD_GATEWAY_", extra="forbid")
+
+    stages: list[str] = Field(description="stage addresses HOST:PORT in stage order")
+    listen: str = Field(default="127.0.0.1:8000", description="HTTP address HOST:PORT")
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="accepted Bearer keys (none: no authentication)"
+    )
+    model_name: str | None = Field(
+        default=None, description="model id served (default: the export's model id)"
+    )
+    tokenizer: Path | None = Field(
+        default=None, description="local tokenizer folder (default: fetched from the stages)"
+    )
+    secret: SecretStr | None = Field(default=None, description="shared secret of the stages")
+    tls_ca: Path | None = Field(default=None, description="CA bundle to verify the stages (TLS)")
+    tls_server_name: str | None = Field(default=None, description="name in stage certificates")
+    step_timeout: float = Field(
+        default=60.0, gt=0, description="seconds one pipeline step may take"
+    )
+    start_timeout: float = Field(
+        default=300.0, gt=0, description="seconds to wait for the stages at start-up"
+    )
+    max_body_bytes: int = Field(default=4 * 2**20, gt=0, description="larger requests get 413")
+    max_concurrent: int = Field(
+        default=16, ge=1, description="requests generating at once; the rest wait in the queue"
+    )
+    log_level: str = Field(default="INFO")
+
+    @field_validator("stages", "api_keys", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("stages")
+    @classmethod
+    def _check_stages(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one stage address is needed")
+        for address in value:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"stage address must be HOST:PORT, got {address!r}")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        config = _CONFIG_FILE.get("path")
+        if config is not None:
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=config),)
+        return sources
+
+    @classmethod
+    def load(cls, config_file: Path | None = None, **overrides: Any) -> GatewaySettings:
+        """Flags (``overrides``) win over environment variables, which win over the file."""
+        if config_file is not None and not config_file.is_file():
+            raise ValueError(f"config file {config_file} does not exist")
+        _CONFIG_FILE["path"] = config_file
+        try:
+            return cls(**overrides)
+        finally:
+            _CONFIG_FILE["path"] = None
+
+
+_CONFIG_FILE: dict[str, Path | None] = {"path": None}

@@ -1,0 +1,73 @@
+"""The gateway's tokenizer and chat template, from the stages' tokenizer files or a local folder.
+
+``messages -> (chat template) prompt text -> (tokenizer) prompt token ids``. The engine below
+works on token ids only; text and templates stay in the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from protos.manifest import ShardManifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TextCodec:
+    """Encodes prompts (with the chat template) and gives the fast tokenizer for decoding."""
+
+    tokenizer: Tokenizer
+    chat: Any  # transformers PreTrainedTokenizerFast, used for apply_chat_template
+    eos_ids: frozenset[int]
+    has_chat_template: bool
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template: use /v1/completions")
+        text = self.chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+
+def load_codec(folder: Path, manifest: ShardManifest) -> TextCodec:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer_json = folder / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise ValueError(f"{folder} has no tokenizer.json")
+    chat = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    template = manifest.tokenizer.chat_template or getattr(chat, "chat_template", None)
+    if template:
+        chat.chat_template = template
+    return TextCodec(
+        tokenizer=Tokenizer.from_file(str(tokenizer_json)),
+        chat=chat,
+        eos_ids=frozenset(manifest.tokenizer.eos_token_ids),
+        has_chat_template=bool(template),
+    )
+
+
+def codec_from_files(files: dict[str, bytes], manifest: ShardManifest) -> TextCodec:
+    """Write fetched tokenizer files to a private temporary folder and load them."""
+    folder = Path(tempfile.mkdtemp(prefix="pipeshard-tokenizer-"))
+    for name, data in files.items():
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"refusing tokenizer file name {name!r}")
+        (folder / name).write_bytes(data)
+    return load_codec(folder, manifest)

@@ -1,0 +1,403 @@
+"""The real gateway process over HTTP, on real stage processes: the openai client, curl, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from exporter.export import ExportOptions, export_model
+from exporter.verify import reference_greedy
+from protos.manifest import WeightSpec
+from server.pipeline import PipelineClient
+from stage_node.chain import LocalChain
+from tests.conftest import EXACT
+from tests.processes import PIPESHARD, Proc, free_port, start_stages
+from tests.tiny_models import CHAT_TEMPLATE, make_model
+
+KEY = "test-key"
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+
+
+@dataclass
+class Fleet:
+    url: str
+    model: str
+    source: Path
+    export: Path
+    stages: list[str]
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def stage_sessions(self) -> list[int]:
+        async def infos() -> list[int]:
+            client = PipelineClient(self.stages)
+            await client.start()
+            found = [i.sessions_in_use for i in await client.stage_infos() if i]
+            await client.close()
+            return found
+
+        return asyncio.run(infos())
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    base = tmp_path_factory.mktemp("fleet")
+    source = make_model("qwen2", base / "chat-model", chat_template=CHAT_TEMPLATE)
+    export = base / "export"
+    export_model(
+        ExportOptions(
+            model=str(source), out=export, stages=2, weights=WeightSpec(format="fp32"), quiet=True
+        )
+    )
+    procs, addresses = start_stages(export, base)
+    port = free_port()
+    gateway = Proc(
+        [
+            PIPESHARD,
+            "serve",
+            "--stages",
+            ",".join(addresses),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--api-key",
+            KEY,
+            "--api-key",
+            "second-key",
+            "--max-body-bytes",
+            "65536",
+        ],
+        base / "gateway.log",
+    ).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise TimeoutError((base / "gateway.log").read_text())
+        yield Fleet(url, "chat-model", source, export, addresses)
+    finally:
+        gateway.stop()
+        for proc in procs:
+            proc.stop()
+
+
+def test_greedy_text_equals_pipeline_and_unsplit_model(fleet: Fleet) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reply = fleet.client().chat.completions.create(
+        model=fleet.model,
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(fleet.source))
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
+    chain_tokens, _ = LocalChain(fleet.export, EXACT).greedy("g", prompt, 20)
+    model = AutoModelForCausalLM.from_pretrained(str(fleet.source)).eval()
+    reference, _ = reference_greedy(model, prompt, 20)
+    assert chain_tokens == reference
+    eos = 2
+    expected = reference[: reference.index(eos)] if eos in reference else reference
+    assert reply.choices[0].message.content == tokenizer.decode(expected)
+    assert reply.usage.completion_tokens == (len(expected) + 1 if eos in reference else 20)
+    assert reply.choices[0].finish_reason == ("stop" if eos in reference else "length")
+    assert len(expected) >= 8  # the comparison is about real text
+
+
+def test_streaming_matches_non_streaming_and_usage(fleet: Fleet) -> None:
+    client = fleet.client()
+    full = client.chat.completions.create(
+        model=fleet.model,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=fleet.model,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(
+        client.chat.completions.create(
+            model=fleet.model,
+            messages=MESSAGES,
+            max_tokens=4,
+            stream=True,  # type: ignore[arg-type]
+        )
+    )
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+
+
+def test_max_tokens_gives_length_with_exact_counts(fleet: Fleet) -> None:
+    reply = fleet.client().chat.completions.create(
+        model=fleet.model,
+        messages=MESSAGES,
+        max_tokens=3,
+        temperature=0,  # type: ignore[arg-type]
+        logit_bias={"2": -100},  # never end early
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 3
+
+
+def test_stop_sequence_from_the_models_own_output(fleet: Fleet) -> None:
+    client = fleet.client()
+    text = (
+        client.chat.completions.create(
+            model=fleet.model,
+            messages=MESSAGES,
+            max_tokens=24,
+            temperature=0,  # type: ignore[arg-type]
+            logit_bias={"2": -100},
+        )
+        .choices[0]
+        .message.content
+    )
+    assert text is not None and len(text) > 12
+    stop = text[8:11]
+    cut = text.index(stop)
+    for stream in (False, True):
+        if stream:
+            chunks = list(
+                client.chat.completions.create(
+                    model=fleet.model,
+                    messages=MESSAGES,
+                    max_tokens=24,
+                    temperature=0,  # type: ignore[arg-type]
+                    logit_bias={"2": -100},
+                    stop=[stop, "never-said"],
+                    stream=True,
+                )
+            )
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            reply = client.chat.completions.create(
+                model=fleet.model,
+                messages=MESSAGES,
+                max_tokens=24,
+                temperature=0,  # type: ignore[arg-type]
+                logit_bias={"2": -100},
+                stop=stop,
+            )
+            got, reason = reply.choices[0].message.content or "", reply.choices[0].finish_reason
+        assert got == text[:cut] and reason == "stop", (stream, stop, got)
+
+
+def test_n_seeded_sampling_and_logprobs(fleet: Fleet) -> None:
+    client = fleet.client()
+
+    def sample() -> list[str]:
+        reply = client.chat.completions.create(
+            model=fleet.model,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=1.0,
+            seed=1234,  # type: ignore[arg-type]
+            n=2,
+            logit_bias={"2": -100},
+        )
+        assert [c.index for c in reply.choices] == [0, 1]
+        assert reply.usage is not None and reply.usage.completion_tokens == 20
+        return [c.message.content or "" for c in reply.choices]
+
+    first, second = sample(), sample()
+    assert first == second  # reproducible with a seed
+    assert first[0] != first[1]  # the two choices draw differently
+
+    reply = client.chat.completions.create(
+        model=fleet.model,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=3,
+        logit_bias={"2": -100},
+    )
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert (
+            entry.logprob <= 0 and entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        )
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the top one
+    assert "".join(e.token for e in content) == reply.choices[0].message.content
+
+
+def test_text_completions(fleet: Fleet) -> None:
+    client = fleet.client()
+    reply = client.completions.create(
+        model=fleet.model,
+        prompt="once upon a time",
+        max_tokens=6,
+        temperature=0,
+        logit_bias={"2": -100},
+    )
+    assert reply.object == "text_completion" and reply.choices[0].finish_reason == "length"
+    streamed = list(
+        client.completions.create(
+            model=fleet.model,
+            prompt="once upon a time",
+            max_tokens=6,
+            temperature=0,
+            logit_bias={"2": -100},
+            stream=True,
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == reply.choices[0].text
+
+
+def _post(
+    fleet: Fleet, body: object, key: str | None = KEY, raw: bytes | None = None
+) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(f"{fleet.url}/v1/chat/completions", content=content, headers=headers)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_errors_in_the_openai_envelope(fleet: Fleet, stream: bool) -> None:
+    good = {"model": fleet.model, "messages": MESSAGES, "stream": stream, "max_tokens": 2}
+    cases: list[tuple[int, dict[str, object] | None, bytes | None, str | None]] = [
+        (400, None, b"{not json", None),
+        (400, {**good, "messages": []}, None, "messages"),
+        (400, {**good, "messages": [{"role": "wizard", "content": "hi"}]}, None, "messages"),
+        (400, {**good, "temperature": 3}, None, "temperature"),
+        (400, {**good, "top_p": 1.5}, None, "top_p"),
+        (400, {**good, "n": 0}, None, "n"),
+        (400, {**good, "max_tokens": 10**6}, None, "max_tokens"),
+        (400, {**good, "messages": [{"role": "user", "content": "fox " * 400}]}, None, None),
+        (404, {**good, "model": "no-such-model"}, None, "model"),
+        (413, None, b"{" + b" " * 70000 + b"}", None),
+    ]
+    for status, body, raw, param in cases:
+        response = _post(fleet, body, raw=raw)
+        assert response.status_code == status, (body, response.text)
+        assert response.headers["content-type"].startswith("application/json")
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        if param is not None:
+            assert error["param"] is not None and error["param"].startswith(param), error
+    assert _post(fleet, good).status_code == 200
+    for key in (None, "wrong-key"):
+        response = _post(fleet, good, key=key)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert _post(fleet, good, key="second-key").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        fleet.client().models.retrieve("no-such-model")
+    assert fleet.client().models.retrieve(fleet.model).id == fleet.model
+
+
+def test_curl_streams_sse_until_done(fleet: Fleet) -> None:
+    body = json.dumps({"model": fleet.model, "messages": MESSAGES, "max_tokens": 4, "stream": True})
+    out = subprocess.run(
+        [
+            "curl",
+            "-sN",
+            f"{fleet.url}/v1/chat/completions",
+            "-H",
+            f"Authorization: Bearer {KEY}",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    events = [e for e in out.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        json.loads(event.removeprefix("data: "))
+
+
+def test_disconnect_releases_sessions_on_every_stage(fleet: Fleet) -> None:
+    body = {
+        "model": fleet.model,
+        "messages": MESSAGES,
+        "max_tokens": 200,
+        "stream": True,
+        "logit_bias": {"2": -100},
+    }
+    with httpx.stream(
+        "POST",
+        f"{fleet.url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=30,
+    ) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in received)
+        assert max(fleet.stage_sessions()) == 1  # generating now
+    closed = time.monotonic()
+    while time.monotonic() - closed < 1.0 and max(fleet.stage_sessions()) > 0:
+        time.sleep(0.05)
+    assert fleet.stage_sessions() == [0, 0]
+
+
+def test_operations_endpoints(fleet: Fleet) -> None:
+    assert httpx.get(f"{fleet.url}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{fleet.url}/ready").json()
+    assert ready["ready"] and [s["index"] for s in ready["stages"]] == [0, 1]
+    response = httpx.get(f"{fleet.url}/v1/models", headers={"authorization": f"Bearer {KEY}"})
+    assert response.headers["x-request-id"]
+    assert (
+        httpx.get(f"{fleet.url}/health", headers={"x-request-id": "abc-123"}).headers[
+            "x-request-id"
+        ]
+        == "abc-123"
+    )
+    metrics = httpx.get(f"{fleet.url}/metrics").text
+    for name in (
+        'pipeshard_gateway_requests_total{endpoint="/v1/chat/completions",status="200"}',
+        "pipeshard_gateway_time_to_first_token_seconds_count",
+        "pipeshard_gateway_inter_token_latency_seconds_count",
+        "pipeshard_gateway_prompt_tokens_total",
+        "pipeshard_gateway_generated_tokens_total",
+        "pipeshard_gateway_requests_running",
+        "pipeshard_gateway_requests_queued",
+    ):
+        assert name in metrics, name
