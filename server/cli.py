@@ -55,7 +55,9 @@ def _runner_options(args: argparse.Namespace) -> RunnerOptions:
 
 
 def _export_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="split a model into stateful OpenVINO stage shards")
+    p = sub.add_parser(
+        "export", parents=[_COMMON], help="split a model into stateful OpenVINO stage shards"
+    )
     p.add_argument("model", help="Hugging Face folder, .gguf file, or a built-in model name")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--stages", type=int, default=None, help="number of stages (default 1)")
@@ -133,7 +135,9 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _verify_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="compare the chained stages with the unsplit model")
+    p = sub.add_parser(
+        "verify", parents=[_COMMON], help="compare the chained stages with the unsplit model"
+    )
     p.add_argument("export_dir", type=Path)
     p.add_argument("--against", type=Path, default=None, help="another export to compare with")
     p.add_argument("--steps", type=int, default=64, help="greedy tokens per prompt")
@@ -170,6 +174,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "stage",
+        parents=[_COMMON],
         help="serve one stage shard over gRPC",
         description="Each flag can also be set as PIPESHARD_STAGE_<NAME>, e.g. "
         "PIPESHARD_STAGE_THREADS=2.",
@@ -224,6 +229,7 @@ def _settings(make: Callable[[], Any]) -> Any:
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
+        parents=[_COMMON],
         help="run the OpenAI-compatible gateway over a ring of stages",
         description="Each flag can also be set as PIPESHARD_GATEWAY_<NAME> or in the --config "
         "TOML file (flags win over the environment, which wins over the file).",
@@ -265,6 +271,20 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 COMMANDS = {"export": _run_export, "verify": _run_verify, "stage": _run_stage, "serve": _run_serve}
 SERVICES = {"stage", "serve"}
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: given after the subcommand it wins, absent it leaves the global one alone.
+    common.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        help="DEBUG, INFO, WARNING, ERROR (default: INFO for services, WARNING for tools)",
+    )
+    return common
+
+
+_COMMON = _common()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -212,8 +212,9 @@ class CompletionService:
                     if detok.stopped:
                         finish = "stop"
                         break
-            tail = "" if detok.stopped else detok.finish()
-            yield ChoiceEvent(index, tail, None, finish)
+                # Inside the block: the answer goes out before the sessions are released.
+                tail = "" if detok.stopped else detok.finish()
+                yield ChoiceEvent(index, tail, None, finish)
         finally:
             self.metrics.running.dec()
 

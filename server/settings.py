@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -17,9 +18,12 @@ from pydantic_settings import (
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PIPESHARD_GATEWAY_", extra="forbid")
 
-    stages: list[str] = Field(description="stage addresses HOST:PORT in stage order")
+    # NoDecode: the environment gives comma-separated lists, not JSON.
+    stages: Annotated[list[str], NoDecode] = Field(
+        description="stage addresses HOST:PORT in stage order"
+    )
     listen: str = Field(default="127.0.0.1:8000", description="HTTP address HOST:PORT")
-    api_keys: list[SecretStr] = Field(
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="accepted Bearer keys (none: no authentication)"
     )
     model_name: str | None = Field(

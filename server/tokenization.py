@@ -27,6 +27,7 @@ class TextCodec:
     chat: Any  # transformers PreTrainedTokenizerFast, used for apply_chat_template
     eos_ids: frozenset[int]
     has_chat_template: bool
+    vocab_size: int  # the model's (logits) vocabulary, read once: the tokenizer's call is slow
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
@@ -39,10 +40,6 @@ class TextCodec:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
 
 def load_codec(folder: Path, manifest: ShardManifest) -> TextCodec:
@@ -60,6 +57,7 @@ def load_codec(folder: Path, manifest: ShardManifest) -> TextCodec:
         chat=chat,
         eos_ids=frozenset(manifest.tokenizer.eos_token_ids),
         has_chat_template=bool(template),
+        vocab_size=manifest.model.vocab_size,
     )
 
 

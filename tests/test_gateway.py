@@ -21,6 +21,7 @@ from server.pipeline import PipelineClient
 from stage_node.chain import LocalChain
 from tests.conftest import EXACT
 from tests.processes import PIPESHARD, Proc, free_port, start_stages
+from tests.test_stage_ring import ring_greedy
 from tests.tiny_models import CHAT_TEMPLATE, make_model
 
 KEY = "test-key"
@@ -115,7 +116,16 @@ def test_greedy_text_equals_pipeline_and_unsplit_model(fleet: Fleet) -> None:
     chain_tokens, _ = LocalChain(fleet.export, EXACT).greedy("g", prompt, 20)
     model = AutoModelForCausalLM.from_pretrained(str(fleet.source)).eval()
     reference, _ = reference_greedy(model, prompt, 20)
-    assert chain_tokens == reference
+
+    async def over_ring() -> list[int]:
+        client = PipelineClient(fleet.stages)
+        await client.start()
+        tokens = await ring_greedy(client, "direct", prompt, 20)
+        await client.release("direct")
+        await client.close()
+        return tokens
+
+    assert asyncio.run(over_ring()) == chain_tokens == reference
     eos = 2
     expected = reference[: reference.index(eos)] if eos in reference else reference
     assert reply.choices[0].message.content == tokenizer.decode(expected)

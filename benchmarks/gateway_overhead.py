@@ -1,0 +1,167 @@
+"""Gateway overhead: time to first token over HTTP (chat template, tokenization, JSON, SSE)
+against driving the gateway's pipeline client directly with the same token ids.
+
+Both paths use the same running stage processes; requests alternate between the two so that
+machine noise hits both alike. Streaming requests with max_tokens=1: the first content chunk
+over HTTP against the first sampled token from PipelineClient.step.
+
+Usage: python benchmarks/gateway_overhead.py [--export DIR] [--requests 20]
+Writes benchmarks/results/gateway_overhead-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.processes import PIPESHARD, Proc, free_port, start_stages  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Write a haiku about pipelines."}]
+
+
+async def measure(
+    url: str, model: str, stages: list[str], prompt: list[int], n: int
+) -> dict[str, Any]:
+    from server.pipeline import PipelineClient
+
+    client = PipelineClient(stages)
+    await client.start()
+    direct: list[float] = []
+    http: list[float] = []
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 1, "stream": True, "temperature": 0}
+    async with httpx.AsyncClient(timeout=120) as session:
+        for i in range(n + 1):  # the first round warms both paths up
+            started = time.perf_counter()
+            await client.step(f"direct-{i}", prompt, 0)
+            elapsed_direct = time.perf_counter() - started
+            await client.release(f"direct-{i}")
+
+            started = time.perf_counter()
+            first = None
+            async with session.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: {") and '"content":"' in line and first is None:
+                        first = time.perf_counter() - started
+                    if line == "data: [DONE]":
+                        break
+            if i:
+                direct.append(elapsed_direct)
+                http.append(first if first is not None else time.perf_counter() - started)
+    await client.close()
+    pairs = [h - d for h, d in zip(http, direct, strict=True)]
+    return {
+        "direct_ms": [d * 1000 for d in direct],
+        "http_ms": [h * 1000 for h in http],
+        "direct_median_ms": statistics.median(direct) * 1000,
+        "http_median_ms": statistics.median(http) * 1000,
+        "overhead_median_ms": statistics.median(pairs) * 1000,
+        "overhead_p90_ms": sorted(pairs)[int(0.9 * (len(pairs) - 1))] * 1000,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--export", type=Path, default=ROOT / "benchmarks/out/shard_parity/s2")
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    opts = p.parse_args()
+
+    from protos.manifest import load_manifest
+    from server.tokenization import load_codec
+
+    manifest = load_manifest(opts.export)
+    codec = load_codec(opts.export / manifest.tokenizer.directory, manifest)
+    prompt = codec.chat_prompt(MESSAGES)
+    logs = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    procs = []
+    try:
+        for index in range(manifest.num_stages):
+            started, _ = start_stages(
+                opts.export,
+                logs,
+                stages=[index],
+                exact=False,
+                extra=["--cpus", str(index % 2)],
+            )
+            procs += started
+        stages = [p.args[p.args.index("--listen") + 1] for p in procs]
+        port = free_port()
+        gateway = Proc(
+            [
+                "taskset",
+                "-c",
+                "0,1",
+                PIPESHARD,
+                "serve",
+                "--stages",
+                ",".join(stages),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--log-level",
+                "WARNING",
+            ],
+            logs / "gateway.log",
+        ).start()
+        procs.append(gateway)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        result = asyncio.run(measure(url, manifest.model.model_id, stages, prompt, opts.requests))
+    finally:
+        for proc in procs:
+            proc.stop()
+
+    report = "\n".join(
+        [
+            f"Gateway overhead on time to first token, {manifest.model.model_id} "
+            f"({manifest.num_stages} stages, {manifest.weights.format}), {len(prompt)}-token chat "
+            f"prompt, {opts.requests} requests per path, alternating; stage k pinned to core "
+            "k % 2, gateway on cores 0-1",
+            "",
+            "| path | TTFT median (ms) |",
+            "|---|---|",
+            f"| PipelineClient.step directly | {result['direct_median_ms']:.1f} |",
+            f"| HTTP streaming via the gateway | {result['http_median_ms']:.1f} |",
+            "",
+            f"Added by the gateway (paired, request by request): median "
+            f"{result['overhead_median_ms']:.2f} ms, p90 {result['overhead_p90_ms']:.2f} ms "
+            "(target: under 5 ms).",
+        ]
+    )
+    print(report)
+    opts.results.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y-%m-%d")
+    (opts.results / f"gateway_overhead-{stamp}.md").write_text(report + "\n")
+    (opts.results / f"gateway_overhead-{stamp}.json").write_text(
+        json.dumps(
+            {
+                "date": dt.datetime.now().isoformat(timespec="seconds"),
+                "options": {k: str(v) for k, v in vars(opts).items()},
+                **result,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Settings: flags over environment over the config file; bad values refused with a reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.cli import main
+from server.settings import GatewaySettings
+from stage_node.settings import StageSettings
+
+
+def test_gateway_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        'stages = ["10.0.0.1:50051", "10.0.0.2:50051"]\nlisten = "0.0.0.0:9000"\n'
+        "step_timeout = 5.0\nmax_concurrent = 3\n"
+    )
+    settings = GatewaySettings.load(config)
+    assert settings.stages == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    assert settings.listen == "0.0.0.0:9000" and settings.max_concurrent == 3
+
+    monkeypatch.setenv("PIPESHARD_GATEWAY_STEP_TIMEOUT", "7")
+    monkeypatch.setenv("PIPESHARD_GATEWAY_API_KEYS", "a,b")
+    settings = GatewaySettings.load(config, listen="127.0.0.1:8001")
+    assert settings.step_timeout == 7.0  # environment over file
+    assert settings.listen == "127.0.0.1:8001"  # flag over both
+    assert [k.get_secret_value() for k in settings.api_keys] == ["a", "b"]
+
+    with pytest.raises(ValueError, match="does not exist"):
+        GatewaySettings.load(tmp_path / "missing.toml")
+
+
+def test_stage_settings_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPESHARD_STAGE_THREADS", "3")
+    monkeypatch.setenv("PIPESHARD_STAGE_CPUS", "0,2-3")
+    settings = StageSettings(shards=tmp_path, stage=1)
+    assert settings.threads == 3 and settings.cpu_list() == {0, 2, 3}
+    assert settings.hidden_dtype == "fp32" and settings.listen == "127.0.0.1:50051"
+
+
+def test_bad_settings_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--stages", "nonsense"]) == 2
+    assert "stage address must be HOST:PORT" in capsys.readouterr().err
+    assert main(["stage", "--shards", str(tmp_path), "--stage", "0", "--listen", "x"]) == 2
+    assert "listen address must be HOST:PORT" in capsys.readouterr().err
