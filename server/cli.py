@@ -269,8 +269,51 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"export": _run_export, "verify": _run_verify, "stage": _run_stage, "serve": _run_serve}
-SERVICES = {"stage", "serve"}
+def _up_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        parents=[_COMMON],
+        help="export (once) and run a whole local fleet: stages + gateway on 127.0.0.1",
+    )
+    p.add_argument("--model", default="default", help="model to export (default: built-in)")
+    p.add_argument("--export", type=Path, help="use this existing export instead")
+    p.add_argument("--exports-dir", type=Path, help="where exports are cached")
+    p.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
+    p.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--stage-port", type=int, default=50051, help="first stage's port")
+    p.add_argument("--threads", type=int, default=0, help="inference threads per stage")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=[])
+    p.add_argument("--log-dir", type=Path, help="stage logs go here (default: this terminal)")
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from server.fleet import FleetOptions, run_fleet
+
+    options = FleetOptions(
+        model=args.model,
+        export=args.export,
+        stages=args.stages,
+        weights=args.weights,
+        port=args.port,
+        stage_port=args.stage_port,
+        threads=args.threads,
+        api_keys=args.api_keys,
+        log_dir=args.log_dir,
+    )
+    if args.exports_dir is not None:
+        options.exports_dir = args.exports_dir
+    return run_fleet(options)
+
+
+COMMANDS = {
+    "export": _run_export,
+    "verify": _run_verify,
+    "stage": _run_stage,
+    "serve": _run_serve,
+    "up": _run_up,
+}
+SERVICES = {"stage", "serve", "up"}
 
 
 def _common() -> argparse.ArgumentParser:
@@ -299,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_parser(sub)
     _stage_parser(sub)
     _serve_parser(sub)
+    _up_parser(sub)
     return parser
 
 

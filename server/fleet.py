@@ -1,0 +1,177 @@
+"""`pipeshard up`: a whole local fleet in one command.
+
+Exports the model once (reused while the source and options are unchanged), starts one
+`pipeshard stage` process per stage on 127.0.0.1, runs the gateway in this process, prints the
+URL and a curl example once the ring is ready, and on Ctrl-C or SIGTERM stops everything. The
+stage processes are tied to this one (they get SIGTERM if it dies), so none is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class FleetOptions:
+    model: str = "default"
+    export: Path | None = None  # an existing export: skips exporting
+    exports_dir: Path = field(default_factory=lambda: Path.home() / ".cache/pipeshard/exports")
+    stages: int = 2
+    weights: str = "int4"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    stage_port: int = 50051
+    threads: int = 0
+    api_keys: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+
+
+def ensure_export(options: FleetOptions) -> Path:
+    if options.export is not None:
+        return options.export
+    from exporter.export import ExportOptions, export_model
+    from exporter.source import resolve_source
+    from protos.manifest import WeightSpec
+
+    source = resolve_source(options.model)
+    out = options.exports_dir / f"{source.model_id}-{options.stages}stage-{options.weights}"
+    int4 = options.weights == "int4"
+    export_model(
+        ExportOptions(
+            model=options.model,
+            out=out,
+            stages=options.stages,
+            weights=WeightSpec(
+                format=options.weights,  # type: ignore[arg-type]
+                group_size=128 if int4 else None,
+                symmetric=False if int4 else None,
+            ),
+            reuse=True,
+        )
+    )
+    return out
+
+
+def start_stages(export: Path, options: FleetOptions, count: int) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for index in range(count):
+        args = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "stage",
+            "--shards",
+            str(export),
+            "--stage",
+            str(index),
+            "--listen",
+            f"127.0.0.1:{options.stage_port + index}",
+            "--threads",
+            str(options.threads),
+        ]
+        out = None
+        if options.log_dir is not None:
+            options.log_dir.mkdir(parents=True, exist_ok=True)
+            out = (options.log_dir / f"stage-{index}.log").open("ab")
+        procs.append(
+            subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                preexec_fn=_die_with_parent,
+            )
+        )
+    return procs
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace)
+
+
+async def _serve(
+    options: FleetOptions, addresses: list[str], procs: list[subprocess.Popen[bytes]]
+) -> None:
+    import uvicorn
+
+    from server.app import create_app
+    from server.settings import GatewaySettings
+
+    settings = GatewaySettings(
+        stages=addresses,
+        listen=f"{options.host}:{options.port}",
+        api_keys=options.api_keys,  # type: ignore[arg-type]
+    )
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")
+    )
+    serving = asyncio.create_task(server.serve())
+    gateway = app.state.gateway
+    while not serving.done():
+        await asyncio.sleep(0.2)
+        dead = [p.args for p in procs if p.poll() is not None]
+        if dead:
+            server.should_exit = True
+            raise RuntimeError(f"a stage process exited during start-up: {dead[0]!r}")
+        if server.started and gateway.service is not None and gateway.pipeline.ready:
+            break
+    if not serving.done():
+        url = f"http://{options.host}:{options.port}"
+        auth = f" -H 'Authorization: Bearer {options.api_keys[0]}'" if options.api_keys else ""
+        print(
+            f"pipeshard is serving {gateway.service.model} on {url} "
+            f"({len(addresses)} stages). Try:\n"
+            f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f'    -d \'{{"model": "{gateway.service.model}", "stream": true, '
+            '"messages": [{"role": "user", "content": "Write a Python hello world."}]}\'\n'
+            "Stop with Ctrl-C.",
+            flush=True,
+        )
+    await serving
+
+
+def run_fleet(options: FleetOptions) -> int:
+    from protos.manifest import load_manifest
+
+    export = ensure_export(options)
+    manifest = load_manifest(export)
+    procs = start_stages(export, options, manifest.num_stages)
+    addresses = [f"127.0.0.1:{options.stage_port + i}" for i in range(manifest.num_stages)]
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        # uvicorn turns SIGTERM and SIGINT into a graceful shutdown and raises them again
+        # afterwards; both end up here as KeyboardInterrupt, and the stages are stopped.
+        asyncio.run(_serve(options, addresses, procs))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_all(procs)
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,67 @@
+"""`pipeshard up`: a whole local fleet from one command, and nothing left behind on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.processes import PIPESHARD, free_port
+from tests.tiny_models import CHAT_TEMPLATE, make_model
+
+
+def children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        text = (task / "children").read_text() if (task / "children").exists() else ""
+        found.update(int(c) for c in text.split())
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    source = make_model("llama", tmp_path / "tiny-chat", chat_template=CHAT_TEMPLATE)
+    port, stage_port = free_port(), free_port()
+    log = (tmp_path / "up.log").open("wb")
+    up = subprocess.Popen(
+        [PIPESHARD, "up", "--model", str(source), "--stages", "2", "--weights", "fp32",
+         "--port", str(port), "--stage-port", str(stage_port),
+         "--exports-dir", str(tmp_path / "exports"), "--log-dir", str(tmp_path / "logs")],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while "pipeshard is serving" not in (tmp_path / "up.log").read_text():
+            assert up.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.2)
+        banner = (tmp_path / "up.log").read_text()
+        assert f"http://127.0.0.1:{port}" in banner and "curl -N" in banner
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 4},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+        stage_pids = children(up.pid)
+        assert len(stage_pids) == 2
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(60)
+    assert code == 0
+    time.sleep(0.5)
+    assert not [pid for pid in stage_pids if alive(pid)]
+    assert (tmp_path / "exports").is_dir() and any((tmp_path / "exports").iterdir())
