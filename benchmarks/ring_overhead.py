@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.latency_proxy import start_in_thread  # noqa: E402
 from tests.processes import free_port, start_stages  # noqa: E402
 
-ROUNDS = 3
+ROUNDS = 5
 PROMPT = (
     "Write a Python class that implements a least-recently-used cache with get and put "
     "methods, explain its time complexity, and add a short usage example."
@@ -54,65 +54,51 @@ def prompt_ids(export: Path) -> list[int]:
     return list(tokenizer.encode(PROMPT))
 
 
-def in_process(export: Path, prompt: list[int], tokens: int) -> dict[str, Any]:
-    import numpy as np
+class LocalChainRunner:
+    """Both stages chained in this process, 1 inference thread each (the reference)."""
 
-    from stage_node.chain import LocalChain
-    from stage_node.runner import RunnerOptions
+    def __init__(self, export: Path) -> None:
+        from stage_node.chain import LocalChain
+        from stage_node.runner import RunnerOptions
 
-    chain = LocalChain(export, RunnerOptions(threads=1))
-    result: dict[str, Any] = {}
-    steps = []
-    for name in ("warm-up", *(f"run-{i}" for i in range(ROUNDS))):
-        logits = chain.forward(name, np.array(prompt))
+        self.chain = LocalChain(export, RunnerOptions(threads=1))
+
+    def once(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+        import numpy as np
+
+        logits = self.chain.forward("run", np.array(prompt))
         out = [int(np.argmax(logits[-1]))]
         started = time.perf_counter()
         while len(out) < tokens:
-            logits = chain.forward(name, np.array(out[-1:]))
+            logits = self.chain.forward("run", np.array(out[-1:]))
             out.append(int(np.argmax(logits[-1])))
         step = (time.perf_counter() - started) / (tokens - 1)
-        chain.release(name)
-        steps.append(step)
-        result = {"tokens": out}
-    return _summary(result, steps[1:])
+        self.chain.release("run")
+        return step, out
 
 
-def _summary(result: dict[str, Any], steps: list[float]) -> dict[str, Any]:
-    step = statistics.median(steps)
-    return {
-        **result,
-        "step_ms": step * 1000,
-        "tok_s": 1 / step,
-        "step_ms_runs": [s * 1000 for s in steps],
-    }
-
-
-async def over_ring(
-    addresses: list[str], prompt: list[int], tokens: int, rounds: int = 3
-) -> dict[str, Any]:
+async def ring_once(
+    addresses: list[str], prompt: list[int], tokens: int
+) -> tuple[float, list[int]]:
+    """One greedy run over the ring with the gateway's pipeline client: seconds per token."""
     from server.pipeline import PipelineClient
 
     client = PipelineClient(addresses, step_timeout=600)
     await client.start(timeout=600)
-    result: dict[str, Any] = {}
-    steps = []
     try:
-        for name in ("warm-up", *(f"run-{i}" for i in range(rounds))):
-            out_step = await client.step(name, prompt, 0)
-            out = [out_step.tokens[0].token_id]
-            position = len(prompt)
-            started = time.perf_counter()
-            while len(out) < tokens:
-                out_step = await client.step(name, out[-1:], position)
-                position += 1
-                out.append(out_step.tokens[0].token_id)
-            step = (time.perf_counter() - started) / (tokens - 1)
-            await client.release(name)
-            steps.append(step)
-            result = {"tokens": out}
+        out_step = await client.step("run", prompt, 0)
+        out = [out_step.tokens[0].token_id]
+        position = len(prompt)
+        started = time.perf_counter()
+        while len(out) < tokens:
+            out_step = await client.step("run", out[-1:], position)
+            position += 1
+            out.append(out_step.tokens[0].token_id)
+        step = (time.perf_counter() - started) / (tokens - 1)
+        await client.release("run")
     finally:
         await client.close()
-    return _summary(result, steps[1:])
+    return step, out
 
 
 def decode_step_bytes(hidden_size: int, dtype: str) -> list[int]:
@@ -152,8 +138,15 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def run_ring(
-    export: Path, prompt: list[int], tokens: int, hidden: str, delays: list[float], logs: Path
+    export: Path,
+    prompt: list[int],
+    tokens: int,
+    hidden: str,
+    delays: list[float],
+    logs: Path,
+    local: LocalChainRunner,
 ) -> dict[str, Any]:
+    """Rounds alternating the in-process chain and the ring, so noise hits both alike."""
     metrics = [free_port(), free_port()]
     procs = []
     try:
@@ -162,6 +155,7 @@ def run_ring(
                 export,
                 logs,
                 stages=[index],
+                exact=False,
                 extra=[
                     "--cpus",
                     str(index),
@@ -170,21 +164,41 @@ def run_ring(
                     "--metrics-port",
                     str(metrics[index]),
                 ],
-                exact=False,
             )
             procs += p
         direct = [p.args[p.args.index("--listen") + 1] for p in procs]
-        runs: dict[str, Any] = {}
+        asyncio.run(ring_once(direct, prompt, tokens))  # warm-up
+        local.once(prompt, tokens)
         before = [scrape(m) for m in metrics]
-        runs["0"] = asyncio.run(over_ring(direct, prompt, tokens))
-        steps = (ROUNDS + 1) * tokens
+        rounds = []
+        for _ in range(ROUNDS):
+            local_step, local_tokens = local.once(prompt, tokens)
+            ring_step, ring_tokens = asyncio.run(ring_once(direct, prompt, tokens))
+            rounds.append(
+                {
+                    "local_ms": local_step * 1000,
+                    "ring_ms": ring_step * 1000,
+                    "ratio": local_step / ring_step,
+                }
+            )
         after = [scrape(m) for m in metrics]
+        runs: dict[str, Any] = {
+            "rounds": rounds,
+            "local_ms": statistics.median(r["local_ms"] for r in rounds),
+            "ring_ms": statistics.median(r["ring_ms"] for r in rounds),
+            "ratio_median": statistics.median(r["ratio"] for r in rounds),
+            "ratio_min": min(r["ratio"] for r in rounds),
+            "ratio_max": max(r["ratio"] for r in rounds),
+            "tokens_identical": ring_tokens == local_tokens,
+            "tokens": ring_tokens,
+        }
+        steps = ROUNDS * tokens
         runs["bytes_per_token_in"] = [
             (
                 a.get("pipeshard_stage_bytes_total:in", 0)
                 - b.get("pipeshard_stage_bytes_total:in", 0)
             )
-            / (steps)
+            / steps
             for a, b in zip(after, before, strict=True)
         ]
         for delay in delays:
@@ -196,7 +210,8 @@ def run_ring(
                 proxies.append(stop)
                 addresses.append(f"127.0.0.1:{proxy.port}")
             try:
-                runs[f"{delay:g}"] = asyncio.run(over_ring(addresses, prompt, tokens, rounds=1))
+                step, _ = asyncio.run(ring_once(addresses, prompt, tokens))
+                runs[f"delay_{delay:g}_ms"] = step * 1000
             finally:
                 for stop in proxies:
                     stop()
@@ -218,40 +233,41 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="ring-bench-"))
 
     os.sched_setaffinity(0, {0, 1})
-    local = in_process(opts.export, prompt, opts.tokens)
-    ring32 = run_ring(opts.export, prompt, opts.tokens, "fp32", delays, logs)
-    ring16 = run_ring(opts.export, prompt, opts.tokens, "fp16", [], logs)
+    local = LocalChainRunner(opts.export)
+    ring32 = run_ring(opts.export, prompt, opts.tokens, "fp32", delays, logs, local)
+    ring16 = run_ring(opts.export, prompt, opts.tokens, "fp16", [], logs, local)
 
-    base = ring32["0"]["step_ms"]
     from protos.manifest import load_manifest
 
     hidden_size = load_manifest(opts.export).model.hidden_size
+    base = ring32["ring_ms"]
     lines = [
-        f"Real 2-stage export {opts.export.name}, single stream, {opts.tokens} tokens; stage k "
-        "pinned to core k, 1 inference thread each; the in-process chain ran on cores 0-1 with "
-        "1 thread per stage; u8 KV cache (CPU default)",
+        f"Real 2-stage export {opts.export.name}, single stream, {opts.tokens} tokens, {ROUNDS} "
+        "rounds alternating in-process and ring runs (medians; ratio = in-process ms / ring ms "
+        "per round); stage k pinned to core k, 1 inference thread each; the in-process chain "
+        "and the client ran on cores 0-1 with 1 thread per stage; u8 KV cache, f32 compute",
         "",
-        "| configuration | ms/token | tok/s | vs in-process |",
+        "| configuration | ms/token | tok/s | ring vs in-process, median [min, max] |",
         "|---|---|---|---|",
-        f"| in-process chain | {local['step_ms']:.1f} | {local['tok_s']:.2f} | 1.000 |",
     ]
-    for key, label in [("0", "gRPC ring, fp32 hidden")] + [
-        (f"{d:g}", f"gRPC ring, fp32 hidden, +{d:g} ms per hop") for d in delays
-    ]:
-        r = ring32[key]
+    for label, ring in (("fp32 hidden", ring32), ("fp16 hidden", ring16)):
         lines.append(
-            f"| {label} | {r['step_ms']:.1f} | {r['tok_s']:.2f} | "
-            f"{local['step_ms'] / r['step_ms']:.3f} |"
+            f"| in-process chain (paired with {label}) | {ring['local_ms']:.1f} | "
+            f"{1000 / ring['local_ms']:.2f} | 1.000 |"
         )
-    r16 = ring16["0"]
-    lines.append(
-        f"| gRPC ring, fp16 hidden | {r16['step_ms']:.1f} | {r16['tok_s']:.2f} | "
-        f"{local['step_ms'] / r16['step_ms']:.3f} |"
-    )
-    hop_ms = (base - local["step_ms"]) / 3  # negative: below the noise of the measurement
+        lines.append(
+            f"| gRPC ring, {label} | {ring['ring_ms']:.1f} | {1000 / ring['ring_ms']:.2f} | "
+            f"{ring['ratio_median']:.3f} [{ring['ratio_min']:.3f}, {ring['ratio_max']:.3f}] |"
+        )
+    for d in delays:
+        ms = ring32[f"delay_{d:g}_ms"]
+        lines.append(
+            f"| gRPC ring, fp32 hidden, +{d:g} ms per hop | {ms:.1f} | {1000 / ms:.2f} | |"
+        )
+    hop_ms = (base - ring32["local_ms"]) / 3
     lines += [
         "",
-        f"Per-hop overhead (ring - in-process) / 3 hops: {hop_ms:.2f} ms.",
+        f"Per-hop overhead ((ring - in-process) / 3 hops, medians): {hop_ms:.2f} ms.",
         "Bytes per decode step per hop (gateway->stage 0, stage 0->1, stage 1->gateway): "
         f"fp32 hidden {decode_step_bytes(hidden_size, 'fp32')}, "
         f"fp16 hidden {decode_step_bytes(hidden_size, 'fp16')}. Measured on the stages, "
@@ -262,15 +278,21 @@ def main() -> int:
         + ".",
     ]
     for d in delays:
-        extra = ring32[f"{d:g}"]["step_ms"] - base
+        extra = ring32[f"delay_{d:g}_ms"] - base
         lines.append(
-            f"+{d:g} ms per hop: step +{extra:.1f} ms = {extra / d:.2f} x the added latency "
-            f"(N + 1 = 3 expected)"
+            f"+{d:g} ms per hop: step +{extra:.1f} ms = {extra / d:.2f} x the added latency"
         )
-    same16 = ring16["0"]["tokens"] == ring32["0"]["tokens"] == local["tokens"]
+    if len(delays) >= 2:
+        low, high = min(delays), max(delays)
+        slope = (ring32[f"delay_{high:g}_ms"] - ring32[f"delay_{low:g}_ms"]) / (high - low)
+        lines.append(
+            f"Step cost per ms of added one-way latency, between +{low:g} and +{high:g} ms: "
+            f"{slope:.2f} (the ring's N + 1 = 3 transfers; a star would be 2N = 4). The proxy "
+            "itself (user-space, in the client process) adds a constant on top."
+        )
     lines.append(
-        f"Greedy tokens identical: in-process vs ring fp32: "
-        f"{ring32['0']['tokens'] == local['tokens']}; ring fp16 vs fp32: {same16}"
+        f"Greedy tokens identical to the in-process chain: ring fp32 {ring32['tokens_identical']}, "
+        f"ring fp16 {ring16['tokens_identical']}"
     )
     report = "\n".join(lines)
     print(report)
@@ -286,7 +308,6 @@ def main() -> int:
                     "cores": os.cpu_count(),
                 },
                 "options": {k: str(v) for k, v in vars(opts).items()},
-                "in_process": local,
                 "ring_fp32": ring32,
                 "ring_fp16": ring16,
             },

@@ -62,7 +62,9 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
 
 
 def timed_export(args: list[str]) -> dict[str, float]:
-    """Run `pipeshard export` in a child; wall time and the child's peak RSS."""
+    """Run `pipeshard export` in a child; wall time, the child's peak RSS, whether it reused."""
+    out = Path(args[args.index("--out") + 1])
+    reused = (out / "manifest.json").is_file()  # --reuse may find it up to date
     cmd = [str(Path(sys.executable).parent / "pipeshard"), "export", *args, "--reuse", "--quiet"]
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     started = time.perf_counter()
@@ -71,7 +73,11 @@ def timed_export(args: list[str]) -> dict[str, float]:
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
         raise SystemExit(f"export failed: {' '.join(cmd)}")
-    return {"seconds": time.perf_counter() - started, "peak_rss_kib": float(usage.ru_maxrss)}
+    return {
+        "seconds": time.perf_counter() - started,
+        "peak_rss_kib": float(usage.ru_maxrss),
+        "maybe_reused": float(reused),
+    }
 
 
 def ensure_exports(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -262,10 +268,12 @@ def main() -> int:
         )
     lines.append("")
     lines.append(
-        "Export (pipeshard export, this run or cached): "
+        "Export in this run (pipeshard export --reuse; 'reused' = an up-to-date export was "
+        "found, so the time is only the check): "
         + ", ".join(
             f"({c}) {e['seconds']:.0f}s"
             + (f", peak RSS {e['peak_rss_kib'] / 2**20:.2f} GiB" if "peak_rss_kib" in e else "")
+            + (" (reused)" if e.get("maybe_reused") else "")
             for c, e in exports.items()
         )
     )

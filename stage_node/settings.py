@@ -35,8 +35,10 @@ class StageSettings(BaseSettings):
     session_idle_timeout: float = Field(
         default=300.0, gt=0, description="seconds before an untouched session is freed"
     )
+    # fp16 kept greedy output identical to the unsplit model on every test prompt and halves
+    # the bytes per hop; fp32 makes the split bit-identical to the unsplit model.
     hidden_dtype: Literal["fp16", "fp32"] = Field(
-        default="fp32", description="dtype of hidden states sent to the next stage"
+        default="fp16", description="dtype of hidden states sent to the next stage"
     )
     secret: SecretStr | None = Field(default=None, description="shared secret for every call")
     tls_cert: Path | None = Field(default=None, description="PEM certificate this stage serves")

@@ -35,10 +35,27 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
     port, stage_port = free_port(), free_port()
     log = (tmp_path / "up.log").open("wb")
     up = subprocess.Popen(
-        [PIPESHARD, "up", "--model", str(source), "--stages", "2", "--weights", "fp32",
-         "--port", str(port), "--stage-port", str(stage_port),
-         "--exports-dir", str(tmp_path / "exports"), "--log-dir", str(tmp_path / "logs")],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        [
+            PIPESHARD,
+            "up",
+            "--model",
+            str(source),
+            "--stages",
+            "2",
+            "--weights",
+            "fp32",
+            "--port",
+            str(port),
+            "--stage-port",
+            str(stage_port),
+            "--exports-dir",
+            str(tmp_path / "exports"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     try:
         deadline = time.monotonic() + 240
@@ -50,8 +67,11 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
         assert f"http://127.0.0.1:{port}" in banner and "curl -N" in banner
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
-            json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}],
-                  "max_tokens": 4},
+            json={
+                "model": "tiny-chat",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+            },
             timeout=60,
         )
         assert reply.status_code == 200, reply.text

@@ -411,3 +411,63 @@ def test_operations_endpoints(fleet: Fleet) -> None:
         "pipeshard_gateway_requests_queued",
     ):
         assert name in metrics, name
+
+
+def test_stage_failure_mid_stream_ends_with_one_error_event(tmp_path: Path) -> None:
+    source = make_model("qwen2", tmp_path / "chat-model", chat_template=CHAT_TEMPLATE)
+    export = tmp_path / "export"
+    export_model(
+        ExportOptions(
+            model=str(source), out=export, stages=2, weights=WeightSpec(format="fp32"), quiet=True
+        )
+    )
+    procs, addresses = start_stages(export, tmp_path)
+    port = free_port()
+    gateway = Proc(
+        [PIPESHARD, "serve", "--stages", ",".join(addresses), "--listen", f"127.0.0.1:{port}"],
+        tmp_path / "gateway.log",
+    ).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        body = {
+            "model": "chat-model",
+            "messages": MESSAGES,
+            "max_tokens": 200,
+            "stream": True,
+            "logit_bias": {"2": -100},
+        }
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) == 4:
+                    procs[1].kill()
+                    killed = time.monotonic()
+                    break
+            events += [line for line in lines if line.startswith("data: ")]
+            ended = time.monotonic()
+        assert events[-1] == "data: [DONE]"
+        errors = [e for e in events if '"error"' in e]
+        assert len(errors) == 1 and errors[0] == events[-2]
+        assert json.loads(errors[0].removeprefix("data: "))["error"]["code"] == "stage_unavailable"
+        assert ended - killed < 2.0
+        # The gateway stays up, says which stage is down, and refuses new work with a 503.
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503
+        assert [s["up"] for s in ready.json()["stages"]] == [True, False]
+        refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "stage_unavailable"
+    finally:
+        gateway.stop()
+        for proc in procs:
+            proc.stop()

@@ -37,7 +37,7 @@ def test_stage_settings_from_environment(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PIPESHARD_STAGE_CPUS", "0,2-3")
     settings = StageSettings(shards=tmp_path, stage=1)
     assert settings.threads == 3 and settings.cpu_list() == {0, 2, 3}
-    assert settings.hidden_dtype == "fp32" and settings.listen == "127.0.0.1:50051"
+    assert settings.hidden_dtype == "fp16" and settings.listen == "127.0.0.1:50051"
 
 
 def test_bad_settings_are_one_line_errors(
