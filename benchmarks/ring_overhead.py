@@ -38,6 +38,7 @@ from benchmarks.latency_proxy import start_in_thread  # noqa: E402
 from tests.processes import free_port, start_stages  # noqa: E402
 
 ROUNDS = 5
+PIN = True  # stage k on core k; --no-pin lets the OS place every thread
 PROMPT = (
     "Write a Python class that implements a least-recently-used cache with get and put "
     "methods, explain its time complexity, and add a short usage example."
@@ -157,8 +158,7 @@ def run_ring(
                 stages=[index],
                 exact=False,
                 extra=[
-                    "--cpus",
-                    str(index),
+                    *(["--cpus", str(index)] if PIN else []),
                     "--hidden-dtype",
                     hidden,
                     "--metrics-port",
@@ -227,7 +227,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--delays", default="10,50", help="added one-way ms per hop")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--no-pin", action="store_true", help="do not pin stage k to core k")
     opts = p.parse_args()
+    global PIN
+    PIN = not opts.no_pin
     delays = [float(d) for d in opts.delays.split(",") if d]
     prompt = prompt_ids(opts.export)
     logs = Path(tempfile.mkdtemp(prefix="ring-bench-"))
@@ -244,7 +247,8 @@ def main() -> int:
     lines = [
         f"Real 2-stage export {opts.export.name}, single stream, {opts.tokens} tokens, {ROUNDS} "
         "rounds alternating in-process and ring runs (medians; ratio = in-process ms / ring ms "
-        "per round); stage k pinned to core k, 1 inference thread each; the in-process chain "
+        f"per round); {'stage k pinned to core k' if PIN else 'stages not pinned'}, "
+        "1 inference thread each; the in-process chain "
         "and the client ran on cores 0-1 with 1 thread per stage; u8 KV cache, f32 compute",
         "",
         "| configuration | ms/token | tok/s | ring vs in-process, median [min, max] |",
