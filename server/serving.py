@@ -73,6 +73,15 @@ def pipeline_api_error(exc: PipelineError) -> APIError:
     return APIError(status, str(exc), type=kind, code=code)
 
 
+def generation_api_error(exc: BaseException) -> APIError | None:
+    """The HTTP error for a failure of the generation below, or None if it is not one."""
+    if isinstance(exc, PipelineError):
+        return pipeline_api_error(exc)
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), type="rate_limit_exceeded")
+    return None
+
+
 @dataclass
 class ChoiceResult:
     index: int
@@ -255,10 +264,10 @@ class CompletionService:
             results = await asyncio.gather(
                 *(self._run_choice(prep, i) for i in range(prep.generation.n))
             )
-        except PipelineError as exc:
-            raise pipeline_api_error(exc) from exc
-        except QueueFull as exc:
-            raise APIError(429, str(exc), type="rate_limit_exceeded") from exc
+        except (PipelineError, QueueFull) as exc:
+            error = generation_api_error(exc)
+            assert error is not None
+            raise error from exc
         usage = Usage.of(
             len(prep.generation.prompt_ids) * prep.generation.n, sum(r.tokens for r in results)
         )
@@ -309,10 +318,9 @@ class CompletionService:
         except BaseException as exc:
             for stream in streams:
                 await stream.aclose()
-            if isinstance(exc, PipelineError):
-                raise pipeline_api_error(exc) from exc
-            if isinstance(exc, QueueFull):
-                raise APIError(429, str(exc), type="rate_limit_exceeded") from exc
+            error = generation_api_error(exc)
+            if error is not None:
+                raise error from exc
             raise
         return self._sse(prep, streams, firsts)
 
@@ -350,10 +358,8 @@ class CompletionService:
                 if isinstance(item, BaseException):
                     if isinstance(item, asyncio.CancelledError):
                         raise item
-                    error = (
-                        pipeline_api_error(item)
-                        if isinstance(item, PipelineError)
-                        else APIError(500, f"generation failed: {item}", type="server_error")
+                    error = generation_api_error(item) or APIError(
+                        500, f"generation failed: {item}", type="server_error"
                     )
                     log.warning("request %s failed while streaming: %s", prep.request_id, item)
                     yield sse_error(error)

@@ -112,3 +112,30 @@ def start_stages(
     for proc in procs:
         proc.wait_ready()
     return procs, [f"127.0.0.1:{p}" for p in ports]
+
+
+def start_gateway(
+    stages: Sequence[str], log: Path, extra: Sequence[str] = (), timeout: float = 120.0
+) -> tuple[Proc, str]:
+    """`pipeshard serve` over ``stages`` on a free port; returns it and its URL once ready."""
+    import httpx
+
+    port = free_port()
+    gateway = Proc(
+        [PIPESHARD, "serve", "--stages", ",".join(stages), "--listen", f"127.0.0.1:{port}", *extra],
+        log,
+    ).start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready").status_code == 200:
+                return gateway, url
+        except httpx.TransportError:
+            pass
+        assert gateway.popen is not None
+        if gateway.popen.poll() is not None:
+            break
+        time.sleep(0.1)
+    gateway.stop()
+    raise TimeoutError(f"gateway not ready:\n{log.read_text()[-3000:]}")

@@ -20,7 +20,7 @@ from protos.manifest import WeightSpec
 from server.pipeline import PipelineClient
 from stage_node.chain import LocalChain
 from tests.conftest import EXACT
-from tests.processes import PIPESHARD, Proc, free_port, start_stages
+from tests.processes import start_gateway, start_stages
 from tests.test_stage_ring import ring_greedy
 from tests.tiny_models import CHAT_TEMPLATE, make_model
 
@@ -61,36 +61,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         )
     )
     procs, addresses = start_stages(export, base)
-    port = free_port()
-    gateway = Proc(
-        [
-            PIPESHARD,
-            "serve",
-            "--stages",
-            ",".join(addresses),
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--api-key",
-            KEY,
-            "--api-key",
-            "second-key",
-            "--max-body-bytes",
-            "65536",
-        ],
+    gateway, url = start_gateway(
+        addresses,
         base / "gateway.log",
-    ).start()
-    url = f"http://127.0.0.1:{port}"
+        ["--api-key", KEY, "--api-key", "second-key", "--max-body-bytes", "65536"],
+    )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise TimeoutError((base / "gateway.log").read_text())
         yield Fleet(url, "chat-model", source, export, addresses)
     finally:
         gateway.stop()
@@ -422,20 +398,8 @@ def test_stage_failure_mid_stream_ends_with_one_error_event(tmp_path: Path) -> N
         )
     )
     procs, addresses = start_stages(export, tmp_path)
-    port = free_port()
-    gateway = Proc(
-        [PIPESHARD, "serve", "--stages", ",".join(addresses), "--listen", f"127.0.0.1:{port}"],
-        tmp_path / "gateway.log",
-    ).start()
-    url = f"http://127.0.0.1:{port}"
+    gateway, url = start_gateway(addresses, tmp_path / "gateway.log")
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
         body = {
             "model": "chat-model",
             "messages": MESSAGES,
