@@ -215,6 +215,7 @@ class CompletionService:
                     self.metrics.generated_tokens.inc()
                     if token.token_id in self.engine.eos_ids:
                         finish = "stop"
+                        yield ChoiceEvent(index, "", token)  # counted in usage, no text
                         break
                     piece = detok.add(token.token_id)
                     yield ChoiceEvent(index, piece, token)
@@ -226,6 +227,20 @@ class CompletionService:
                 yield ChoiceEvent(index, tail, None, finish)
         finally:
             self.metrics.running.dec()
+            elapsed = time.perf_counter() - received
+            ttft = f"{stats.first_token_s * 1000:.0f} ms" if stats.first_token_s else "-"
+            log.info(
+                "request %s choice %d: %d prompt + %d completion tokens, queued %.0f ms, "
+                "first token %s, %.1f s in all, finish %s",
+                prep.request_id,
+                index,
+                len(prep.generation.prompt_ids),
+                stats.tokens,
+                stats.queued_s * 1000,
+                ttft,
+                elapsed,
+                finish,
+            )
 
     def _token_bytes(self, token_id: int) -> bytes:
         piece = self.codec.tokenizer.id_to_token(token_id) or ""
@@ -235,7 +250,8 @@ class CompletionService:
         if event.token is None:
             return
         result.tokens += 1
-        if not prep.logprobs or event.token.logprob is None:
+        eos = event.token.token_id in self.engine.eos_ids
+        if eos or not prep.logprobs or event.token.logprob is None:
             return
         raw = self._token_bytes(event.token.token_id)
         top = [(self._token_bytes(t), lp) for t, lp in event.token.top]

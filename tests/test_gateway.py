@@ -435,3 +435,32 @@ def test_stage_failure_mid_stream_ends_with_one_error_event(tmp_path: Path) -> N
         gateway.stop()
         for proc in procs:
             proc.stop()
+
+
+def test_end_of_sequence_stops_and_is_counted(fleet: Fleet) -> None:
+    for stream in (False, True):
+        if stream:
+            chunks = list(
+                fleet.client().chat.completions.create(
+                    model=fleet.model,
+                    messages=MESSAGES,  # type: ignore[arg-type]
+                    max_tokens=8,
+                    logit_bias={"2": 100},  # the end-of-sequence token comes first
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+        else:
+            reply = fleet.client().chat.completions.create(
+                model=fleet.model,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                max_tokens=8,
+                logit_bias={"2": 100},
+            )
+            text, reason = reply.choices[0].message.content, reply.choices[0].finish_reason
+            usage = reply.usage
+        assert text == "" and reason == "stop"
+        assert usage is not None and usage.completion_tokens == 1
