@@ -1,0 +1,67 @@
+# syntax=docker/dockerfile:1
+# pipeshard images. One image runs every role; the command picks it:
+#   docker build -t pipeshard:latest .                      # target runtime (default): no torch
+#   docker run pipeshard:latest stage   (PIPESHARD_STAGE_* settings)
+#   docker run pipeshard:latest serve   (PIPESHARD_GATEWAY_* settings)
+#   docker run pipeshard:latest up ...
+#   docker build --target export -t pipeshard:export .     # + the export extra (CPU torch)
+#   docker run -v "$PWD/exports:/exports" pipeshard:export export default --stages 2 --out /exports/default
+# See deploy/compose.yaml for a whole fleet.
+
+# --- builder: the pipeshard wheel. setup.py generates the gRPC stubs during the build, with
+# grpcio-tools from pyproject's build-system requires (pip installs it in the build env).
+FROM python:3.11-slim AS builder
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY protos ./protos
+COPY server ./server
+COPY stage_node ./stage_node
+COPY exporter ./exporter
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# --- base: the runtime (OpenVINO, grpcio, FastAPI, ...), no torch; shared by the targets below.
+FROM python:3.11-slim AS base
+ENV VIRTUAL_ENV=/opt/pipeshard/.venv \
+    PATH=/opt/pipeshard/.venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIPESHARD_STAGE_OV_CACHE_DIR=/var/cache/pipeshard/ov-cache
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    python -m venv /opt/pipeshard/.venv \
+    && pip install --no-cache-dir /wheels/*.whl
+# The OpenVINO cache dir exists and belongs to the user, so a fresh named volume mounted on
+# /var/cache/pipeshard inherits that ownership.
+RUN useradd --system --create-home --home-dir /home/pipeshard --shell /usr/sbin/nologin pipeshard \
+    && mkdir -p /var/cache/pipeshard/ov-cache /models \
+    && chown -R pipeshard:pipeshard /var/cache/pipeshard
+# Inside a container, listen on every interface (the flags and the environment still win).
+ENV PIPESHARD_STAGE_LISTEN=0.0.0.0:50051 \
+    PIPESHARD_GATEWAY_LISTEN=0.0.0.0:8000
+EXPOSE 8000 50051
+USER pipeshard
+WORKDIR /home/pipeshard
+# One check for every role, without curl: the role is read from PID 1's command line (also
+# under `docker run --init`). `stage`: the gRPC port (from PIPESHARD_STAGE_LISTEN) accepts a TCP
+# connection; `serve` / `up`: GET /health on the gateway's port (from PIPESHARD_GATEWAY_LISTEN)
+# answers 200. A stage's full health (linked into the ring) is the gateway's /ready. Ports
+# given only as flags (--listen) are not seen here: set them through the environment.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import os,socket,urllib.request as u;c=open('/proc/1/cmdline').read().split(chr(0));g='stage' not in c;e=os.environ.get;a=(e('PIPESHARD_GATEWAY_LISTEN') if g else e('PIPESHARD_STAGE_LISTEN')) or '127.0.0.1:'+('8000' if g else '50051');p=int(a.rpartition(':')[2]);u.urlopen('http://127.0.0.1:%d/health'%p,timeout=4) if g else socket.create_connection(('127.0.0.1',p),4).close()"]
+ENTRYPOINT ["pipeshard"]
+CMD ["--help"]
+
+# --- export: base + the export extra (torch, optimum-intel, NNCF, gguf, accelerate), for
+# `pipeshard export` / `pipeshard verify`. The CPU index keeps pip on the CPU torch build
+# (2.13.0+cpu satisfies the ==2.13.0 pin); as in deploy/bootstrap.sh, torchvision is removed
+# again (it cannot load beside the CPU torch, and transformers imports it when present).
+FROM base AS export
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+USER root
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" "$(ls /wheels/pipeshard-*.whl)[export]" \
+    && pip uninstall -y torchvision
+USER pipeshard
+
+# --- runtime (default target, last): the stage nodes and the gateway. No torch.
+FROM base AS runtime
