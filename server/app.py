@@ -32,7 +32,6 @@ from server.protocol import (
     ModelCard,
     ModelList,
     errors_to_api_error,
-    new_id,
     parse_request,
 )
 from server.serving import CompletionService
@@ -253,7 +252,3 @@ def _body_schema(model: type[Any]) -> dict[str, Any]:
             "content": {"application/json": {"schema": model.model_json_schema()}},
         }
     }
-
-
-def new_request_id() -> str:
-    return new_id("req")

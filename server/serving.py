@@ -11,9 +11,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import grpc
 
@@ -38,7 +37,6 @@ from server.protocol import (
     chat_token_logprob,
     effective_max_tokens,
     include_usage,
-    new_id,
     stop_list,
     template_messages,
     to_sampling_params,
@@ -470,7 +468,3 @@ def _unicode_to_byte() -> dict[str, int]:
                 extra += 1
         _TABLE.update({chr(c): b for b, c in zip(visible, codes, strict=True)})
     return _TABLE
-
-
-ResponseFactory = Callable[..., Any]
-new_request_id: Callable[[str], str] = new_id
