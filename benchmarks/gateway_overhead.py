@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.processes import PIPESHARD, Proc, free_port, start_stages  # noqa: E402
+from tests.processes import start_gateway, start_stages  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about pipelines."}]
 
@@ -98,32 +98,14 @@ def main() -> int:
             )
             procs += started
         stages = [p.args[p.args.index("--listen") + 1] for p in procs]
-        port = free_port()
-        gateway = Proc(
-            [
-                "taskset",
-                "-c",
-                "0,1",
-                PIPESHARD,
-                "serve",
-                "--stages",
-                ",".join(stages),
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--log-level",
-                "WARNING",
-            ],
+        gateway, url = start_gateway(
+            stages,
             logs / "gateway.log",
-        ).start()
+            ["--log-level", "WARNING"],
+            timeout=600,
+            prefix=["taskset", "-c", "0,1"],
+        )
         procs.append(gateway)
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         result = asyncio.run(measure(url, manifest.model.model_id, stages, prompt, opts.requests))
     finally:
         for proc in procs:

@@ -6,6 +6,7 @@ JSON or SSE``. Errors always leave in the OpenAI envelope; bad input is never a 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -232,8 +233,6 @@ async def _guarded(
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run ``work``; cancel it (and so release its sessions) if the client goes away."""
-    import asyncio
-
     task = asyncio.ensure_future(work)
     while True:
         done, _ = await asyncio.wait([task], timeout=0.25)

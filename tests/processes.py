@@ -115,16 +115,21 @@ def start_stages(
 
 
 def start_gateway(
-    stages: Sequence[str], log: Path, extra: Sequence[str] = (), timeout: float = 120.0
+    stages: Sequence[str],
+    log: Path,
+    extra: Sequence[str] = (),
+    timeout: float = 120.0,
+    prefix: Sequence[str] = (),
 ) -> tuple[Proc, str]:
-    """`pipeshard serve` over ``stages`` on a free port; returns it and its URL once ready."""
+    """`pipeshard serve` over ``stages`` on a free port; returns it and its URL once ready.
+
+    ``prefix`` goes before the command (e.g. ``taskset -c 0,1``).
+    """
     import httpx
 
     port = free_port()
-    gateway = Proc(
-        [PIPESHARD, "serve", "--stages", ",".join(stages), "--listen", f"127.0.0.1:{port}", *extra],
-        log,
-    ).start()
+    args = [PIPESHARD, "serve", "--stages", ",".join(stages), "--listen", f"127.0.0.1:{port}"]
+    gateway = Proc([*prefix, *args, *extra], log).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -50,9 +50,8 @@ class Fleet:
         return asyncio.run(infos())
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    base = tmp_path_factory.mktemp("fleet")
+def export_chat_model(base: Path) -> tuple[Path, Path]:
+    """A tiny Qwen2 with a chat template, exported to 2 fp32 stages: (source, export)."""
     source = make_model("qwen2", base / "chat-model", chat_template=CHAT_TEMPLATE)
     export = base / "export"
     export_model(
@@ -60,6 +59,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             model=str(source), out=export, stages=2, weights=WeightSpec(format="fp32"), quiet=True
         )
     )
+    return source, export
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    base = tmp_path_factory.mktemp("fleet")
+    source, export = export_chat_model(base)
     procs, addresses = start_stages(export, base)
     gateway, url = start_gateway(
         addresses,
@@ -390,13 +396,7 @@ def test_operations_endpoints(fleet: Fleet) -> None:
 
 
 def test_stage_failure_mid_stream_ends_with_one_error_event(tmp_path: Path) -> None:
-    source = make_model("qwen2", tmp_path / "chat-model", chat_template=CHAT_TEMPLATE)
-    export = tmp_path / "export"
-    export_model(
-        ExportOptions(
-            model=str(source), out=export, stages=2, weights=WeightSpec(format="fp32"), quiet=True
-        )
-    )
+    _, export = export_chat_model(tmp_path)
     procs, addresses = start_stages(export, tmp_path)
     gateway, url = start_gateway(addresses, tmp_path / "gateway.log")
     try:
