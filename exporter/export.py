@@ -22,7 +22,7 @@ from exporter.plan import (
     StagePlan,
     check_fits,
     check_split,
-    even_split,
+    decode_balanced_split,
     format_plan,
     plan_stages,
     split_for_memory,
@@ -107,7 +107,9 @@ def _resolve_split(
         return split_for_memory(
             facts, options.node_memory, options.weights.format, intermediate, context
         )
-    return even_split(facts.num_layers, options.stages or 1)
+    return decode_balanced_split(
+        facts, options.stages or 1, options.weights.format, intermediate
+    )
 
 
 def _file_entries(root: Path, folder: Path) -> list[FileEntry]:

@@ -9,6 +9,7 @@ from exporter.errors import ExportError
 from exporter.plan import (
     check_fits,
     check_split,
+    decode_balanced_split,
     even_split,
     parse_size,
     plan_stages,
@@ -30,6 +31,23 @@ QWEN15 = ArchitectureFacts(
     final_logit_softcapping=None,
 )
 INTERMEDIATE = 8960
+
+
+def test_default_split_balances_decode_work() -> None:
+    # The int8 lm_head on the last stage weighs ~10 int4 layers: it gets fewer layers.
+    split = decode_balanced_split(QWEN15, 2, "int4", INTERMEDIATE)
+    assert split == [19, 9]
+    plans = plan_stages(QWEN15, split, "int4", INTERMEDIATE, 4096)
+    head = QWEN15.vocab_size * QWEN15.hidden_size
+    work = [plans[0].weight_bytes - head, plans[1].weight_bytes]  # stage 0's embedding is a lookup
+    assert max(work) / min(work) < 1.1
+    assert decode_balanced_split(QWEN15, 1, "int4", INTERMEDIATE) == [28]
+    three = decode_balanced_split(QWEN15, 3, "int4", INTERMEDIATE)
+    assert sum(three) == 28 and three[-1] < three[0]
+    # A head smaller than a layer changes nothing: the split stays even.
+    small = ArchitectureFacts(**{**QWEN15.__dict__, "vocab_size": 256})
+    assert decode_balanced_split(small, 2, "int4", INTERMEDIATE) == [14, 14]
+    assert decode_balanced_split(small, 3, "int4", INTERMEDIATE) == [10, 9, 9]
 
 
 def test_even_split() -> None:
