@@ -107,9 +107,7 @@ def _resolve_split(
         return split_for_memory(
             facts, options.node_memory, options.weights.format, intermediate, context
         )
-    return decode_balanced_split(
-        facts, options.stages or 1, options.weights.format, intermediate
-    )
+    return decode_balanced_split(facts, options.stages or 1, options.weights.format, intermediate)
 
 
 def _file_entries(root: Path, folder: Path) -> list[FileEntry]:

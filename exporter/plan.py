@@ -76,7 +76,7 @@ def decode_balanced_split(
     head = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     best: tuple[float, int, list[int]] | None = None
     for last in range(1, facts.num_layers - stages + 2):
-        split = even_split(facts.num_layers - last, stages - 1) + [last]
+        split = [*even_split(facts.num_layers - last, stages - 1), last]
         cost = max(max(split[:-1]) * per_layer, last * per_layer + head)
         spread = max(split) - min(split)
         if best is None or (cost, spread) < best[:2]:

@@ -7,6 +7,7 @@ JSON or SSE``. Errors always leave in the OpenAI envelope; bad input is never a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import re
@@ -55,7 +56,9 @@ class Gateway:
 
 
 def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(exc.response(), status_code=exc.status, headers=headers)
+    return JSONResponse(
+        exc.response(), status_code=exc.status, headers={**exc.headers, **(headers or {})}
+    )
 
 
 def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None) -> FastAPI:
@@ -81,7 +84,11 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         else:
             codec = codec_from_files(await gateway.pipeline.tokenizer_files(), manifest)
         engine = Engine(
-            gateway.pipeline, codec.eos_ids, manifest.model.max_context, settings.max_concurrent
+            gateway.pipeline,
+            codec.eos_ids,
+            manifest.model.max_context,
+            settings.scheduler_config(),
+            gateway.metrics,
         )
         model = settings.model_name or manifest.model.model_id
         gateway.service = CompletionService(
@@ -90,6 +97,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         gateway.created = int(time.time())
         log.info("serving %s over %d stage(s)", model, manifest.num_stages)
         yield
+        await engine.close()
         await gateway.pipeline.close()
 
     app = FastAPI(title="pipeshard", version="0.1.0", lifespan=lifespan)
@@ -152,7 +160,8 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         prefix = "chatcmpl" if prepared_kind is ChatCompletionRequest else "cmpl"
         prep = svc.prepare(req, f"{prefix}-{request.state.request_id}")
         if prep.stream:
-            stream = await svc.open_stream(prep)
+            # Waits for the first token (a queued request waits here): leaving frees its place.
+            stream = await _until_disconnect(request, svc.open_stream(prep))
             return StreamingResponse(stream, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
         result = await _until_disconnect(request, svc.complete(prep))
         return JSONResponse(result.model_dump(mode="json"))
@@ -197,8 +206,6 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if gateway.service is not None:
-            gateway.metrics.queued.set(gateway.service.engine.queued)
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -232,15 +239,26 @@ async def _guarded(
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run ``work``; cancel it (and so release its sessions) if the client goes away."""
+    """Run ``work``; cancel it (and so free its queue place or sessions) if the client leaves."""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait([task], timeout=0.25)
-        if done:
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
             return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise APIError(499, "client closed the request")
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise APIError(499, "client closed the request")
+    finally:
+        watcher.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the request body was read already)."""
+    # request.is_disconnected() only peeks and, behind an http middleware, never sees it.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _body_schema(model: type[Any]) -> dict[str, Any]:

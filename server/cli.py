@@ -245,7 +245,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step-timeout", type=float, help="seconds one pipeline step may take")
     p.add_argument("--start-timeout", type=float, help="seconds to wait for the stages")
     p.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
-    p.add_argument("--max-concurrent", type=int, help="choices generating at once")
+    p.add_argument("--max-concurrent", type=int, help="choices generating at once (16)")
+    p.add_argument("--max-queued", type=int, help="choices waiting; beyond it 429 (64)")
+    p.add_argument("--queue-timeout", type=float, help="seconds a choice may wait (120)")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step (256)")
+    p.add_argument(
+        "--max-prefill-in-flight", type=int, help="prefill chunks in the ring at once (1)"
+    )
     p.add_argument("--config", type=Path, help="TOML file with the same settings")
 
 

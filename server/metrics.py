@@ -35,10 +35,23 @@ class GatewayMetrics:
             "pipeshard_gateway_generated_tokens", "Tokens generated", registry=self.registry
         )
         self.running = Gauge(
-            "pipeshard_gateway_requests_running", "Choices generating now", registry=self.registry
+            "pipeshard_gateway_requests_running",
+            "Choices holding a running slot (a KV session on every stage)",
+            registry=self.registry,
         )
         self.queued = Gauge(
             "pipeshard_gateway_requests_queued",
-            "Choices waiting for a slot",
+            "Choices waiting in the queue for a running slot",
+            registry=self.registry,
+        )
+        self.steps_in_flight = Gauge(
+            "pipeshard_gateway_steps_in_flight",
+            "Steps sent into the stage ring and not yet returned (one per running choice at most)",
+            registry=self.registry,
+        )
+        self.queue_seconds = Histogram(
+            "pipeshard_gateway_queue_seconds",
+            "Time a choice waited in the queue before it got a running slot",
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )

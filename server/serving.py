@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from server.detokenizer import IncrementalDetokenizer
-from server.engine import Engine, GenerationRequest, GenerationStats, QueueFull
+from server.engine import Engine, GenerationRequest, GenerationStats, QueueFull, QueueTimeout
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineError
 from server.protocol import (
@@ -76,7 +77,17 @@ def generation_api_error(exc: BaseException) -> APIError | None:
     if isinstance(exc, PipelineError):
         return pipeline_api_error(exc)
     if isinstance(exc, QueueFull):
-        return APIError(429, str(exc), type="rate_limit_exceeded")
+        return APIError(
+            429,
+            f"The server is busy: {exc}. Retry later.",
+            type="rate_limit_exceeded",
+            code="queue_full",
+            headers={"Retry-After": str(math.ceil(exc.retry_after))},
+        )
+    if isinstance(exc, QueueTimeout):
+        return APIError(
+            503, f"The server is busy: {exc}.", type="service_unavailable", code="queue_timeout"
+        )
     return None
 
 
@@ -197,7 +208,6 @@ class CompletionService:
         stats = GenerationStats()
         received = time.perf_counter()
         last = received
-        self.metrics.running.inc()
         finish: FinishReason = "length"
         try:
             async with contextlib.aclosing(
@@ -224,7 +234,6 @@ class CompletionService:
                 tail = "" if detok.stopped else detok.finish()
                 yield ChoiceEvent(index, tail, None, finish)
         finally:
-            self.metrics.running.dec()
             elapsed = time.perf_counter() - received
             ttft = f"{stats.first_token_s * 1000:.0f} ms" if stats.first_token_s else "-"
             log.info(
@@ -278,7 +287,7 @@ class CompletionService:
             results = await asyncio.gather(
                 *(self._run_choice(prep, i) for i in range(prep.generation.n))
             )
-        except (PipelineError, QueueFull) as exc:
+        except (PipelineError, QueueFull, QueueTimeout) as exc:
             error = generation_api_error(exc)
             assert error is not None
             raise error from exc

@@ -14,6 +14,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from server.scheduler import SchedulerConfig
+
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PIPESHARD_GATEWAY_", extra="forbid")
@@ -43,9 +45,32 @@ class GatewaySettings(BaseSettings):
     )
     max_body_bytes: int = Field(default=4 * 2**20, gt=0, description="larger requests get 413")
     max_concurrent: int = Field(
-        default=16, ge=1, description="requests generating at once; the rest wait in the queue"
+        default=16,
+        ge=1,
+        description="choices generating at once, each with a KV session on every stage",
+    )
+    max_queued: int = Field(
+        default=64, ge=0, description="choices waiting for a slot; beyond it requests get 429"
+    )
+    queue_timeout: float = Field(
+        default=120.0, gt=0, description="seconds a choice may wait in the queue (then 503)"
+    )
+    prefill_chunk: int = Field(
+        default=256, ge=1, description="prompt tokens per prefill step (long prompts in chunks)"
+    )
+    max_prefill_in_flight: int = Field(
+        default=1, ge=1, description="prefill chunks in the stage ring at once"
     )
     log_level: str = Field(default="INFO")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_running=self.max_concurrent,
+            max_queued=self.max_queued,
+            queue_timeout=self.queue_timeout,
+            prefill_chunk=self.prefill_chunk,
+            max_prefill_in_flight=self.max_prefill_in_flight,
+        )
 
     @field_validator("stages", "api_keys", mode="before")
     @classmethod

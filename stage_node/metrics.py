@@ -29,6 +29,16 @@ class StageMetrics:
             ["direction"],
             registry=self.registry,
         )
+        self.steps_in_flight = Gauge(
+            "pipeshard_stage_steps_in_flight",
+            "Steps received and not yet passed on (waiting or computing)",
+            registry=self.registry,
+        )
+        self.busy_seconds = Counter(
+            "pipeshard_stage_busy_seconds",
+            "Time spent computing steps; its rate / streams is the busy fraction",
+            registry=self.registry,
+        )
         self.errors = Counter(
             "pipeshard_stage_errors",
             "Failed steps by gRPC status code",

@@ -54,6 +54,7 @@ class RunnerOptions:
     inference_precision: str | None = None
     cache_dir: Path | None = None  # OpenVINO CACHE_DIR: a restart does not recompile
     max_sessions: int = 64
+    streams: int = 1  # sessions computed at the same time (NUM_STREAMS on CPU)
     properties: dict[str, Any] = field(default_factory=dict)  # passed through verbatim
 
     def compile_properties(self) -> dict[str, Any]:
@@ -61,6 +62,8 @@ class RunnerOptions:
         cpu = self.device.upper().startswith("CPU")
         if cpu and self.threads > 0:
             props["INFERENCE_NUM_THREADS"] = self.threads
+        if cpu and self.streams > 1:
+            props["NUM_STREAMS"] = self.streams
         if self.kv_cache_precision:
             props["KV_CACHE_PRECISION"] = self.kv_cache_precision
         # On CPUs with bf16 the plugin computes in bf16 by default, and where a graph is cut

@@ -93,6 +93,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
         inference_precision=settings.inference_precision,
         cache_dir=settings.ov_cache_dir,
         max_sessions=settings.max_sessions,
+        streams=settings.streams,
     )
     if settings.ov_cache_dir is not None:
         settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,10 @@
 
 Steps arrive on long-lived ``Push`` streams. Each step runs after the previous step of the same
 session (a chain of tasks per session) and concurrently with other sessions' steps, up to
-``streams`` at a time. A step that fails here is not dropped: it travels on with its error set,
-so the last stage reports it to the gateway that sent it, and the gateway never waits in vain.
+``streams`` at a time, in arrival order (the inference pool is FIFO). The model side is a
+:class:`stage_node.backend.StageBackend`. A step that fails here is not dropped: it travels on
+with its error set, so the last stage reports it to the gateway that sent it, and the gateway
+never waits in vain.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from protos.codec import (
     tensor_to_numpy,
 )
 from protos.transport import call_metadata, open_channel
+from stage_node.backend import StatefulBackend, StepExpired, StepInput, StepOutcome
 from stage_node.metrics import StageMetrics
 from stage_node.runner import (
     CapacityExceeded,
@@ -37,15 +40,10 @@ from stage_node.runner import (
     SessionNotFound,
     ShardRunner,
 )
-from stage_node.sampling import SampledToken, sample
 from stage_node.settings import StageSettings
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
-
-
-class StepExpired(Exception):
-    """The step's deadline passed before this stage got to it."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -130,7 +128,8 @@ class StageService(pb_grpc.StageServicer):
         self.manifest_json = manifest_json
         self.index = runner.stage.index
         self.hidden_dtype = HIDDEN_DTYPES[settings.hidden_dtype]
-        self.pool = ThreadPoolExecutor(settings.streams, thread_name_prefix="infer")
+        self.backend = StatefulBackend(runner, metrics, settings.streams)
+        self.pool = ThreadPoolExecutor(self.backend.parallelism, thread_name_prefix="infer")
         self.downstream: Downstream | None = None
         self.results: dict[str, asyncio.Queue[pb.StepResult]] = {}
         self._tails: dict[str, asyncio.Task[None]] = {}
@@ -243,56 +242,55 @@ class StageService(pb_grpc.StageServicer):
             log.exception("step %s/%d could not be delivered", step.session_id, step.step_id)
 
     async def _run(self, step: pb.Step) -> None:
-        output: np.ndarray | list[SampledToken] | None = None
-        if not step.HasField("error"):
-            try:
+        output: StepOutcome = None
+        self.metrics.steps_in_flight.inc()
+        try:
+            if not step.HasField("error"):
                 output = await asyncio.get_running_loop().run_in_executor(
                     self.pool, self._compute, step
                 )
-            except Exception as exc:
-                code, message = status_for(exc)
+            if isinstance(output, Exception):
+                code, message = status_for(output)
                 self.metrics.errors.labels(code.name).inc()
                 step.error.CopyFrom(
                     pb.StepError(code=code.value[0], message=message, stage=self.index)
                 )
-        self.metrics.sessions.set(self.runner.session_count)
-        if self.runner.is_last:
-            self._deliver(step, output)
-        else:
-            self._forward(step, output)
+                output = None
+            self.metrics.sessions.set(self.runner.session_count)
+            if self.runner.is_last:
+                self._deliver(step, output)
+            else:
+                self._forward(step, output)
+        finally:
+            self.metrics.steps_in_flight.dec()
 
-    def _compute(self, step: pb.Step) -> np.ndarray | list[SampledToken] | None:
-        """Runs in the inference pool: rollback, forward, and on the last stage sampling."""
-        if step.deadline_unix_ms and time.time() * 1000 > step.deadline_unix_ms:
-            raise StepExpired(
-                f"step {step.step_id} arrived at stage {self.index} after its deadline"
-            )
-        if step.rollback:
-            self.runner.rollback(step.session_id, step.rollback)
-        if self.runner.is_first:
-            data = np.asarray(step.token_ids, dtype=np.int64)
-        elif step.HasField("hidden"):
-            data = tensor_to_numpy(step.hidden)
-        else:
-            data = np.zeros((0, self.runner.hidden_size), dtype=np.float32)
-        count = len(data)
-        if count == 0:
-            if step.rollback:
-                return None  # a pure rollback
-            raise InvalidStageInput("a step must carry tokens or a rollback")
-        positions = np.arange(step.start_position, step.start_position + count, dtype=np.int64)
-        num_logits = max(1, step.num_logits)
-        phase = "prefill" if count > 1 else "decode"
+    def _compute(self, step: pb.Step) -> StepOutcome:
+        """Runs in the inference pool: the step's input from the wire, then the backend."""
         started = time.perf_counter()
-        out = self.runner.forward(step.session_id, data, positions, num_logits)
-        self.metrics.forward_seconds.labels(phase).observe(time.perf_counter() - started)
-        self.metrics.tokens.labels(phase).inc(count)
-        if not self.runner.is_last:
-            return out
-        params = sampling_from_pb(step.sampling)
-        history = list(step.history)
-        first = step.start_position + count - num_logits
-        return [sample(row, params, first + i + 1, history) for i, row in enumerate(out)]
+        try:
+            if self.runner.is_first:
+                data = np.asarray(step.token_ids, dtype=np.int64)
+            elif step.HasField("hidden"):
+                data = tensor_to_numpy(step.hidden)
+            else:
+                data = np.zeros((0, self.runner.hidden_size), dtype=np.float32)
+            item = StepInput(
+                session_id=step.session_id,
+                step_id=step.step_id,
+                data=data,
+                start_position=step.start_position,
+                rollback=step.rollback,
+                num_logits=step.num_logits,
+                sampling=sampling_from_pb(step.sampling),
+                history=step.history,
+                deadline_unix_ms=step.deadline_unix_ms,
+            )
+        except Exception as exc:
+            return exc
+        try:
+            return self.backend.compute([item])[0]
+        finally:
+            self.metrics.busy_seconds.inc(time.perf_counter() - started)
 
     def _forward(self, step: pb.Step, output: Any) -> None:
         step.ClearField("token_ids")

@@ -1,0 +1,290 @@
+"""The micro-batch scheduler: which sequences' steps enter the stage ring next.
+
+A synchronous state machine with no I/O and no clock of its own, so it is tested without a
+model; :class:`server.engine.Engine` drives it from a thin async loop::
+
+    add(seq) -> queued (or QueueFull)      cancel(id) -> leaves the queue, or stops after its step
+    next_work(now) -> [Work]               on_result(id, token) / on_error(id, exc)
+    expire(now) -> [ids waiting too long]  take_releases() -> [ids whose sessions to free]
+    take_admitted() -> [sequences that left the queue]
+
+Policy
+------
+* **Admission.** At most ``max_running`` sequences hold KV sessions on the stages. Others wait
+  in a FIFO queue of at most ``max_queued``; beyond that :meth:`add` raises :class:`QueueFull`
+  (the gateway answers 429 with ``Retry-After``). A sequence that waits longer than
+  ``queue_timeout`` seconds leaves the queue with :class:`QueueTimeout`. A cancelled queued
+  sequence leaves the queue at once and frees its place.
+* **One step per sequence in the ring.** A sequence's next step needs the token its last step
+  sampled, so each running sequence has at most one step in flight. Steps of different
+  sequences are in flight together: while stage 1 computes A's step, stage 0 computes B's. With
+  at least as many running sequences as stages, every stage has work.
+* **Decode first, prefill in chunks.** A prompt is fed in chunks of at most ``prefill_chunk``
+  tokens. Every tick, each decoding sequence whose last step has returned gets its next step at
+  once, in order of when it was last served (round robin). Prefill chunks are issued only while
+  fewer than ``max_prefill_in_flight`` chunks are in the ring (oldest sequence first). Stages
+  compute steps in arrival order, so a decode step waits behind at most that many chunks per
+  stage: a 2,000-token prompt delays the others by about one chunk's compute per token they
+  generate, never by the whole prompt, and it still advances by one chunk per round.
+* **Independence from load.** A sequence's tokens depend only on its own steps (each has its
+  own session on every stage, and sampling draws from ``(seed, position)``), so its output is
+  the same whether it runs alone or beside others; only its timing changes.
+
+A later backend that runs many sessions' tokens in one inference call can take one tick's
+``next_work`` list as one batch: the contract (work items in, one sampled token per item out)
+stays the same.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+class QueueFull(Exception):
+    """The waiting queue is full: the caller should retry later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueTimeout(Exception):
+    """A request waited in the queue longer than the configured limit."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 16  # sequences holding KV sessions on the stages
+    max_queued: int = 256  # sequences waiting for a running slot
+    queue_timeout: float = 300.0  # seconds a sequence may wait in the queue
+    prefill_chunk: int = 256  # prompt tokens per prefill step
+    max_prefill_in_flight: int = 1  # prefill chunks in the ring at once
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "prefill_chunk", "max_prefill_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_queued < 0 or self.queue_timeout <= 0:
+            raise ValueError("max_queued must be >= 0 and queue_timeout > 0")
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class Work:
+    """One step to send through the ring for one sequence."""
+
+    seq_id: str
+    tokens: tuple[int, ...]
+    start_position: int
+    prefill: bool  # a prompt chunk (else one decode token)
+    samples: bool  # the sampled token is the sequence's next token (last chunk or decode)
+
+
+@dataclass
+class Sequence:
+    """One generation (one choice of one request): its own KV session on every stage."""
+
+    seq_id: str
+    prompt: list[int]
+    max_tokens: int
+    arrival: float
+    phase: Phase = Phase.QUEUED
+    admitted: float | None = None
+    fed: int = 0  # positions sent into the ring so far
+    generated: list[int] = field(default_factory=list)
+    in_flight: Work | None = None
+    last_served: float = 0.0
+    cancelled: bool = False
+    error: BaseException | None = None
+
+    @property
+    def opened(self) -> bool:
+        """Whether a step went into the ring (so stages may hold a session to free)."""
+        return self.fed > 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.eos_ids = frozenset(eos_ids)
+        self.sequences: dict[str, Sequence] = {}
+        self.queue: deque[str] = deque()
+        self.running: list[str] = []  # admission order
+        self._releases: list[str] = []
+        self._admitted: list[Sequence] = []
+        self._clock = 0.0  # the latest `now` seen, orders round-robin service
+
+    # -- admission --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.sequences:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        if not seq.prompt:
+            raise ValueError("a sequence needs at least one prompt token")
+        if seq.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        free = self.config.max_running - len(self.running)
+        if len(self.queue) >= self.config.max_queued + max(0, free):
+            raise QueueFull(
+                f"{len(self.running)} requests are running and {len(self.queue)} are waiting "
+                f"(limits {self.config.max_running} and {self.config.max_queued})",
+                retry_after=self.retry_after(),
+            )
+        self.sequences[seq.seq_id] = seq
+        self.queue.append(seq.seq_id)
+
+    def retry_after(self) -> float:
+        """A hint for HTTP Retry-After: seconds until a place is likely to free up."""
+        return 1.0 + len(self.queue) / max(1, self.config.max_running)
+
+    def expire(self, now: float) -> list[str]:
+        """Queued sequences past their waiting limit: they leave with QueueTimeout."""
+        expired = [
+            sid
+            for sid in self.queue
+            if now - self.sequences[sid].arrival > self.config.queue_timeout
+        ]
+        for sid in expired:
+            self.queue.remove(sid)
+            seq = self.sequences[sid]
+            seq.phase = Phase.DONE
+            seq.error = QueueTimeout(
+                f"request waited {now - seq.arrival:.1f}s in the queue "
+                f"(limit {self.config.queue_timeout:g}s)"
+            )
+        return expired
+
+    def cancel(self, seq_id: str) -> None:
+        """The caller lost interest: leave the queue now, or stop after the step in flight."""
+        seq = self.sequences.get(seq_id)
+        if seq is None or seq.phase is Phase.DONE:
+            self.forget(seq_id)
+            return
+        seq.cancelled = True
+        if seq.phase is Phase.QUEUED:
+            self.queue.remove(seq_id)
+            seq.phase = Phase.DONE
+            self.forget(seq_id)
+        elif seq.in_flight is None:
+            self._finish(seq)
+            self.forget(seq_id)
+
+    def forget(self, seq_id: str) -> None:
+        """Drop a finished sequence's bookkeeping (its consumer has seen the end)."""
+        seq = self.sequences.get(seq_id)
+        if seq is not None and seq.phase is Phase.DONE and seq.in_flight is None:
+            del self.sequences[seq_id]
+
+    # -- deciding the next steps ------------------------------------------------------------
+    def _admit(self, now: float) -> None:
+        while self.queue and len(self.running) < self.config.max_running:
+            seq = self.sequences[self.queue.popleft()]
+            seq.phase = Phase.PREFILL
+            seq.admitted = now
+            seq.last_served = now
+            self.running.append(seq.seq_id)
+            self._admitted.append(seq)
+
+    def next_work(self, now: float) -> list[Work]:
+        """Steps to send now: decode steps of every ready sequence, then prefill chunks."""
+        self._clock = max(self._clock, now)
+        self._admit(now)
+        ready = [
+            self.sequences[sid] for sid in self.running if self.sequences[sid].in_flight is None
+        ]
+        work: list[Work] = []
+        decoding = sorted(
+            (s for s in ready if s.phase is Phase.DECODE), key=lambda s: s.last_served
+        )
+        for seq in decoding:
+            position = len(seq.prompt) + len(seq.generated) - 1
+            work.append(self._issue(seq, (seq.generated[-1],), position, prefill=False))
+        chunks = sum(
+            1
+            for sid in self.running
+            if (w := self.sequences[sid].in_flight) is not None and w.prefill
+        )
+        for seq in (s for s in ready if s.phase is Phase.PREFILL):  # admission order
+            if chunks >= self.config.max_prefill_in_flight:
+                break
+            end = min(len(seq.prompt), seq.fed + self.config.prefill_chunk)
+            work.append(self._issue(seq, tuple(seq.prompt[seq.fed : end]), seq.fed, prefill=True))
+            chunks += 1
+        return work
+
+    def _issue(self, seq: Sequence, tokens: tuple[int, ...], start: int, prefill: bool) -> Work:
+        samples = not prefill or start + len(tokens) == len(seq.prompt)
+        item = Work(seq.seq_id, tokens, start, prefill=prefill, samples=samples)
+        seq.in_flight = item
+        seq.fed = start + len(tokens)
+        seq.last_served = self._clock
+        return item
+
+    # -- taking results ---------------------------------------------------------------------
+    def on_result(self, seq_id: str, token: int | None) -> bool:
+        """A step came back; ``token`` is what it sampled. True when this emits a token.
+
+        The emitted token is ``sequences[seq_id].generated[-1]``; after the last one the
+        sequence is done and its session is queued for release.
+        """
+        seq = self.sequences[seq_id]
+        item = seq.in_flight
+        if item is None:
+            raise ValueError(f"sequence {seq_id!r} has no step in flight")
+        seq.in_flight = None
+        if seq.cancelled:  # nobody waits for it any more
+            self._finish(seq)
+            self.forget(seq_id)
+            return False
+        if not item.samples:
+            return False  # a prompt chunk that is not the last
+        if token is None:
+            raise ValueError(f"the step of {seq_id!r} should have sampled a token")
+        seq.phase = Phase.DECODE
+        seq.generated.append(token)
+        if token in self.eos_ids or len(seq.generated) >= seq.max_tokens:
+            self._finish(seq)
+        return True
+
+    def on_error(self, seq_id: str, error: BaseException) -> None:
+        """The step failed: the sequence ends with ``error``; stages may hold its session."""
+        seq = self.sequences[seq_id]
+        seq.in_flight = None
+        seq.error = error
+        self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.phase is Phase.DONE:
+            return
+        seq.phase = Phase.DONE
+        if seq.seq_id in self.running:
+            self.running.remove(seq.seq_id)
+        if seq.opened:
+            self._releases.append(seq.seq_id)
+
+    def take_releases(self) -> list[str]:
+        """Sessions of finished sequences to free on every stage (each reported once)."""
+        out, self._releases = self._releases, []
+        return out
+
+    def take_admitted(self) -> list[Sequence]:
+        """Sequences that left the queue for a running slot since the last call."""
+        out, self._admitted = self._admitted, []
+        return out
+
+    # -- introspection ----------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return len(self.queue)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for sid in self.running if self.sequences[sid].in_flight is not None)

@@ -1,0 +1,171 @@
+"""Many users at once over HTTP: interleaved through the real stage ring, with admission control.
+
+Stage 0 sits behind the latency-injecting proxy (25 ms each way), so every step takes a while
+and requests really overlap, as they would across a network.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from benchmarks.latency_proxy import start_in_thread
+from tests.processes import start_gateway, start_stages
+from tests.test_gateway import export_chat_model
+
+EOS = 2
+MAX_RUNNING = 8
+
+
+@dataclass
+class Fleet:
+    url: str
+    stages: list[str]
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        assert match, name
+        return float(match.group(1))
+
+    def wait_metric(self, name: str, value: float, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.metric(name) != value:
+            assert time.monotonic() < deadline, f"{name} stayed {self.metric(name)}, not {value}"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    base = tmp_path_factory.mktemp("microbatch")
+    _, export = export_chat_model(base)
+    procs, addresses = start_stages(export, base)
+    host, port = addresses[0].rsplit(":", 1)
+    proxy, stop_proxy = start_in_thread("127.0.0.1", 0, host, int(port), 0.025)
+    gateway, url = start_gateway(
+        [f"127.0.0.1:{proxy.port}", *addresses[1:]],
+        base / "gateway.log",
+        ["--max-concurrent", str(MAX_RUNNING), "--max-queued", "1", "--prefill-chunk", "8"],
+    )
+    try:
+        yield Fleet(url, addresses)
+    finally:
+        gateway.stop()
+        stop_proxy()
+        for proc in procs:
+            proc.stop()
+
+
+def request(i: int) -> dict[str, Any]:
+    """Eight different requests: greedy and seeded sampling, short and chunked prompts."""
+    words = " ".join(["fox", "dog", "cat", "owl"][j % 4] for j in range(3 + 5 * i))
+    body: dict[str, Any] = {
+        "model": "chat-model",
+        "messages": [{"role": "user", "content": f"{i} {words}"}],
+        "max_tokens": 24,
+        "temperature": 0.0,
+    }
+    if i % 2:
+        body.update(temperature=0.9, top_p=0.9, seed=1000 + i)
+    return body
+
+
+def stream_text(fleet: Fleet, body: dict[str, Any]) -> str:
+    pieces = []
+    for chunk in fleet.client().chat.completions.create(stream=True, **body):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    return "".join(pieces)
+
+
+def test_concurrent_streams_equal_the_same_requests_one_by_one(fleet: Fleet) -> None:
+    bodies = [request(i) for i in range(8)]
+    alone = [stream_text(fleet, body) for body in bodies]
+    assert len(set(alone)) > 4 and all(alone)  # different requests, real text
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda b: stream_text(fleet, b), bodies))
+    assert together == alone
+    # the prompts of 8+ tokens went through the ring in chunks of 8, and nothing is left
+    fleet.wait_metric("pipeshard_gateway_requests_running", 0)
+    assert fleet.metric("pipeshard_gateway_queue_seconds_count") >= 16
+
+
+def test_beyond_the_limit_requests_queue_then_get_429_and_cancelled_ones_leave(
+    fleet: Fleet,
+) -> None:
+    holders_started = threading.Barrier(MAX_RUNNING + 1, timeout=60)
+    hold = {
+        "model": "chat-model",
+        "messages": [{"role": "user", "content": "hold the line"}],
+        "max_tokens": 200,
+        "temperature": 0.0,
+        "logit_bias": {str(EOS): -100},  # no early end: each holds its slot for 200 steps
+        "stream": True,
+    }
+
+    def holder() -> int:
+        tokens = 0
+        started = False
+        for chunk in fleet.client().chat.completions.create(
+            **hold, stream_options={"include_usage": True}
+        ):
+            if not started:
+                started = True
+                holders_started.wait()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens
+
+    with ThreadPoolExecutor(MAX_RUNNING) as pool:
+        holders = [pool.submit(holder) for _ in range(MAX_RUNNING)]
+        holders_started.wait()  # all 8 slots are generating
+        assert fleet.metric("pipeshard_gateway_requests_running") == MAX_RUNNING
+
+        body = {**hold, "max_tokens": 2}
+        # A 9th request waits in the queue (here: until its client gives up after 1 s).
+        waiter = threading.Thread(target=give_up_after, args=(fleet, body, 1.0))
+        waiter.start()
+        fleet.wait_metric("pipeshard_gateway_requests_queued", 1)
+        # The queue holds 1: a 10th is refused at once with 429 and Retry-After.
+        refused = httpx.post(f"{fleet.url}/v1/chat/completions", json=body, timeout=10)
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_exceeded"
+        assert refused.json()["error"]["code"] == "queue_full"
+        # The 9th's client goes away: its place in the queue is freed...
+        waiter.join()
+        fleet.wait_metric("pipeshard_gateway_requests_queued", 0)
+        # ...so the next request is queued again rather than refused, and completes.
+        late: list[httpx.Response] = []
+        taker = threading.Thread(
+            target=lambda: late.append(
+                httpx.post(
+                    f"{fleet.url}/v1/chat/completions", json={**body, "stream": False}, timeout=60
+                )
+            )
+        )
+        taker.start()
+        fleet.wait_metric("pipeshard_gateway_requests_queued", 1)
+        assert all(not h.done() for h in holders)  # the slots were full all along
+        assert [h.result() for h in holders] == [hold["max_tokens"]] * MAX_RUNNING
+        taker.join()
+    assert late[0].status_code == 200
+    assert late[0].json()["usage"]["completion_tokens"] == 2
+    fleet.wait_metric("pipeshard_gateway_requests_running", 0)
+
+
+def give_up_after(fleet: Fleet, body: dict[str, Any], seconds: float) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{fleet.url}/v1/chat/completions", json=body, timeout=seconds)

@@ -1,0 +1,234 @@
+"""The micro-batch scheduler as a state machine, driven by fabricated stage results."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.scheduler import (
+    Phase,
+    QueueFull,
+    QueueTimeout,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    Work,
+)
+
+EOS = 0
+
+
+def seq(name: str, prompt: int = 4, max_tokens: int = 8, arrival: float = 0.0) -> Sequence:
+    return Sequence(name, list(range(1, prompt + 1)), max_tokens, arrival)
+
+
+def token_for(item: Work) -> int | None:
+    """A fabricated sample: a token that depends on where the step is, never EOS."""
+    return 100 + item.start_position + len(item.tokens) if item.samples else None
+
+
+def complete(s: Scheduler, work: list[Work]) -> None:
+    for item in work:
+        s.on_result(item.seq_id, token_for(item))
+
+
+def test_prefill_then_decode_positions_and_tokens() -> None:
+    s = Scheduler(SchedulerConfig(prefill_chunk=256), eos_ids=[EOS])
+    s.add(seq("a", prompt=5, max_tokens=3))
+    first = s.next_work(0.0)
+    assert first == [Work("a", (1, 2, 3, 4, 5), 0, prefill=True, samples=True)]
+    assert s.next_work(0.0) == []  # one step per sequence in the ring
+    assert s.on_result("a", 42) is True
+    assert s.sequences["a"].generated == [42]
+    assert s.next_work(0.1) == [Work("a", (42,), 5, prefill=False, samples=True)]
+    s.on_result("a", 43)
+    assert s.next_work(0.2) == [Work("a", (43,), 6, prefill=False, samples=True)]
+    s.on_result("a", 44)  # max_tokens reached
+    assert s.sequences["a"].phase is Phase.DONE
+    assert s.next_work(0.3) == []
+    assert s.take_releases() == ["a"]
+    assert s.take_releases() == []
+
+
+def test_eos_ends_a_sequence() -> None:
+    s = Scheduler(SchedulerConfig(), eos_ids=[EOS])
+    s.add(seq("a", max_tokens=100))
+    s.next_work(0.0)
+    s.on_result("a", 7)
+    s.next_work(0.0)
+    s.on_result("a", EOS)
+    assert s.sequences["a"].generated == [7, EOS]
+    assert s.sequences["a"].phase is Phase.DONE
+    assert s.take_releases() == ["a"]
+
+
+def test_long_prompt_goes_in_chunks_and_only_the_last_samples() -> None:
+    s = Scheduler(SchedulerConfig(prefill_chunk=256))
+    s.add(seq("a", prompt=600))
+    chunks = []
+    for _ in range(3):
+        [item] = s.next_work(0.0)
+        chunks.append(item)
+        assert s.on_result("a", token_for(item)) is item.samples
+    assert [(c.start_position, len(c.tokens), c.samples) for c in chunks] == [
+        (0, 256, False),
+        (256, 256, False),
+        (512, 88, True),
+    ]
+    assert [t for c in chunks for t in c.tokens] == list(range(1, 601))
+    assert s.sequences["a"].generated == [token_for(chunks[-1])]
+
+
+def test_decode_steps_are_not_frozen_by_a_long_prefill() -> None:
+    s = Scheduler(SchedulerConfig(prefill_chunk=100, max_prefill_in_flight=1))
+    s.add(seq("short", prompt=3, max_tokens=50))
+    complete(s, s.next_work(0.0))  # "short" is decoding now
+    s.add(seq("long", prompt=1000, max_tokens=5))
+    decode_steps_during_prefill = 0
+    rounds = 0
+    while s.sequences["long"].phase is not Phase.DECODE:
+        work = s.next_work(float(rounds))
+        rounds += 1
+        kinds = sorted((w.seq_id, w.prefill) for w in work)
+        # every round: one decode step for "short" beside at most one chunk of "long"
+        assert ("short", False) in kinds
+        assert sum(1 for w in work if w.prefill) <= 1
+        decode_steps_during_prefill += 1
+        complete(s, work)
+    assert rounds == 10  # 1000 tokens in chunks of 100
+    assert decode_steps_during_prefill == 10
+
+
+def test_prefill_chunks_in_flight_are_bounded_and_oldest_first() -> None:
+    s = Scheduler(SchedulerConfig(prefill_chunk=10, max_prefill_in_flight=2))
+    for name in ("a", "b", "c"):
+        s.add(seq(name, prompt=30))
+    work = s.next_work(0.0)
+    assert [w.seq_id for w in work] == ["a", "b"]
+    assert s.next_work(0.0) == []  # both chunk slots are taken
+    s.on_result("a", None)
+    assert [w.seq_id for w in s.next_work(0.0)] == ["a"]  # oldest first, "c" still waits
+
+
+def test_every_running_sequence_has_a_step_in_the_ring() -> None:
+    # With as many decoding sequences as steps the ring can hold, every stage has work.
+    s = Scheduler(SchedulerConfig(max_running=8, max_prefill_in_flight=8))
+    for i in range(8):
+        s.add(seq(f"s{i}"))
+    prefill = s.next_work(0.0)
+    assert len(prefill) == 8 and s.in_flight == 8
+    complete(s, prefill)
+    decode = s.next_work(1.0)
+    assert len(decode) == 8 and all(not w.prefill for w in decode)
+    assert s.in_flight == 8
+
+
+def test_round_robin_serves_the_longest_waiting_first() -> None:
+    s = Scheduler(SchedulerConfig(max_prefill_in_flight=3))
+    for name in ("a", "b", "c"):
+        s.add(seq(name, max_tokens=100))
+    complete(s, s.next_work(0.0))
+    # "c" and "a" came back and were served at t=1; "b" has waited since t=0.
+    work = s.next_work(1.0)
+    by_id = {w.seq_id: w for w in work}
+    s.on_result("c", token_for(by_id["c"]))
+    s.on_result("a", token_for(by_id["a"]))
+    s.on_result("b", token_for(by_id["b"]))
+    s.next_work(2.0)  # all three again, now served at t=2 in last_served order
+    counts = {name: len(s.sequences[name].generated) for name in ("a", "b", "c")}
+    assert counts == {"a": 2, "b": 2, "c": 2}  # nobody is skipped
+    for name in ("a", "b", "c"):
+        s.on_result(name, 5)
+    s.sequences["b"].last_served = -1.0  # b has waited longest
+    order = [w.seq_id for w in s.next_work(3.0)]
+    assert order[0] == "b"
+
+
+def test_admission_limits_queue_and_429() -> None:
+    s = Scheduler(SchedulerConfig(max_running=2, max_queued=1))
+    s.add(seq("a"))
+    s.add(seq("b"))
+    s.add(seq("c"))  # queued (a and b take the running slots at the next tick)
+    with pytest.raises(QueueFull) as info:
+        s.add(seq("d"))
+    assert info.value.retry_after >= 1
+    s.next_work(0.0)
+    assert s.running == ["a", "b"] and list(s.queue) == ["c"]
+    with pytest.raises(QueueFull):
+        s.add(seq("d"))
+    with pytest.raises(ValueError, match="already"):
+        s.add(seq("a"))
+    # "a" finishes: "c" takes its slot, and there is room in the queue again
+    s.on_error("a", RuntimeError("boom"))
+    s.next_work(1.0)
+    assert s.running == ["b", "c"]
+    assert [q.seq_id for q in s.take_admitted()] == ["a", "b", "c"]
+    s.add(seq("d"))
+    assert list(s.queue) == ["d"]
+
+
+def test_cancelling_a_queued_request_frees_its_place() -> None:
+    s = Scheduler(SchedulerConfig(max_running=1, max_queued=1))
+    s.add(seq("a"))
+    s.next_work(0.0)
+    s.add(seq("b"))
+    with pytest.raises(QueueFull):
+        s.add(seq("c"))
+    s.cancel("b")
+    assert "b" not in s.sequences
+    s.add(seq("c"))
+    assert list(s.queue) == ["c"]
+    assert s.take_releases() == []  # "b" never reached a stage
+
+
+def test_cancelling_a_running_request_releases_after_its_step() -> None:
+    s = Scheduler(SchedulerConfig())
+    s.add(seq("a"))
+    [item] = s.next_work(0.0)
+    s.cancel("a")
+    assert s.take_releases() == []  # its step is still in the ring
+    assert s.on_result("a", token_for(item)) is False  # the token is not emitted
+    assert s.take_releases() == ["a"]
+    assert "a" not in s.sequences
+    assert s.next_work(1.0) == []
+    # A sequence cancelled between steps is released at once.
+    s.add(seq("b"))
+    complete(s, s.next_work(2.0))
+    s.cancel("b")
+    assert s.take_releases() == ["b"]
+    assert s.sequences == {}
+
+
+def test_queued_requests_expire() -> None:
+    s = Scheduler(SchedulerConfig(max_running=1, queue_timeout=5.0))
+    s.add(seq("a", arrival=0.0))
+    s.next_work(0.0)
+    s.add(seq("b", arrival=1.0))
+    assert s.expire(5.5) == []
+    assert s.expire(6.5) == ["b"]
+    assert isinstance(s.sequences["b"].error, QueueTimeout)
+    assert "waited" in str(s.sequences["b"].error)
+    s.cancel("b")  # its consumer saw the error and leaves
+    assert "b" not in s.sequences and not s.queue
+
+
+def test_errors_end_the_sequence_and_release_its_session() -> None:
+    s = Scheduler(SchedulerConfig())
+    s.add(seq("a"))
+    s.next_work(0.0)
+    failure = RuntimeError("stage 1 is down")
+    s.on_error("a", failure)
+    assert s.sequences["a"].error is failure
+    assert s.sequences["a"].phase is Phase.DONE
+    assert s.take_releases() == ["a"]
+    assert s.running == []
+
+
+def test_bad_sequences_are_refused() -> None:
+    s = Scheduler(SchedulerConfig())
+    with pytest.raises(ValueError, match="prompt"):
+        s.add(Sequence("x", [], 4, 0.0))
+    with pytest.raises(ValueError, match="max_tokens"):
+        s.add(Sequence("x", [1], 0, 0.0))
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_running=0)
+    assert s.sequences == {}
