@@ -20,6 +20,8 @@ KV_BYTES_PER_VALUE = 2
 # Bytes per parameter: decoder-layer matrices and the embedding/head ("edge") matrices.
 _LAYER_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 4096, "int4": 0.5 + 2.5 / 128}
 _EDGE_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 4096, "int4": 1.0 + 4 / 4096}
+# Relative decode time per weight byte (see decode_balanced_split); edges are int8 or wider.
+_DECODE_COST = {"fp32": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 1.4}
 
 
 @dataclass(frozen=True)
@@ -64,15 +66,21 @@ def decode_balanced_split(
 
     A decode step reads every weight of a stage once, so its time follows the stage's weight
     bytes: decoder layers everywhere, plus the lm_head on the last stage (the first stage's
-    embedding is one row per token and costs nothing). On Qwen2.5 1.5B the int8 head weighs as
-    much as ~10 int4 layers, so an even 14/14 split leaves the last stage ~50% slower and idles
-    the first half the time when users are interleaved; this gives 19/9. Earlier stages get
-    the extra layer when the rest does not divide evenly.
+    embedding is one row per token and costs nothing). int4 bytes cost more than int8 bytes
+    (they are unpacked on the fly): measured on the 1-core benchmark machine, an int4 decoder
+    layer of Qwen2.5 1.5B (24 MB) takes 1.87 ms and the int8 head (233 MB) 13 ms, i.e.
+    ``_DECODE_COST`` 1.4 per int4 byte against 1.0. On that model an even 14/14 split leaves
+    the last stage ~50% slower and idles the first half the time when users are interleaved;
+    this gives 18/10. Earlier stages get the extra layer when the rest does not divide evenly.
     """
     even = even_split(facts.num_layers, stages)
     if stages == 1:
         return even
-    per_layer = layer_params(facts, intermediate_size) * _LAYER_BYTES[weight_format]
+    per_layer = (
+        layer_params(facts, intermediate_size)
+        * _LAYER_BYTES[weight_format]
+        * _DECODE_COST[weight_format]
+    )
     head = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     best: tuple[float, int, list[int]] | None = None
     for last in range(1, facts.num_layers - stages + 2):

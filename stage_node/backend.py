@@ -23,6 +23,7 @@ import numpy as np
 from stage_node.metrics import StageMetrics
 from stage_node.runner import InvalidStageInput, ShardRunner
 from stage_node.sampling import SampledToken, SamplingParams, sample
+from stage_node.speculative import DraftDistribution, verify
 
 
 class StepExpired(Exception):
@@ -40,6 +41,8 @@ class StepInput:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     history: Sequence[int] = ()
     deadline_unix_ms: int = 0
+    draft_tokens: Sequence[int] = ()  # speculative decoding: verify these (last stage)
+    draft_dists: Sequence[DraftDistribution] = ()
 
 
 # Hidden states for the next stage, sampled tokens on the last stage, None for a pure
@@ -94,4 +97,8 @@ class StatefulBackend:
             return out
         first = step.start_position + count - num_logits
         history = list(step.history)
+        if step.draft_tokens:
+            return verify(
+                out, step.draft_tokens, step.draft_dists, step.sampling, first + 1, history
+            )
         return [sample(row, step.sampling, first + i + 1, history) for i, row in enumerate(out)]

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SampledToken", "SamplingParams", "probabilities", "sample"]
+__all__ = ["SampledToken", "SamplingParams", "annotate", "probabilities", "sample"]
 
 FloatArray = npt.NDArray[np.float32]
 IdArray = npt.NDArray[np.int64]
@@ -135,6 +135,11 @@ def sample(
         u = float(np.random.default_rng([_seed_key(params.seed), position]).random())
         token = _draw(adjusted, params, u)
 
+    return annotate(adjusted, params, token)
+
+
+def annotate(adjusted: FloatArray, params: SamplingParams, token: int) -> SampledToken:
+    """``token`` with the logprobs ``params`` asks for, from bias- and penalty-adjusted logits."""
     if not (params.logprobs or params.top_logprobs > 0):
         return SampledToken(token_id=token, logprob=None, top=[])
     peak = float(adjusted.max())

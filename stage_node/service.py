@@ -284,6 +284,8 @@ class StageService(pb_grpc.StageServicer):
                 sampling=sampling_from_pb(step.sampling),
                 history=step.history,
                 deadline_unix_ms=step.deadline_unix_ms,
+                draft_tokens=step.draft_tokens,
+                draft_dists=[(d.ids, d.probs) for d in step.draft_dists],
             )
         except Exception as exc:
             return exc

@@ -1,0 +1,342 @@
+"""Micro-batching: 1, 2, 4 and 8 concurrent users on 2 stages vs monolithic openvino-genai.
+
+Setup (stated in the report):
+  - 2 `pipeshard stage` processes on loopback, stage k pinned to core k (taskset) with 1
+    inference thread each, hidden states in fp16 (the default);
+  - the gateway (`pipeshard serve`, its own process) and the streaming HTTP clients (threads
+    in this process) are not pinned: they share both cores with the stages;
+  - every user streams a chat completion of ``--tokens`` tokens (end-of-sequence suppressed
+    with logit_bias so all lengths are equal), each with its own prompt, greedy;
+  - baseline: openvino-genai LLMPipeline on the optimum-cli int4 export of the same model,
+    one user, pinned to core 0 with 1 thread (benchmarks/shard_parity.py's worker), measured
+    in the same run, before and after the fleet rounds.
+
+Per user count: aggregate decode tok/s (tokens that arrived while every user was decoding,
+over that window), end-to-end tok/s (all tokens over first request to last token), time to
+first token p50/p95 and inter-token latency p50/p95 (gaps between streamed chunks). Every
+figure is the median over ``--rounds`` rounds; the ratio to the baseline uses the baseline
+median of the same run.
+
+Usage: python benchmarks/microbatch.py [--export DIR] [--users 1,2,4,8] [--tokens 64]
+Writes benchmarks/results/microbatch-<date>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.processes import free_port, start_gateway, start_stages  # noqa: E402
+
+TOPICS = [
+    "Write a Python function that merges two sorted lists and explain it.",
+    "Explain how a hash map handles collisions, with an example in Java.",
+    "Translate 'the weather is nice today' into French, German and Spanish.",
+    "List ten uses of the Linux find command with a one-line example each.",
+    "Write a SQL query for the top five customers by total order value.",
+    "Describe the difference between TCP and UDP for a beginner.",
+    "Write a bash script that backs up a folder into a dated tar.gz file.",
+    "Explain recursion with a factorial example in JavaScript.",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def one_user(url: str, model: str, prompt: str, tokens: int, eos: list[int]) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logit_bias": {str(e): -100 for e in eos},
+    }
+    start = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    usage = 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                if choice["delta"].get("content"):
+                    arrivals.append((time.perf_counter(), 1))
+    # A chunk holds one token, except where the detokenizer held a partial character or a
+    # possible stop string back; the last chunk then carries the rest.
+    if arrivals and usage > len(arrivals):
+        arrivals[-1] = (arrivals[-1][0], 1 + usage - len(arrivals))
+    return {"start": start, "arrivals": arrivals}
+
+
+def run_users(url: str, model: str, users: int, tokens: int, eos: list[int]) -> dict[str, Any]:
+    results: list[dict[str, Any]] = [{} for _ in range(users)]
+
+    def work(i: int) -> None:
+        results[i] = one_user(url, model, TOPICS[i % len(TOPICS)], tokens, eos)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    counts = [sum(n for _, n in r["arrivals"]) for r in results]
+    if any(c != tokens for c in counts):
+        raise RuntimeError(f"expected {tokens} tokens per user, got {counts}")
+    first = [r["arrivals"][0][0] for r in results]
+    last = [r["arrivals"][-1][0] for r in results]
+    window = (max(first), min(last))
+    in_window = sum(n for r in results for t, n in r["arrivals"][1:] if window[0] < t <= window[1])
+    gaps = [
+        b[0] - a[0] for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)
+    ]
+    ttft = [f - r["start"] for f, r in zip(first, results, strict=True)]
+    begin = min(r["start"] for r in results)
+    return {
+        "decode_tok_s": in_window / (window[1] - window[0]) if window[1] > window[0] else 0.0,
+        "e2e_tok_s": users * tokens / (max(last) - begin),
+        "ttft_ms": [t * 1000 for t in ttft],
+        "itl_p50_ms": percentile(gaps, 0.5) * 1000,
+        "itl_p95_ms": percentile(gaps, 0.95) * 1000,
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_seconds(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    for line in text.splitlines():
+        if line.startswith("pipeshard_stage_busy_seconds_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def baseline(work_dir: Path, tokens: int) -> float:
+    from benchmarks.shard_parity import measure
+
+    opts = argparse.Namespace(threads=1, tokens=tokens, cores="0")
+    return float(measure("a", work_dir, opts)["decode_tok_s"])
+
+
+def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    users = [r["users"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(users, [r["decode_tok_s"] for r in rows], "o-", label="2 stages, micro-batched")
+    left.axhline(base, color="grey", linestyle="--", label="monolithic genai, 1 user, 1 core")
+    left.axhline(1.9 * base, color="grey", linestyle=":", label="1.9x target")
+    left.set_xlabel("concurrent users")
+    left.set_ylabel("aggregate decode tok/s")
+    left.set_xticks(users)
+    left.legend(fontsize=8)
+    right.plot(users, [r["itl_p50_ms"] for r in rows], "o-", label="p50")
+    right.plot(users, [r["itl_p95_ms"] for r in rows], "s-", label="p95")
+    right.set_xlabel("concurrent users")
+    right.set_ylabel("inter-token latency (ms)")
+    right.set_xticks(users)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2b")
+    p.add_argument("--baseline-dir", type=Path, default=ROOT / "benchmarks/out/shard_parity")
+    p.add_argument("--users", default="1,2,4,8")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--no-baseline", action="store_true", help="skip genai (e.g. tiny models)")
+    opts = p.parse_args()
+    user_counts = [int(u) for u in opts.users.split(",")]
+
+    from protos.manifest import load_manifest
+
+    manifest = load_manifest(opts.export)
+    logs = Path(tempfile.mkdtemp(prefix="microbatch-"))
+    bases: list[float] = []
+    if not opts.no_baseline:
+        bases.append(baseline(opts.baseline_dir, opts.tokens))
+    procs = []
+    gateway = None
+    rounds: dict[int, list[dict[str, Any]]] = {u: [] for u in user_counts}
+    try:
+        metric_ports = [free_port() for _ in range(manifest.num_stages)]
+        for index in range(manifest.num_stages):
+            started, _ = start_stages(
+                opts.export,
+                logs,
+                stages=[index],
+                exact=False,
+                extra=["--cpus", str(index % 2), "--metrics-port", str(metric_ports[index])],
+            )
+            procs += started
+        addresses = [p.args[p.args.index("--listen") + 1] for p in procs]
+        gateway, url = start_gateway(
+            addresses, logs / "gateway.log", ["--max-concurrent", str(max(user_counts))]
+        )
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        names = [f"stage {i}" for i in range(len(procs))] + ["gateway", "clients"]
+        pids = [p.popen.pid for p in [*procs, gateway] if p.popen is not None] + [os.getpid()]
+        eos = list(manifest.tokenizer.eos_token_ids)
+        run_users(url, model, 1, 8, eos)  # warm-up
+        for _ in range(opts.rounds):
+            for users in user_counts:
+                busy = [busy_seconds(port) for port in metric_ports]
+                cpu = [cpu_seconds(pid) for pid in pids]
+                began = time.perf_counter()
+                result = run_users(url, model, users, opts.tokens, eos)
+                wall = time.perf_counter() - began
+                result["cpu_ms_per_token"] = {
+                    name: (cpu_seconds(pid) - c) * 1000 / (users * opts.tokens)
+                    for name, pid, c in zip(names, pids, cpu, strict=True)
+                }
+                result["stage_busy"] = [
+                    (busy_seconds(port) - b) / wall
+                    for port, b in zip(metric_ports, busy, strict=True)
+                ]
+                rounds[users].append(result)
+                print(f"users {users}: {rounds[users][-1]['decode_tok_s']:.2f} tok/s", flush=True)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for proc in procs:
+            proc.stop()
+    if not opts.no_baseline:
+        bases.append(baseline(opts.baseline_dir, opts.tokens))
+    base = statistics.median(bases) if bases else float("nan")
+
+    rows = []
+    for users in user_counts:
+        rs = rounds[users]
+        ttft = [t for r in rs for t in r["ttft_ms"]]
+        rows.append(
+            {
+                "users": users,
+                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+                "decode_tok_s_range": [
+                    min(r["decode_tok_s"] for r in rs),
+                    max(r["decode_tok_s"] for r in rs),
+                ],
+                "e2e_tok_s": statistics.median(r["e2e_tok_s"] for r in rs),
+                "ttft_p50_ms": percentile(ttft, 0.5),
+                "ttft_p95_ms": percentile(ttft, 0.95),
+                "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in rs),
+                "itl_p95_ms": statistics.median(r["itl_p95_ms"] for r in rs),
+                "cpu_ms_per_token": {
+                    name: statistics.median(r["cpu_ms_per_token"][name] for r in rs)
+                    for name in rs[0]["cpu_ms_per_token"]
+                },
+                "stage_busy": [
+                    statistics.median(r["stage_busy"][k] for r in rs)
+                    for k in range(manifest.num_stages)
+                ],
+            }
+        )
+        rows[-1]["vs_monolithic"] = rows[-1]["decode_tok_s"] / base
+
+    date = dt.date.today().isoformat()
+    stages_desc = ", ".join(
+        f"stage {s.index} layers [{s.layer_start}, {s.layer_end}) on core {s.index % 2}"
+        for s in manifest.stages
+    )
+    lines = [
+        f"Real {manifest.model.model_id} int4, {manifest.num_stages} stage processes "
+        f"({stages_desc}), "
+        f"1 inference thread each, fp16 hidden states; gateway process and HTTP clients unpinned "
+        f"(sharing the {os.cpu_count()} cores); {opts.tokens} greedy tokens per user, "
+        f"each user its own prompt; medians over {opts.rounds} rounds.",
+        "Baseline: openvino-genai LLMPipeline (optimum-cli int4 export), 1 user, core 0, "
+        f"1 thread: "
+        f"{base:.2f} tok/s decode (runs: {', '.join(f'{b:.2f}' for b in bases)}).",
+        "",
+        "| users | aggregate decode tok/s [min, max] | vs monolithic 1 user | end-to-end tok/s | "
+        "TTFT p50 / p95 (ms) | inter-token p50 / p95 (ms) | p95 / p50 | stage busy fraction |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r["decode_tok_s_range"]
+        lines.append(
+            f"| {r['users']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
+            f"{r['vs_monolithic']:.2f}x | {r['e2e_tok_s']:.2f} | "
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
+            f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | "
+            f"{r['itl_p95_ms'] / r['itl_p50_ms']:.2f} | "
+            f"{' / '.join(f'{b:.2f}' for b in r['stage_busy'])} |"
+        )
+    lines += [
+        "",
+        "CPU time per generated token by process (ms; user + system, all threads):",
+        "",
+        "| users | " + " | ".join(rows[0]["cpu_ms_per_token"]) + " |",
+        "|---" * (1 + len(rows[0]["cpu_ms_per_token"])) + "|",
+    ]
+    for r in rows:
+        cpu = " | ".join(f"{v:.1f}" for v in r["cpu_ms_per_token"].values())
+        lines.append(f"| {r['users']} | {cpu} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    opts.results.mkdir(parents=True, exist_ok=True)
+    stem = opts.results / f"microbatch-{date}"
+    stem.with_suffix(".md").write_text(report)
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "date": date,
+                "machine": {"cpu": platform.processor(), "cores": os.cpu_count()},
+                "export": str(opts.export),
+                "tokens": opts.tokens,
+                "baseline_runs": bases,
+                "rows": rows,
+                "rounds": {str(u): r for u, r in rounds.items()},
+            },
+            indent=2,
+        )
+    )
+    if plot(rows, base, stem.with_suffix(".png")):
+        print(f"plot: {stem.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

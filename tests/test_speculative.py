@@ -1,0 +1,136 @@
+"""Draft verification on the last stage: greedy exactness and the speculative-sampling law."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from stage_node.sampling import SamplingParams, probabilities, sample
+from stage_node.speculative import verify
+
+GREEDY = SamplingParams()
+
+
+def rows_with_argmax(tokens: list[int], vocab: int = 10) -> np.ndarray:
+    rows = np.zeros((len(tokens), vocab), dtype=np.float32)
+    for i, t in enumerate(tokens):
+        rows[i, t] = 5.0
+    return rows
+
+
+def test_greedy_accepts_until_the_first_mismatch_and_emits_the_correction() -> None:
+    rows = rows_with_argmax([3, 4, 5, 6])
+    out = verify(rows, [3, 4, 9, 6], [], GREEDY, 10)
+    assert [t.token_id for t in out] == [3, 4, 5]  # 9 rejected, 5 is the correction
+    out = verify(rows, [7, 4, 5, 6], [], GREEDY, 10)
+    assert [t.token_id for t in out] == [3]
+    # every proposal accepted: all of them (the last position tested too)
+    assert [t.token_id for t in verify(rows, [3, 4, 5, 6], [], GREEDY, 10)] == [3, 4, 5, 6]
+    # one fewer proposal than rows: the last row gives the bonus token
+    assert [t.token_id for t in verify(rows, [3, 4, 5], [], GREEDY, 10)] == [3, 4, 5, 6]
+
+
+def test_greedy_applies_bias_and_penalties_with_the_accepted_tokens() -> None:
+    rows = np.zeros((2, 6), dtype=np.float32)
+    rows[:, 2] = 1.0
+    rows[:, 3] = 0.9
+    params = SamplingParams(presence_penalty=0.5)
+    # position 2 sees token 2 accepted at position 1: its penalty makes 3 the argmax
+    out = verify(rows, [2, 2], [], params, 0, history=[])
+    assert [t.token_id for t in out] == [2, 3]
+    plain = [sample(rows[0], params, 1, []).token_id]
+    plain.append(sample(rows[1], params, 2, plain).token_id)
+    assert plain == [2, 3]
+
+
+def test_logprobs_are_reported_for_verified_tokens() -> None:
+    rows = rows_with_argmax([1, 2])
+    params = SamplingParams(logprobs=True, top_logprobs=2)
+    out = verify(rows, [1, 2], [], params, 0)
+    reference = sample(rows[0], params, 1, [])
+    assert out[0].logprob == pytest.approx(reference.logprob)
+    assert out[0].top == reference.top
+
+
+def test_bad_proposals_are_refused() -> None:
+    rows = rows_with_argmax([1, 2, 3])
+    with pytest.raises(ValueError):
+        verify(rows, [1], [], GREEDY, 0)  # 3 rows verify 2 or 3 tokens
+    with pytest.raises(ValueError, match="distribution"):
+        verify(rows, [1, 2], [], SamplingParams(temperature=1.0), 0)
+
+
+# --- the sampling law -------------------------------------------------------------------------
+VOCAB = 6
+TARGET = np.log(np.array([[0.30, 0.25, 0.20, 0.12, 0.08, 0.05], [0.05, 0.10, 0.15, 0.2, 0.2, 0.3]]))
+DRAFT = np.array([[0.10, 0.10, 0.50, 0.10, 0.10, 0.10], [0.40, 0.30, 0.10, 0.10, 0.05, 0.05]])
+SAMPLES = 12_000
+
+
+def speculative_counts(
+    params: SamplingParams, claimed: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Emitted-token counts at positions 1 and 2 over many seeds; drafts drawn from DRAFT.
+
+    ``claimed``: the q the verifier is told (a wrong one makes the acceptance rule wrong).
+    """
+    claimed = DRAFT if claimed is None else claimed
+    first = np.zeros(VOCAB)
+    second = np.zeros(VOCAB)
+    rng = np.random.default_rng(7)
+    ids = list(range(VOCAB))
+    for seed in range(SAMPLES):
+        draft = [int(rng.choice(VOCAB, p=DRAFT[0])), int(rng.choice(VOCAB, p=DRAFT[1]))]
+        dists = [(ids, claimed[0].tolist()), (ids, claimed[1].tolist())]
+        out = verify(TARGET, draft, dists, params.__class__(**{**params.__dict__, "seed": seed}), 0)
+        first[out[0].token_id] += 1
+        if len(out) > 1:
+            second[out[1].token_id] += 1
+    return first, second
+
+
+def target_probs(params: SamplingParams, row: int) -> np.ndarray:
+    ids, probs = probabilities(TARGET[row], params)
+    full = np.zeros(VOCAB)
+    full[ids] = probs
+    return full
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.8),
+    ],
+    ids=["plain", "top_k", "top_p"],
+)
+def test_speculative_sampling_keeps_the_target_distribution(params: SamplingParams) -> None:
+    first, second = speculative_counts(params)
+    for counts, row in ((first, 0), (second, 1)):
+        expected = target_probs(params, row)
+        support = expected > 0
+        assert counts[~support].sum() == 0  # never a token the target cannot emit
+        share = expected[support] / expected[support].sum()
+        _, p_value = chisquare(counts[support], share * counts.sum())
+        assert p_value > 1e-3, (counts, expected * counts.sum())
+    # the draft is often right: more than one token per step on average
+    assert second.sum() > 0.3 * SAMPLES
+
+
+def test_the_chi_square_check_catches_a_wrong_acceptance_rule() -> None:
+    # Told that q is uniform while drafts come from DRAFT, the rule accepts the wrong amount.
+    uniform = np.full((2, VOCAB), 1.0 / VOCAB)
+    first, _ = speculative_counts(SamplingParams(temperature=1.0), claimed=uniform)
+    expected = target_probs(SamplingParams(temperature=1.0), 0)
+    _, p_value = chisquare(first, expected / expected.sum() * first.sum())
+    assert p_value < 1e-6
+
+
+def test_a_fixed_seed_reproduces_the_output() -> None:
+    params = SamplingParams(temperature=1.0, seed=42)
+    ids = list(range(VOCAB))
+    dists = [(ids, DRAFT[0].tolist()), (ids, DRAFT[1].tolist())]
+    runs = {tuple(t.token_id for t in verify(TARGET, [2, 0], dists, params, 5)) for _ in range(5)}
+    assert len(runs) == 1
