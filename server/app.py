@@ -38,8 +38,10 @@ from server.protocol import (
 )
 from server.serving import CompletionService
 from server.settings import GatewaySettings
+from server.speculative import DraftProposer, NgramProposer, Proposer
 from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from server.tokenization import codec_from_files, load_codec
+from stage_node.runner import RunnerOptions
 
 log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -53,6 +55,28 @@ class Gateway:
     metrics: GatewayMetrics
     service: CompletionService | None = None
     created: int = 0
+
+
+def make_proposer(settings: GatewaySettings, vocab_size: int) -> Proposer | None:
+    """The speculative-decoding proposer the settings ask for (None: no speculation)."""
+    mode = settings.speculation
+    if mode == "auto":
+        mode = "draft" if settings.draft is not None else "off"
+    if mode == "off":
+        return None
+    if mode == "ngram":
+        return NgramProposer()
+    if settings.draft is None:
+        raise ValueError("speculation = draft needs --draft DIR (the export's draft folder)")
+    options = RunnerOptions(
+        device=settings.draft_device,
+        threads=settings.draft_threads,
+        cache_dir=settings.ov_cache_dir,
+        max_sessions=4 * settings.max_concurrent,
+    )
+    proposer = DraftProposer(settings.draft, options, vocab_size)
+    log.info("speculative decoding with draft %s on %s", proposer.model_id, settings.draft_device)
+    return proposer
 
 
 def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -89,6 +113,9 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             manifest.model.max_context,
             settings.scheduler_config(),
             gateway.metrics,
+            proposer=make_proposer(settings, manifest.model.vocab_size),
+            spec_k=settings.spec_k,
+            spec_max_k=settings.spec_max_k,
         )
         model = settings.model_name or manifest.model.model_id
         gateway.service = CompletionService(

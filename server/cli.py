@@ -252,6 +252,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-prefill-in-flight", type=int, help="prefill chunks in the ring at once (1)"
     )
+    p.add_argument("--draft", type=Path, help="draft export folder: speculative decoding")
+    p.add_argument(
+        "--speculation",
+        choices=["auto", "draft", "ngram", "off"],
+        help="proposer (auto: the draft if given, else off)",
+    )
+    p.add_argument("--spec-k", type=int, help="draft tokens per step (0: adaptive, default)")
+    p.add_argument("--spec-max-k", type=int, help="largest adaptive K (8)")
+    p.add_argument("--draft-device", help="OpenVINO device of the draft (CPU)")
+    p.add_argument("--draft-threads", type=int, help="draft inference threads (0: auto)")
+    p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (draft)")
     p.add_argument("--config", type=Path, help="TOML file with the same settings")
 
 

@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from server.metrics import GatewayMetrics
@@ -30,7 +31,9 @@ from server.scheduler import (
     Sequence,
     Work,
 )
+from server.speculative import AdaptiveK, Proposer
 from stage_node.sampling import SampledToken, SamplingParams
+from stage_node.speculative import DraftDistribution
 
 __all__ = ["Engine", "GenerationRequest", "GenerationStats", "QueueFull", "QueueTimeout"]
 log = logging.getLogger(__name__)
@@ -69,6 +72,9 @@ class Engine:
         max_context: int,
         config: SchedulerConfig | None = None,
         metrics: GatewayMetrics | None = None,
+        proposer: Proposer | None = None,
+        spec_k: int = 0,
+        spec_max_k: int = 8,
     ) -> None:
         self.pipeline = pipeline
         self.eos_ids = eos_ids
@@ -80,6 +86,13 @@ class Engine:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._steps: set[asyncio.Task[None]] = set()
+        self._releasing: set[asyncio.Task[None]] = set()
+        # Speculative decoding: the proposer runs in one thread beside the event loop.
+        self.proposer = proposer
+        self.fixed_k = spec_k or None
+        self.max_k = spec_max_k
+        self._adaptive: dict[str, AdaptiveK] = {}
+        self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
 
     @property
     def queued(self) -> int:
@@ -159,28 +172,83 @@ class Engine:
         sampling = stream.sampling if stream is not None else SamplingParams()
         # The stage needs the generated tokens only for presence/frequency penalties.
         penalised = sampling.presence_penalty or sampling.frequency_penalty
+        if item.prefill and item.start_position == 0 and self.proposer is not None:
+            # the draft takes in the prompt while the stages prefill it
+            self._in_draft_pool(self.proposer.warm, item.seq_id, seq.prompt)
         try:
+            plan = await self._speculate(seq, item, sampling)
+            started = time.perf_counter()
             out = await self.pipeline.step(
                 item.seq_id,
-                item.tokens,
+                plan.tokens,
                 item.start_position,
+                rollback=item.rollback,
+                num_logits=plan.num_logits,
                 sampling=sampling,
                 history=list(seq.generated) if penalised and not item.prefill else (),
+                draft_tokens=plan.draft,
+                draft_dists=plan.dists,
             )
+            if plan.draft:
+                self._learn(seq.seq_id, plan, out.tokens, time.perf_counter() - started)
         except Exception as exc:
             self.scheduler.on_error(item.seq_id, exc)
             self._end(item.seq_id)
         else:
-            token = out.tokens[0] if out.tokens else None
-            emitted = self.scheduler.on_result(
-                item.seq_id, token.token_id if token is not None else None
+            taken = self.scheduler.on_result(
+                item.seq_id, [t.token_id for t in out.tokens], out.session_length or None
             )
-            if emitted and token is not None and stream is not None:
-                stream.queue.put_nowait(token)
+            if stream is not None:
+                for token in out.tokens[:taken]:
+                    stream.queue.put_nowait(token)
             if seq.phase is Phase.DONE:
                 self._end(item.seq_id)
         finally:
             self._wake.set()
+
+    async def _speculate(self, seq: Sequence, item: Work, sampling: SamplingParams) -> _Plan:
+        """The step's tokens: the work item's, plus draft proposals when speculating."""
+        if item.prefill or self.proposer is None:
+            return _Plan(item.tokens)
+        greedy = sampling.temperature == 0.0
+        adapt = self._adaptive.setdefault(seq.seq_id, AdaptiveK(self.max_k, self.fixed_k))
+        k = adapt.choose(greedy)
+        # no proposals beyond max_tokens or the context (greedy also gets a bonus token)
+        k = min(k, seq.max_tokens - len(seq.generated) - int(greedy))
+        k = min(k, self.max_context - item.start_position - 2)
+        if k < 1:
+            return _Plan(item.tokens)
+        context = [*seq.prompt, *seq.generated]
+        proposal = await asyncio.get_running_loop().run_in_executor(
+            self._draft_pool, self.proposer.propose, seq.seq_id, context, k, sampling
+        )
+        draft = proposal.tokens
+        if not draft:
+            return _Plan(item.tokens)
+        # Greedy: feed every proposal and verify one more position (the bonus). Sampling: every
+        # position tests a proposal, so the output does not depend on k.
+        fed = (*item.tokens, *(draft if greedy else draft[:-1]))
+        if self.metrics is not None:
+            self.metrics.spec_k.observe(len(draft))
+            self.metrics.draft_seconds.observe(proposal.seconds)
+        return _Plan(fed, tuple(draft), proposal.dists, proposal.seconds)
+
+    def _learn(self, seq_id: str, plan: _Plan, emitted: list[SampledToken], pass_s: float) -> None:
+        accepted = 0
+        for token, proposed in zip(emitted, plan.draft, strict=False):
+            if token.token_id != proposed:
+                break
+            accepted += 1
+        adapt = self._adaptive.get(seq_id)
+        if adapt is not None:
+            adapt.update(len(plan.draft), accepted, pass_s, plan.draft_s)
+        if self.metrics is not None:
+            self.metrics.spec_proposed.inc(len(plan.draft))
+            self.metrics.spec_accepted.inc(accepted)
+
+    def _in_draft_pool(self, fn: Callable[..., object], *args: object) -> None:
+        future = asyncio.get_running_loop().run_in_executor(self._draft_pool, fn, *args)
+        future.add_done_callback(_log_failure)
 
     def _end(self, seq_id: str) -> None:
         """Tell a finished sequence's consumer that it ended (and how)."""
@@ -190,6 +258,11 @@ class Engine:
             stream.queue.put_nowait(seq.error if seq is not None and seq.error else None)
 
     def _release(self, seq_ids: list[str]) -> None:
+        if self.proposer is not None:
+            for seq_id in seq_ids:
+                self._adaptive.pop(seq_id, None)
+                self._in_draft_pool(self.proposer.release, seq_id)
+
         async def release() -> None:
             try:
                 await self.pipeline.release(*seq_ids)
@@ -197,8 +270,8 @@ class Engine:
                 log.warning("releasing sessions %s failed", seq_ids, exc_info=True)
 
         task = asyncio.create_task(release())
-        self._steps.add(task)
-        task.add_done_callback(self._steps.discard)
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     def _observe(self) -> None:
         admitted = self.scheduler.take_admitted()
@@ -215,3 +288,25 @@ class Engine:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._releasing:  # sessions of finished sequences are freed, not abandoned
+            await asyncio.wait(self._releasing, timeout=5.0)
+        self._draft_pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one step feeds the ring: tokens, and the draft to verify when speculating."""
+
+    tokens: tuple[int, ...]
+    draft: tuple[int, ...] = ()
+    dists: list[DraftDistribution] = field(default_factory=list)
+    draft_s: float = 0.0
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.tokens) if self.draft else 1
+
+
+def _log_failure(future: asyncio.Future[object]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("draft work failed", exc_info=future.exception())

@@ -49,6 +49,28 @@ class GatewayMetrics:
             "Steps sent into the stage ring and not yet returned (one per running choice at most)",
             registry=self.registry,
         )
+        self.spec_proposed = Counter(
+            "pipeshard_gateway_spec_proposed_tokens",
+            "Draft tokens proposed for verification (speculative decoding)",
+            registry=self.registry,
+        )
+        self.spec_accepted = Counter(
+            "pipeshard_gateway_spec_accepted_tokens",
+            "Draft tokens the target accepted; accepted / proposed is the acceptance rate",
+            registry=self.registry,
+        )
+        self.spec_k = Histogram(
+            "pipeshard_gateway_spec_k",
+            "Draft tokens proposed per speculative step (K)",
+            buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16),
+            registry=self.registry,
+        )
+        self.draft_seconds = Histogram(
+            "pipeshard_gateway_draft_seconds",
+            "Time the proposer took for one step's proposal",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.queue_seconds = Histogram(
             "pipeshard_gateway_queue_seconds",
             "Time a choice waited in the queue before it got a running slot",

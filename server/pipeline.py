@@ -31,6 +31,7 @@ from protos.codec import sampled_from_pb, sampling_to_pb
 from protos.manifest import ShardManifest
 from protos.transport import call_metadata, open_channel
 from stage_node.sampling import SampledToken, SamplingParams
+from stage_node.speculative import DraftDistribution
 
 log = logging.getLogger(__name__)
 GREEDY = SamplingParams()
@@ -353,8 +354,13 @@ class PipelineClient:
         sampling: SamplingParams = GREEDY,
         history: Sequence[int] = (),
         timeout: float | None = None,
+        draft_tokens: Sequence[int] = (),
+        draft_dists: Sequence[DraftDistribution] = (),
     ) -> StepOutput:
         """Feed ``tokens`` at ``start_position`` through the ring; sample ``num_logits`` rows.
+
+        With ``draft_tokens`` the last stage verifies them instead (speculative decoding) and
+        returns the accepted ones plus a correction or bonus token.
 
         A ring failure (UNAVAILABLE, DEADLINE_EXCEEDED) leaves the session's state unknown, so
         the session is released on every stage still reachable; other errors (bad input) leave
@@ -362,7 +368,16 @@ class PipelineClient:
         """
         try:
             return await self._step(
-                session_id, tokens, start_position, rollback, num_logits, sampling, history, timeout
+                session_id,
+                tokens,
+                start_position,
+                rollback,
+                num_logits,
+                sampling,
+                history,
+                timeout,
+                draft_tokens,
+                draft_dists,
             )
         except PipelineError as exc:
             if exc.retryable:
@@ -379,6 +394,8 @@ class PipelineClient:
         sampling: SamplingParams,
         history: Sequence[int],
         timeout: float | None,
+        draft_tokens: Sequence[int] = (),
+        draft_dists: Sequence[DraftDistribution] = (),
     ) -> StepOutput:
         if self.manifest is None:
             raise RuntimeError("call start() first")
@@ -412,6 +429,8 @@ class PipelineClient:
                 sampling=sampling_to_pb(sampling),
                 history=list(history),
                 deadline_unix_ms=int((time.time() + timeout) * 1000),
+                draft_tokens=list(draft_tokens),
+                draft_dists=[pb.DraftDistribution(ids=i, probs=p) for i, p in draft_dists],
             )
         )
         if self._push_task is None or self._push_task.done():

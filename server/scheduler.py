@@ -4,7 +4,7 @@ A synchronous state machine with no I/O and no clock of its own, so it is tested
 model; :class:`server.engine.Engine` drives it from a thin async loop::
 
     add(seq) -> queued (or QueueFull)      cancel(id) -> leaves the queue, or stops after its step
-    next_work(now) -> [Work]               on_result(id, token) / on_error(id, exc)
+    next_work(now) -> [Work]               on_result(id, tokens) / on_error(id, exc)
     expire(now) -> [ids waiting too long]  take_releases() -> [ids whose sessions to free]
     take_admitted() -> [sequences that left the queue]
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Iterable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 
@@ -87,6 +88,7 @@ class Work:
     start_position: int
     prefill: bool  # a prompt chunk (else one decode token)
     samples: bool  # the sampled token is the sequence's next token (last chunk or decode)
+    rollback: int = 0  # positions the stages forget first (rejected speculative tokens)
 
 
 @dataclass
@@ -99,7 +101,8 @@ class Sequence:
     arrival: float
     phase: Phase = Phase.QUEUED
     admitted: float | None = None
-    fed: int = 0  # positions sent into the ring so far
+    fed: int = 0  # prompt positions sent into the ring so far
+    session_length: int = 0  # positions the stages hold for this sequence
     generated: list[int] = field(default_factory=list)
     in_flight: Work | None = None
     last_served: float = 0.0
@@ -206,7 +209,15 @@ class Scheduler:
         )
         for seq in decoding:
             position = len(seq.prompt) + len(seq.generated) - 1
-            work.append(self._issue(seq, (seq.generated[-1],), position, prefill=False))
+            work.append(
+                self._issue(
+                    seq,
+                    (seq.generated[-1],),
+                    position,
+                    prefill=False,
+                    rollback=seq.session_length - position,
+                )
+            )
         chunks = sum(
             1
             for sid in self.running
@@ -220,39 +231,59 @@ class Scheduler:
             chunks += 1
         return work
 
-    def _issue(self, seq: Sequence, tokens: tuple[int, ...], start: int, prefill: bool) -> Work:
+    def _issue(
+        self,
+        seq: Sequence,
+        tokens: tuple[int, ...],
+        start: int,
+        prefill: bool,
+        rollback: int = 0,
+    ) -> Work:
         samples = not prefill or start + len(tokens) == len(seq.prompt)
-        item = Work(seq.seq_id, tokens, start, prefill=prefill, samples=samples)
+        item = Work(seq.seq_id, tokens, start, prefill=prefill, samples=samples, rollback=rollback)
         seq.in_flight = item
-        seq.fed = start + len(tokens)
+        if prefill:
+            seq.fed = start + len(tokens)
         seq.last_served = self._clock
         return item
 
     # -- taking results ---------------------------------------------------------------------
-    def on_result(self, seq_id: str, token: int | None) -> bool:
-        """A step came back; ``token`` is what it sampled. True when this emits a token.
+    def on_result(
+        self, seq_id: str, tokens: Sequence_[int], session_length: int | None = None
+    ) -> int:
+        """A step came back with the tokens it emitted; returns how many the sequence takes.
 
-        The emitted token is ``sequences[seq_id].generated[-1]``; after the last one the
-        sequence is done and its session is queued for release.
+        A decode step emits one token, or with speculation the accepted draft tokens and a
+        correction; the sequence takes them up to an end-of-sequence token or ``max_tokens``
+        (they are ``sequences[seq_id].generated[-n:]``), after which it is done and its
+        session is queued for release. ``session_length``: positions the stages hold now
+        (default: everything fed); the next step rolls back what was not taken.
         """
         seq = self.sequences[seq_id]
         item = seq.in_flight
         if item is None:
             raise ValueError(f"sequence {seq_id!r} has no step in flight")
         seq.in_flight = None
+        if session_length is None:
+            session_length = item.start_position + len(item.tokens)
+        seq.session_length = session_length
         if seq.cancelled:  # nobody waits for it any more
             self._finish(seq)
             self.forget(seq_id)
-            return False
+            return 0
         if not item.samples:
-            return False  # a prompt chunk that is not the last
-        if token is None:
-            raise ValueError(f"the step of {seq_id!r} should have sampled a token")
+            return 0  # a prompt chunk that is not the last
+        if not tokens:
+            raise ValueError(f"the step of {seq_id!r} should have emitted a token")
         seq.phase = Phase.DECODE
-        seq.generated.append(token)
-        if token in self.eos_ids or len(seq.generated) >= seq.max_tokens:
-            self._finish(seq)
-        return True
+        taken = 0
+        for token in tokens:
+            seq.generated.append(token)
+            taken += 1
+            if token in self.eos_ids or len(seq.generated) >= seq.max_tokens:
+                self._finish(seq)
+                break
+        return taken
 
     def on_error(self, seq_id: str, error: BaseException) -> None:
         """The step failed: the sequence ends with ``error``; stages may hold its session."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
@@ -15,6 +15,7 @@ from pydantic_settings import (
 )
 
 from server.scheduler import SchedulerConfig
+from stage_node.settings import default_ov_cache
 
 
 class GatewaySettings(BaseSettings):
@@ -60,6 +61,22 @@ class GatewaySettings(BaseSettings):
     )
     max_prefill_in_flight: int = Field(
         default=1, ge=1, description="prefill chunks in the stage ring at once"
+    )
+    draft: Path | None = Field(
+        default=None, description="draft export folder (export/draft) for speculative decoding"
+    )
+    speculation: Literal["auto", "draft", "ngram", "off"] = Field(
+        default="auto",
+        description="proposer: the draft model, prompt lookup (ngram), off; auto = draft if given",
+    )
+    spec_k: int = Field(
+        default=0, ge=0, le=16, description="draft tokens per step; 0 = adaptive per request"
+    )
+    spec_max_k: int = Field(default=8, ge=1, le=16, description="largest adaptive K")
+    draft_device: str = Field(default="CPU", description="OpenVINO device of the draft")
+    draft_threads: int = Field(default=0, ge=0, description="draft inference threads (0: auto)")
+    ov_cache_dir: Path | None = Field(
+        default_factory=default_ov_cache, description="OpenVINO model cache for the draft"
     )
     log_level: str = Field(default="INFO")
 

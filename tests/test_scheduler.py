@@ -21,9 +21,9 @@ def seq(name: str, prompt: int = 4, max_tokens: int = 8, arrival: float = 0.0) -
     return Sequence(name, list(range(1, prompt + 1)), max_tokens, arrival)
 
 
-def token_for(item: Work) -> int | None:
+def token_for(item: Work) -> list[int]:
     """A fabricated sample: a token that depends on where the step is, never EOS."""
-    return 100 + item.start_position + len(item.tokens) if item.samples else None
+    return [100 + item.start_position + len(item.tokens)] if item.samples else []
 
 
 def complete(s: Scheduler, work: list[Work]) -> None:
@@ -37,12 +37,12 @@ def test_prefill_then_decode_positions_and_tokens() -> None:
     first = s.next_work(0.0)
     assert first == [Work("a", (1, 2, 3, 4, 5), 0, prefill=True, samples=True)]
     assert s.next_work(0.0) == []  # one step per sequence in the ring
-    assert s.on_result("a", 42) is True
+    assert s.on_result("a", [42]) == 1
     assert s.sequences["a"].generated == [42]
     assert s.next_work(0.1) == [Work("a", (42,), 5, prefill=False, samples=True)]
-    s.on_result("a", 43)
+    s.on_result("a", [43])
     assert s.next_work(0.2) == [Work("a", (43,), 6, prefill=False, samples=True)]
-    s.on_result("a", 44)  # max_tokens reached
+    s.on_result("a", [44])  # max_tokens reached
     assert s.sequences["a"].phase is Phase.DONE
     assert s.next_work(0.3) == []
     assert s.take_releases() == ["a"]
@@ -53,9 +53,9 @@ def test_eos_ends_a_sequence() -> None:
     s = Scheduler(SchedulerConfig(), eos_ids=[EOS])
     s.add(seq("a", max_tokens=100))
     s.next_work(0.0)
-    s.on_result("a", 7)
+    s.on_result("a", [7])
     s.next_work(0.0)
-    s.on_result("a", EOS)
+    s.on_result("a", [EOS])
     assert s.sequences["a"].generated == [7, EOS]
     assert s.sequences["a"].phase is Phase.DONE
     assert s.take_releases() == ["a"]
@@ -68,14 +68,14 @@ def test_long_prompt_goes_in_chunks_and_only_the_last_samples() -> None:
     for _ in range(3):
         [item] = s.next_work(0.0)
         chunks.append(item)
-        assert s.on_result("a", token_for(item)) is item.samples
+        assert s.on_result("a", token_for(item)) == int(item.samples)
     assert [(c.start_position, len(c.tokens), c.samples) for c in chunks] == [
         (0, 256, False),
         (256, 256, False),
         (512, 88, True),
     ]
     assert [t for c in chunks for t in c.tokens] == list(range(1, 601))
-    assert s.sequences["a"].generated == [token_for(chunks[-1])]
+    assert s.sequences["a"].generated == token_for(chunks[-1])
 
 
 def test_decode_steps_are_not_frozen_by_a_long_prefill() -> None:
@@ -105,7 +105,7 @@ def test_prefill_chunks_in_flight_are_bounded_and_oldest_first() -> None:
     work = s.next_work(0.0)
     assert [w.seq_id for w in work] == ["a", "b"]
     assert s.next_work(0.0) == []  # both chunk slots are taken
-    s.on_result("a", None)
+    s.on_result("a", [])
     assert [w.seq_id for w in s.next_work(0.0)] == ["a"]  # oldest first, "c" still waits
 
 
@@ -137,7 +137,7 @@ def test_round_robin_serves_the_longest_waiting_first() -> None:
     counts = {name: len(s.sequences[name].generated) for name in ("a", "b", "c")}
     assert counts == {"a": 2, "b": 2, "c": 2}  # nobody is skipped
     for name in ("a", "b", "c"):
-        s.on_result(name, 5)
+        s.on_result(name, [5])
     s.sequences["b"].last_served = -1.0  # b has waited longest
     order = [w.seq_id for w in s.next_work(3.0)]
     assert order[0] == "b"
@@ -186,7 +186,7 @@ def test_cancelling_a_running_request_releases_after_its_step() -> None:
     [item] = s.next_work(0.0)
     s.cancel("a")
     assert s.take_releases() == []  # its step is still in the ring
-    assert s.on_result("a", token_for(item)) is False  # the token is not emitted
+    assert s.on_result("a", token_for(item)) == 0  # the token is not emitted
     assert s.take_releases() == ["a"]
     assert "a" not in s.sequences
     assert s.next_work(1.0) == []
@@ -221,6 +221,29 @@ def test_errors_end_the_sequence_and_release_its_session() -> None:
     assert s.sequences["a"].phase is Phase.DONE
     assert s.take_releases() == ["a"]
     assert s.running == []
+
+
+def test_speculative_steps_take_several_tokens_and_roll_back_the_rest() -> None:
+    s = Scheduler(SchedulerConfig(), eos_ids=[EOS])
+    s.add(seq("a", prompt=4, max_tokens=6))
+    complete(s, s.next_work(0.0))  # prefill: 1 token, the stages hold 4 positions
+    [step] = s.next_work(1.0)
+    assert (step.start_position, step.rollback) == (4, 0)
+    # the engine fed [x0, d1, d2, d3] (4 positions) and 2 drafts + a correction came back
+    assert s.on_result("a", [7, 8, 9], session_length=8) == 3
+    [step] = s.next_work(2.0)
+    # 4 + 1 + 3 tokens known; the stages hold 8 positions, x0 d1 d2 are kept: roll back 1
+    assert (step.tokens, step.start_position, step.rollback) == ((9,), 7, 1)
+    # more tokens than max_tokens allows: the sequence takes 2 and ends
+    assert s.on_result("a", [10, 11, 12, 13], session_length=11) == 2
+    assert s.sequences["a"].generated[-2:] == [10, 11]
+    assert s.sequences["a"].phase is Phase.DONE
+    # an end-of-sequence token among them ends it there
+    s.add(seq("b", prompt=2, max_tokens=50))
+    complete(s, s.next_work(3.0))
+    s.next_work(4.0)
+    assert s.on_result("b", [5, EOS, 6], session_length=6) == 2
+    assert s.sequences["b"].generated[-2:] == [5, EOS]
 
 
 def test_bad_sequences_are_refused() -> None:

@@ -1,0 +1,201 @@
+"""Speculative decoding over real stage processes: output identical to decoding without it.
+
+The draft is the tiny target with noise added to its weights (same vocabulary, different
+weights), so it is often but not always right: steps accept some tokens and roll back others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from exporter.export import ExportOptions, export_model
+from protos.manifest import WeightSpec, load_manifest
+from server.engine import Engine, GenerationRequest
+from server.metrics import GatewayMetrics
+from server.pipeline import PipelineClient
+from server.scheduler import SchedulerConfig
+from server.speculative import DraftProposer, NgramProposer, Proposer
+from stage_node.chain import LocalChain
+from stage_node.sampling import SamplingParams
+from tests.conftest import EXACT
+from tests.processes import start_gateway, start_stages
+from tests.tiny_models import CHAT_TEMPLATE, make_model
+
+PROMPTS = [[5, 9, 13, 2 + i, 40, 41, 42, 7 * i + 3, 12, 13, 14] for i in range(4)]
+TOKENS = 40
+GREEDY = SamplingParams()
+
+
+def make_draft(target: Path, folder: Path, noise: float) -> Path:
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(123)
+    model = AutoModelForCausalLM.from_pretrained(str(target))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.add_(torch.randn_like(param) * param.std() * noise)
+    model.save_pretrained(folder)
+    for item in target.iterdir():
+        if "token" in item.name or item.suffix == ".jinja":
+            shutil.copy(item, folder / item.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    base = tmp_path_factory.mktemp("spec")
+    target = make_model("qwen2", base / "target", chat_template=CHAT_TEMPLATE)
+    draft = make_draft(target, base / "draft-model", noise=0.6)
+    out = {}
+    for stages in (1, 2, 3):
+        out[stages] = base / f"export-{stages}"
+        export_model(
+            ExportOptions(
+                model=str(target),
+                out=out[stages],
+                stages=stages,
+                weights=WeightSpec(format="fp32"),
+                draft=str(draft) if stages == 2 else None,
+                quiet=True,
+            )
+        )
+    return out
+
+
+def draft_dir(exports: dict[int, Path]) -> Path:
+    return exports[2] / "draft"
+
+
+def make_draft_proposer(exports: dict[int, Path]) -> DraftProposer:
+    return DraftProposer(draft_dir(exports), EXACT, load_manifest(exports[2]).model.vocab_size)
+
+
+def plain_greedy(export: Path) -> list[list[int]]:
+    chain = LocalChain(export, EXACT)
+    return [chain.greedy(f"p{i}", prompt, TOKENS)[0] for i, prompt in enumerate(PROMPTS)]
+
+
+def generate(
+    addresses: list[str],
+    proposer: Proposer | None,
+    spec_k: int,
+    sampling: SamplingParams = GREEDY,
+    concurrent: bool = False,
+    metrics: GatewayMetrics | None = None,
+) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        engine = Engine(
+            client,
+            frozenset(),
+            256,
+            SchedulerConfig(prefill_chunk=4, max_prefill_in_flight=4),
+            metrics,
+            proposer=proposer,
+            spec_k=spec_k,
+        )
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            request = GenerationRequest(f"r{i}-{spec_k}", prompt, TOKENS, sampling)
+            return [t.token_id async for t in engine.generate(request)]
+
+        try:
+            if concurrent:
+                return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+            return [await one(i, p) for i, p in enumerate(PROMPTS)]
+        finally:
+            await engine.close()
+            infos = await client.stage_infos()
+            await client.close()
+            assert [i.sessions_in_use for i in infos if i] == [0] * len(addresses)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_greedy_with_the_draft_equals_greedy_without(
+    exports: dict[int, Path], stages: int, tmp_path: Path
+) -> None:
+    expected = plain_greedy(exports[stages])
+    procs, addresses = start_stages(exports[stages], tmp_path)
+    try:
+        proposer = make_draft_proposer(exports)
+        for k in (0, 1, 4):  # adaptive, then fixed
+            metrics = GatewayMetrics()
+            assert generate(addresses, proposer, k, metrics=metrics) == expected, k
+            proposed = metrics.registry.get_sample_value(
+                "pipeshard_gateway_spec_proposed_tokens_total"
+            )
+            accepted = metrics.registry.get_sample_value(
+                "pipeshard_gateway_spec_accepted_tokens_total"
+            )
+            assert proposed and accepted is not None
+            assert 0 < accepted < proposed  # steps both accepted and rolled back tokens
+        assert proposer.runner.session_count == 0  # draft sessions released
+        # prompt lookup instead of a draft model: the same output
+        assert generate(addresses, NgramProposer(), 0) == expected
+        # 4 concurrent requests with speculation: each as alone without it
+        assert generate(addresses, proposer, 0, concurrent=True) == expected
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_k(
+    exports: dict[int, Path], tmp_path: Path
+) -> None:
+    procs, addresses = start_stages(exports[2], tmp_path)
+    try:
+        proposer = make_draft_proposer(exports)
+        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+        first = generate(addresses, proposer, 1, sampling)
+        assert generate(addresses, proposer, 1, sampling) == first
+        assert generate(addresses, proposer, 5, sampling) == first
+        assert generate(addresses, proposer, 0, sampling, concurrent=True) == first
+        assert len({tuple(t) for t in first}) == len(PROMPTS)
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def test_gateway_with_draft_serves_the_same_text(exports: dict[int, Path], tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    export = exports[2]
+    procs, addresses = start_stages(export, tmp_path)
+    gateway, url = start_gateway(
+        addresses, tmp_path / "gateway.log", ["--draft", str(draft_dir(exports))]
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        tokenizer = AutoTokenizer.from_pretrained(str(export / "tokenizer"))
+        chain = LocalChain(export, EXACT)
+        for i, prompt in enumerate(PROMPTS[:2]):
+            text = tokenizer.decode(prompt)
+            reply = client.completions.create(
+                model="target", prompt=text, max_tokens=24, temperature=0
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            tokens, _ = chain.greedy(f"h{i}", ids, 24)
+            eos = 2
+            expected = tokens[: tokens.index(eos)] if eos in tokens else tokens
+            assert reply.choices[0].text == tokenizer.decode(expected)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "pipeshard_gateway_spec_proposed_tokens_total" in metrics
+        steps = "pipeshard_gateway_spec_k_count"
+        proposed = [line for line in metrics.splitlines() if line.startswith(steps)]
+        assert proposed and float(proposed[0].split()[1]) > 0
+    finally:
+        gateway.stop()
+        for proc in procs:
+            proc.stop()
