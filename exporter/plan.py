@@ -21,7 +21,7 @@ KV_BYTES_PER_VALUE = 2
 _LAYER_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 4096, "int4": 0.5 + 2.5 / 128}
 _EDGE_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 4096, "int4": 1.0 + 4 / 4096}
 # Relative decode time per weight byte (see decode_balanced_split); edges are int8 or wider.
-_DECODE_COST = {"fp32": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 1.4}
+_DECODE_COST = {"fp32": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 1.25}
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,12 @@ def decode_balanced_split(
     A decode step reads every weight of a stage once, so its time follows the stage's weight
     bytes: decoder layers everywhere, plus the lm_head on the last stage (the first stage's
     embedding is one row per token and costs nothing). int4 bytes cost more than int8 bytes
-    (they are unpacked on the fly): measured on the 1-core benchmark machine, an int4 decoder
-    layer of Qwen2.5 1.5B (24 MB) takes 1.87 ms and the int8 head (233 MB) 13 ms, i.e.
-    ``_DECODE_COST`` 1.4 per int4 byte against 1.0. On that model an even 14/14 split leaves
-    the last stage ~50% slower and idles the first half the time when users are interleaved;
-    this gives 18/10. Earlier stages get the extra layer when the rest does not divide evenly.
+    (they are unpacked on the fly): measured with 1 thread on the benchmark machine, an int4
+    decoder layer of Qwen2.5 1.5B (24 MB) takes 1.74 ms and the int8 head (233 MB) 13.4 ms,
+    i.e. ``_DECODE_COST`` 1.25 per int4 byte against 1.0. On that model an even 14/14 split
+    leaves the last stage ~50% slower and idles the first half the time when users are
+    interleaved; this gives 18/10 (measured: 17/11 left the last stage 10% slower). Earlier
+    stages get the extra layer when the rest does not divide evenly.
     """
     even = even_split(facts.num_layers, stages)
     if stages == 1:

@@ -302,6 +302,13 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="inference threads per stage")
     p.add_argument("--api-key", dest="api_keys", action="append", default=[])
     p.add_argument("--log-dir", type=Path, help="stage logs go here (default: this terminal)")
+    p.add_argument(
+        "--draft",
+        default="auto",
+        help="draft model for speculative decoding, exported beside the target "
+        "(default: the built-in pair's draft for the default model)",
+    )
+    p.add_argument("--no-draft", action="store_true", help="no draft, no speculative decoding")
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -317,6 +324,7 @@ def _run_up(args: argparse.Namespace) -> int:
         threads=args.threads,
         api_keys=args.api_keys,
         log_dir=args.log_dir,
+        draft=None if args.no_draft else args.draft,
     )
     if args.exports_dir is not None:
         options.exports_dir = args.exports_dir

@@ -39,6 +39,14 @@ class FleetOptions:
     threads: int = 0
     api_keys: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    # The draft for speculative decoding, exported beside the target; "auto": the built-in
+    # pair's draft for the default model, none for other models; None: no draft.
+    draft: str | None = "auto"
+
+    def draft_model(self) -> str | None:
+        if self.draft == "auto":
+            return "default-draft" if self.model == "default" else None
+        return self.draft
 
 
 def ensure_export(options: FleetOptions) -> Path:
@@ -49,13 +57,16 @@ def ensure_export(options: FleetOptions) -> Path:
     from protos.manifest import WeightSpec
 
     source = resolve_source(options.model)
-    out = options.exports_dir / f"{source.model_id}-{options.stages}stage-{options.weights}"
+    draft = options.draft_model()
+    name = f"{source.model_id}-{options.stages}stage-{options.weights}"
+    out = options.exports_dir / (name + ("-draft" if draft else ""))
     int4 = options.weights == "int4"
     export_model(
         ExportOptions(
             model=options.model,
             out=out,
             stages=options.stages,
+            draft=draft,
             weights=WeightSpec(
                 format=options.weights,  # type: ignore[arg-type]
                 group_size=128 if int4 else None,
@@ -112,7 +123,10 @@ def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
 
 
 async def _serve(
-    options: FleetOptions, addresses: list[str], procs: list[subprocess.Popen[bytes]]
+    options: FleetOptions,
+    addresses: list[str],
+    procs: list[subprocess.Popen[bytes]],
+    draft: Path | None = None,
 ) -> None:
     import uvicorn
 
@@ -123,6 +137,8 @@ async def _serve(
         stages=addresses,
         listen=f"{options.host}:{options.port}",
         api_keys=options.api_keys,  # type: ignore[arg-type]
+        draft=draft,
+        draft_threads=options.threads,
     )
     app = create_app(settings)
     server = uvicorn.Server(
@@ -143,7 +159,8 @@ async def _serve(
         auth = f" -H 'Authorization: Bearer {options.api_keys[0]}'" if options.api_keys else ""
         print(
             f"pipeshard is serving {gateway.service.model} on {url} "
-            f"({len(addresses)} stages). Try:\n"
+            f"({len(addresses)} stages"
+            f"{', speculative decoding with the draft' if draft else ''}). Try:\n"
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f'    -d \'{{"model": "{gateway.service.model}", "stream": true, '
             '"messages": [{"role": "user", "content": "Write a Python hello world."}]}\'\n'
@@ -164,7 +181,8 @@ def run_fleet(options: FleetOptions) -> int:
     try:
         # uvicorn turns SIGTERM and SIGINT into a graceful shutdown and raises them again
         # afterwards; both end up here as KeyboardInterrupt, and the stages are stopped.
-        asyncio.run(_serve(options, addresses, procs))
+        draft = export / manifest.draft.directory if manifest.draft is not None else None
+        asyncio.run(_serve(options, addresses, procs, draft))
     except KeyboardInterrupt:
         pass
     finally:

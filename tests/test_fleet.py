@@ -32,6 +32,7 @@ def alive(pid: int) -> bool:
 
 def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
     source = make_model("llama", tmp_path / "tiny-chat", chat_template=CHAT_TEMPLATE)
+    draft = make_model("llama", tmp_path / "tiny-draft", seed=1, chat_template=CHAT_TEMPLATE)
     port, stage_port = free_port(), free_port()
     log = (tmp_path / "up.log").open("wb")
     up = subprocess.Popen(
@@ -52,6 +53,8 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
             str(tmp_path / "exports"),
             "--log-dir",
             str(tmp_path / "logs"),
+            "--draft",
+            str(draft),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -65,6 +68,7 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
             time.sleep(0.2)
         banner = (tmp_path / "up.log").read_text()
         assert f"http://127.0.0.1:{port}" in banner and "curl -N" in banner
+        assert "speculative decoding with the draft" in banner
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             json={
@@ -76,6 +80,8 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert "pipeshard_gateway_spec_k_count" in metrics
         stage_pids = children(up.pid)
         assert len(stage_pids) == 2
     finally:

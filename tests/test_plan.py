@@ -36,11 +36,11 @@ INTERMEDIATE = 8960
 def test_default_split_balances_decode_work() -> None:
     # The int8 lm_head on the last stage weighs ~10 int4 layers: it gets fewer layers.
     split = decode_balanced_split(QWEN15, 2, "int4", INTERMEDIATE)
-    assert split == [17, 11]
+    assert split == [18, 10]
     plans = plan_stages(QWEN15, split, "int4", INTERMEDIATE, 4096)
     head = QWEN15.vocab_size * QWEN15.hidden_size
     work = [plans[0].weight_bytes - head, plans[1].weight_bytes]  # stage 0's embedding is a lookup
-    assert max(work) / min(work) < 1.5  # bytes; in decode time (int4 x1.4) within 6%
+    assert max(work) / min(work) < 1.5  # bytes; in decode time (int4 x1.25) within 2%
     assert decode_balanced_split(QWEN15, 1, "int4", INTERMEDIATE) == [28]
     three = decode_balanced_split(QWEN15, 3, "int4", INTERMEDIATE)
     assert sum(three) == 28 and three[-1] < three[0]

@@ -1,0 +1,322 @@
+"""Speculative decoding on the real pair: K sweep and adaptive K, under added network latency.
+
+Setup (stated in the report):
+  - the target's 2 `pipeshard stage` processes on loopback, stage k pinned to core k with 1
+    inference thread; a latency-injecting proxy (benchmarks/latency_proxy.py) in front of each
+    stage adds D ms one way to every hop (gateway -> stage 0 -> stage 1 -> gateway: 3 D a step);
+  - the gateway's engine (scheduler, pipeline client, proposer) runs in this process, with the
+    draft (Qwen2.5-Coder-0.5B int4, 1 inference thread) on the CPU beside it, not pinned: on this
+    2-core machine the draft shares the cores with the stages;
+  - 8 prompts (code, prose, translation, lists); "1 user" runs them one after another, "2 users"
+    as two concurrent streams of 4 prompts each; greedy, end-of-sequence suppressed so every
+    answer has the same length.
+
+First checks that greedy output with speculation is identical to without it (``--check-tokens``
+tokens on the 8 prompts, no added latency). Then, for each added latency and user count: tok/s
+without speculation, with fixed K and with adaptive K; acceptance rate; speedup over no
+speculation at the same latency and user count. Ratios compare runs of the same invocation.
+
+Usage: python benchmarks/speculative.py [--export DIR] [--delays 0,10,50,100] [--ks 1,2,4,8]
+Writes benchmarks/results/speculative-<date>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.latency_proxy import start_in_thread  # noqa: E402
+from tests.processes import start_stages  # noqa: E402
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a JavaScript function that debounces another function.",
+    "Explain in a short paragraph why the sky is blue.",
+    "Describe the water cycle for a ten-year-old.",
+    "Translate into French: The meeting is moved to Thursday at ten.",
+    "Translate into German: Please send me the report by Friday.",
+    "List eight common HTTP status codes with their meaning.",
+    "List the planets of the solar system in order from the sun.",
+]
+
+
+def chat_ids(export: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from protos.manifest import load_manifest
+
+    manifest = load_manifest(export)
+    tokenizer = AutoTokenizer.from_pretrained(str(export / manifest.tokenizer.directory))
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+        )
+        for p in PROMPTS
+    ]
+
+
+async def run_config(
+    addresses: list[str],
+    prompts: list[list[int]],
+    tokens: int,
+    users: int,
+    proposer: Any,
+    spec_k: int,
+    eos: list[int],
+    max_context: int,
+) -> dict[str, Any]:
+    from server.engine import Engine, GenerationRequest
+    from server.metrics import GatewayMetrics
+    from server.pipeline import PipelineClient
+    from server.scheduler import SchedulerConfig
+    from stage_node.sampling import SamplingParams
+
+    client = PipelineClient(addresses, step_timeout=600)
+    await client.start(timeout=120)
+    metrics = GatewayMetrics()
+    engine = Engine(
+        client,
+        frozenset(),
+        max_context,
+        SchedulerConfig(),
+        metrics,
+        proposer=proposer,
+        spec_k=spec_k,
+    )
+    greedy = SamplingParams(logit_bias={e: -100.0 for e in eos})
+    outputs: dict[int, list[int]] = {}
+
+    async def user(indices: list[int]) -> None:
+        for i in indices:
+            request = GenerationRequest(f"p{i}-{time.monotonic_ns()}", prompts[i], tokens, greedy)
+            outputs[i] = [t.token_id async for t in engine.generate(request)]
+
+    started = time.perf_counter()
+    try:
+        lanes = [list(range(u, len(prompts), users)) for u in range(users)]
+        await asyncio.gather(*(user(lane) for lane in lanes))
+    finally:
+        elapsed = time.perf_counter() - started
+        await engine.close()
+        await client.close()
+    proposed = metrics.registry.get_sample_value("pipeshard_gateway_spec_proposed_tokens_total")
+    accepted = metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
+    steps = metrics.registry.get_sample_value("pipeshard_gateway_spec_k_count") or 0.0
+    k_sum = metrics.registry.get_sample_value("pipeshard_gateway_spec_k_sum") or 0.0
+    return {
+        "tok_s": len(prompts) * tokens / elapsed,
+        "seconds": elapsed,
+        "acceptance": (accepted / proposed) if proposed else None,
+        "mean_k": k_sum / steps if steps else None,
+        "outputs": [outputs[i] for i in range(len(prompts))],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2c")
+    p.add_argument("--delays", default="0,10,50,100", help="added one-way ms per hop")
+    p.add_argument("--ks", default="1,2,4,8", help="fixed K values (adaptive is always run)")
+    p.add_argument("--users", default="1,2")
+    p.add_argument("--tokens", type=int, default=32, help="tokens per prompt in the sweep")
+    p.add_argument("--check-tokens", type=int, default=64)
+    p.add_argument("--draft-threads", type=int, default=1)
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    opts = p.parse_args()
+
+    from protos.manifest import load_manifest
+    from server.speculative import DraftProposer
+    from stage_node.runner import RunnerOptions
+
+    manifest = load_manifest(opts.export)
+    if manifest.draft is None:
+        raise SystemExit(f"{opts.export} has no draft (export with --draft)")
+    prompts = chat_ids(opts.export)
+    eos = list(manifest.tokenizer.eos_token_ids)
+    proposer = DraftProposer(
+        opts.export / manifest.draft.directory,
+        RunnerOptions(threads=opts.draft_threads),
+        manifest.model.vocab_size,
+    )
+    logs = Path(tempfile.mkdtemp(prefix="spec-bench-"))
+    procs = []
+    for index in range(manifest.num_stages):
+        started, _ = start_stages(
+            opts.export, logs, stages=[index], exact=False, extra=["--cpus", str(index % 2)]
+        )
+        procs += started
+    direct = [proc.args[proc.args.index("--listen") + 1] for proc in procs]
+    ks = [int(k) for k in opts.ks.split(",")]
+    configs: list[tuple[str, Any, int]] = [("off", None, 0), ("adaptive", proposer, 0)]
+    configs += [(f"K={k}", proposer, k) for k in ks]
+    results: dict[str, Any] = {"runs": []}
+    context = manifest.model.max_context
+
+    def run(addresses: list[str], tokens: int, users: int, name: str, prop: Any, k: int) -> Any:
+        out = asyncio.run(run_config(addresses, prompts, tokens, users, prop, k, eos, context))
+        print(
+            f"  {name:9s} users {users}: {out['tok_s']:.2f} tok/s"
+            + (
+                f", acceptance {out['acceptance']:.2f}, mean K {out['mean_k']:.1f}"
+                if out["acceptance"] is not None
+                else ""
+            ),
+            flush=True,
+        )
+        return out
+
+    try:
+        run(direct, 8, 1, "warm-up", proposer, 0)
+        plain = run(direct, opts.check_tokens, 1, "off", None, 0)
+        spec = run(direct, opts.check_tokens, 1, "adaptive", proposer, 0)
+        results["check"] = {
+            "tokens": opts.check_tokens,
+            "identical": [a == b for a, b in zip(plain["outputs"], spec["outputs"], strict=True)],
+            "off_tok_s": plain["tok_s"],
+            "adaptive_tok_s": spec["tok_s"],
+        }
+        print(f"greedy identical with and without speculation: {results['check']['identical']}")
+        for delay in [float(d) for d in opts.delays.split(",")]:
+            proxies = []
+            addresses = []
+            for address in direct:
+                host, port = address.rsplit(":", 1)
+                if delay > 0:
+                    proxy, stop = start_in_thread("127.0.0.1", 0, host, int(port), delay / 1000)
+                    proxies.append(stop)
+                    addresses.append(f"127.0.0.1:{proxy.port}")
+                else:
+                    addresses.append(address)
+            print(f"+{delay:g} ms per hop", flush=True)
+            try:
+                for users in [int(u) for u in opts.users.split(",")]:
+                    for name, prop, k in configs:
+                        out = run(addresses, opts.tokens, users, name, prop, k)
+                        out.pop("outputs")
+                        results["runs"].append(
+                            {"delay_ms": delay, "users": users, "config": name, **out}
+                        )
+            finally:
+                for stop in proxies:
+                    stop()
+    finally:
+        for proc in procs:
+            proc.stop()
+    report(results, opts, manifest)
+    return 0
+
+
+def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> None:
+    runs = results["runs"]
+
+    def find(delay: float, users: int, config: str) -> dict[str, Any]:
+        return next(
+            r
+            for r in runs
+            if r["delay_ms"] == delay and r["users"] == users and r["config"] == config
+        )
+
+    check = results["check"]
+    lines = [
+        f"Real pair: target {manifest.model.model_id} int4 in {manifest.num_stages} stages "
+        f"(stage k pinned to core k, 1 inference thread each), draft "
+        f"{manifest.draft.model_id} int4 with {opts.draft_threads} thread in the gateway's "
+        f"process (unpinned, sharing the {os.cpu_count()} cores); {len(PROMPTS)} prompts "
+        f"(code, prose, translation, lists), {opts.tokens} greedy tokens each; 1 user = prompts "
+        "one after another, 2 users = two concurrent streams.",
+        "",
+        f"Greedy output with speculation (adaptive K) identical to without it, "
+        f"{check['tokens']} tokens: {sum(check['identical'])}/{len(check['identical'])} prompts.",
+        "",
+        "| added latency per hop | users | no speculation tok/s | best fixed K | adaptive tok/s "
+        "(mean K, acceptance) | adaptive speedup | adaptive / best fixed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    delays = sorted({r["delay_ms"] for r in runs})
+    user_counts = sorted({r["users"] for r in runs})
+    for delay in delays:
+        for users in user_counts:
+            off = find(delay, users, "off")
+            fixed = [
+                r
+                for r in runs
+                if r["delay_ms"] == delay and r["users"] == users and r["config"].startswith("K=")
+            ]
+            best = max(fixed, key=lambda r: r["tok_s"])
+            ada = find(delay, users, "adaptive")
+            lines.append(
+                f"| {delay:g} ms | {users} | {off['tok_s']:.2f} | {best['config']}: "
+                f"{best['tok_s']:.2f} | {ada['tok_s']:.2f} ({ada['mean_k']:.1f}, "
+                f"{ada['acceptance']:.2f}) | {ada['tok_s'] / off['tok_s']:.2f}x | "
+                f"{ada['tok_s'] / best['tok_s']:.2f} |"
+            )
+    lines += ["", "Every configuration (tok/s, acceptance):", ""]
+    configs = [c for c in dict.fromkeys(r["config"] for r in runs)]
+    lines.append("| latency | users | " + " | ".join(configs) + " |")
+    lines.append("|---" * (2 + len(configs)) + "|")
+    for delay in delays:
+        for users in user_counts:
+            cells = []
+            for c in configs:
+                r = find(delay, users, c)
+                acc = f" ({r['acceptance']:.2f})" if r["acceptance"] is not None else ""
+                cells.append(f"{r['tok_s']:.2f}{acc}")
+            lines.append(f"| {delay:g} ms | {users} | " + " | ".join(cells) + " |")
+    if 50.0 in delays and 2 in user_counts and 1 in user_counts:
+        two = find(50.0, 2, "adaptive")["tok_s"]
+        one = find(50.0, 1, "off")["tok_s"]
+        lines += [
+            "",
+            f"At +50 ms per hop: 2 users with speculation / 1 user without = {two / one:.2f}x.",
+        ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    date = dt.date.today().isoformat()
+    opts.results.mkdir(parents=True, exist_ok=True)
+    stem = opts.results / f"speculative-{date}"
+    stem.with_suffix(".md").write_text(text)
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "date": date,
+                "machine": {"cpu": platform.processor(), "cores": os.cpu_count()},
+                "export": str(opts.export),
+                **results,
+            },
+            indent=2,
+        )
+    )
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(user_counts), figsize=(5 * len(user_counts), 4), squeeze=False)
+    for ax, users in zip(axes[0], user_counts, strict=True):
+        for c in configs:
+            ys = [find(d, users, c)["tok_s"] / find(d, users, "off")["tok_s"] for d in delays]
+            ax.plot(delays, ys, "o-" if c == "adaptive" else ".--", label=c)
+        ax.set_title(f"{users} user(s)")
+        ax.set_xlabel("added latency per hop (ms)")
+        ax.set_ylabel("speedup over no speculation")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
