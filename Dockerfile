@@ -5,7 +5,7 @@
 #   docker run pipeshard:latest serve   (PIPESHARD_GATEWAY_* settings)
 #   docker run pipeshard:latest up ...
 #   docker build --target export -t pipeshard:export .     # + the export extra (CPU torch)
-#   docker run -v "$PWD/exports:/exports" pipeshard:export export default --stages 2 --out /exports/default
+#   docker run -v "$PWD/exports:/exports" pipeshard:export export default --stages 2 --draft default-draft --out /exports/default
 # See deploy/compose.yaml for a whole fleet.
 
 # --- builder: the pipeshard wheel. setup.py generates the gRPC stubs during the build, with

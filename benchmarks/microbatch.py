@@ -150,6 +150,55 @@ def baseline(work_dir: Path, tokens: int) -> float:
     return float(measure("a", work_dir, opts)["decode_tok_s"])
 
 
+def ceiling_worker(model_dir: Path, tokens: int, sync: Path) -> None:
+    """One monolithic genai copy: load, warm up, wait for the go file, measure decode tok/s."""
+    import openvino_genai
+
+    pipe = openvino_genai.LLMPipeline(
+        str(model_dir), "CPU", INFERENCE_NUM_THREADS=1, INFERENCE_PRECISION_HINT="f32"
+    )
+    config = openvino_genai.GenerationConfig()
+    config.max_new_tokens = config.min_new_tokens = tokens
+    config.do_sample = False
+    config.apply_chat_template = False
+    pipe.generate([TOPICS[0]], config)
+    (sync / f"ready-{os.getpid()}").touch()
+    while not (sync / "go").exists():
+        time.sleep(0.005)
+    result = pipe.generate([TOPICS[0]], config)
+    print(json.dumps({"decode_tok_s": 1000.0 / result.perf_metrics.get_tpot().mean}))
+
+
+def ceiling(model_dir: Path, tokens: int) -> list[float]:
+    """Two monolithic copies at once, on core 0 and core 1: what the 2 cores give together.
+
+    Decode is memory-bound; when both cores stream weights at the same time each may run
+    slower than alone, which caps any 2-core arrangement, pipelined stages included.
+    """
+    import subprocess
+
+    sync = Path(tempfile.mkdtemp(prefix="ceiling-"))
+    cmd = [sys.executable, __file__, "--ceiling-worker", str(model_dir), "--tokens", str(tokens)]
+    procs = [
+        subprocess.Popen(
+            ["taskset", "-c", str(core), *cmd, "--sync", str(sync)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for core in (0, 1)
+    ]
+    while len(list(sync.glob("ready-*"))) < 2:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a ceiling worker exited early")
+        time.sleep(0.05)
+    (sync / "go").touch()
+    return [
+        float(json.loads(p.communicate()[0].strip().splitlines()[-1])["decode_tok_s"])
+        for p in procs
+    ]
+
+
 def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
     try:
         import matplotlib
@@ -187,7 +236,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--no-baseline", action="store_true", help="skip genai (e.g. tiny models)")
+    p.add_argument("--ceiling-worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--sync", type=Path, help=argparse.SUPPRESS)
     opts = p.parse_args()
+    if opts.ceiling_worker:
+        ceiling_worker(opts.ceiling_worker, opts.tokens, opts.sync)
+        return 0
     user_counts = [int(u) for u in opts.users.split(",")]
 
     from protos.manifest import load_manifest
@@ -242,8 +296,10 @@ def main() -> int:
             gateway.stop()
         for proc in procs:
             proc.stop()
+    pair: list[float] = []
     if not opts.no_baseline:
         bases.append(baseline(opts.baseline_dir, opts.tokens))
+        pair = ceiling(opts.baseline_dir / "optimum", opts.tokens)
     base = statistics.median(bases) if bases else float("nan")
 
     rows = []
@@ -289,6 +345,14 @@ def main() -> int:
         "Baseline: openvino-genai LLMPipeline (optimum-cli int4 export), 1 user, core 0, "
         f"1 thread: "
         f"{base:.2f} tok/s decode (runs: {', '.join(f'{b:.2f}' for b in bases)}).",
+    ]
+    if pair:
+        lines.append(
+            f"Ceiling of this machine: two monolithic copies decoding at the same time, one on "
+            f"each core, 1 thread each: {pair[0]:.2f} + {pair[1]:.2f} = {sum(pair):.2f} tok/s "
+            f"= {sum(pair) / base:.2f}x the single copy (alone: {base:.2f})."
+        )
+    lines += [
         "",
         "| users | aggregate decode tok/s [min, max] | vs monolithic 1 user | end-to-end tok/s | "
         "TTFT p50 / p95 (ms) | inter-token p50 / p95 (ms) | p95 / p50 | stage busy fraction |",
@@ -327,6 +391,7 @@ def main() -> int:
                 "export": str(opts.export),
                 "tokens": opts.tokens,
                 "baseline_runs": bases,
+                "two_copies_at_once": pair,
                 "rows": rows,
                 "rounds": {str(u): r for u, r in rounds.items()},
             },

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import start_in_thread  # noqa: E402
-from tests.processes import start_stages  # noqa: E402
+from tests.processes import free_port, start_stages  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -59,12 +59,13 @@ def chat_ids(export: Path) -> list[list[int]]:
 
     manifest = load_manifest(export)
     tokenizer = AutoTokenizer.from_pretrained(str(export / manifest.tokenizer.directory))
-    return [
+    texts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
         )
         for p in PROMPTS
     ]
+    return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
 
 async def run_config(
@@ -124,6 +125,32 @@ async def run_config(
     }
 
 
+def stage_costs(port: int) -> dict[str, float]:
+    """Mean ms of a decode step, a verification step and a rollback on one stage."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(
+            r'^(pipeshard_stage_\w+_seconds_(?:sum|count))(?:\{phase="(\w+)"\})? (\S+)$', line
+        )
+        if match:
+            values[f"{match.group(1)}:{match.group(2) or ''}"] = float(match.group(3))
+
+    def mean(name: str, phase: str = "") -> float:
+        count = values.get(f"pipeshard_stage_{name}_seconds_count:{phase}", 0.0)
+        total = values.get(f"pipeshard_stage_{name}_seconds_sum:{phase}", 0.0)
+        return 1000 * total / count if count else float("nan")
+
+    return {
+        "decode": mean("forward", "decode"),
+        "verify": mean("forward", "verify"),
+        "rollback": mean("rollback"),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2c")
@@ -152,9 +179,14 @@ def main() -> int:
     )
     logs = Path(tempfile.mkdtemp(prefix="spec-bench-"))
     procs = []
+    metric_ports = [free_port() for _ in range(manifest.num_stages)]
     for index in range(manifest.num_stages):
         started, _ = start_stages(
-            opts.export, logs, stages=[index], exact=False, extra=["--cpus", str(index % 2)]
+            opts.export,
+            logs,
+            stages=[index],
+            exact=False,
+            extra=["--cpus", str(index % 2), "--metrics-port", str(metric_ports[index])],
         )
         procs += started
     direct = [proc.args[proc.args.index("--listen") + 1] for proc in procs]
@@ -211,6 +243,7 @@ def main() -> int:
             finally:
                 for stop in proxies:
                     stop()
+        results["stage_costs_ms"] = [stage_costs(port) for port in metric_ports]
     finally:
         for proc in procs:
             proc.stop()
@@ -262,6 +295,18 @@ def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> 
                 f"{ada['acceptance']:.2f}) | {ada['tok_s'] / off['tok_s']:.2f}x | "
                 f"{ada['tok_s'] / best['tok_s']:.2f} |"
             )
+    costs = results.get("stage_costs_ms", [])
+    if costs:
+        lines += [
+            "",
+            "Stage costs over the whole run, mean ms per step (stage 0, stage 1): decode "
+            + ", ".join(f"{c['decode']:.1f}" for c in costs)
+            + "; verification (K + 1 tokens) "
+            + ", ".join(f"{c['verify']:.1f}" for c in costs)
+            + "; rollback of rejected positions (trimming the KV state) "
+            + ", ".join(f"{c['rollback']:.2f}" for c in costs)
+            + ".",
+        ]
     lines += ["", "Every configuration (tok/s, acceptance):", ""]
     configs = [c for c in dict.fromkeys(r["config"] for r in runs)]
     lines.append("| latency | users | " + " | ".join(configs) + " |")

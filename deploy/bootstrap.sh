@@ -26,6 +26,24 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
+# System tools the deployment tests drive (tests/test_deploy.py, tests/test_prometheus.py):
+# systemd-analyze (Debian's systemd), docker-compose (`config` needs no engine), prometheus.
+if [[ ",$extras," == *",dev,"* ]]; then
+  missing=()
+  command -v systemd-analyze >/dev/null || [ -x /usr/bin/systemd-analyze ] || missing+=(systemd)
+  command -v docker-compose >/dev/null || missing+=(docker-compose)
+  command -v prometheus >/dev/null || [ -x /usr/bin/prometheus ] || missing+=(prometheus)
+  if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "bootstrap: installing ${missing[*]} (Debian packages) for the deployment tests" >&2
+      apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${missing[@]}" >/dev/null
+    else
+      echo "bootstrap: the deployment tests need: ${missing[*]} (apt-get install them)" >&2
+    fi
+  fi
+fi
 # The gRPC stubs are generated from protos/*.proto (never committed); regenerate them every
 # time so an edited .proto never meets stale stubs.
 .venv/bin/python -m protos.codegen

@@ -80,7 +80,9 @@ class StatefulBackend:
         if step.deadline_unix_ms and time.time() * 1000 > step.deadline_unix_ms:
             raise StepExpired(f"step {step.step_id} arrived at stage {index} after its deadline")
         if step.rollback:
+            started = time.perf_counter()
             self.runner.rollback(step.session_id, step.rollback)
+            self.metrics.rollback_seconds.observe(time.perf_counter() - started)
         count = len(step.data)
         if count == 0:
             if step.rollback:
@@ -88,7 +90,7 @@ class StatefulBackend:
             raise InvalidStageInput("a step must carry tokens or a rollback")
         positions = np.arange(step.start_position, step.start_position + count, dtype=np.int64)
         num_logits = max(1, step.num_logits)
-        phase = "prefill" if count > 1 else "decode"
+        phase = "verify" if step.draft_tokens else "prefill" if count > 1 else "decode"
         started = time.perf_counter()
         out = self.runner.forward(step.session_id, step.data, positions, num_logits)
         self.metrics.forward_seconds.labels(phase).observe(time.perf_counter() - started)

@@ -17,6 +17,12 @@ class StageMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.rollback_seconds = Histogram(
+            "pipeshard_stage_rollback_seconds",
+            "Time to forget a session's last positions (rejected speculative tokens)",
+            buckets=(0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS),
+            registry=self.registry,
+        )
         self.sessions = Gauge(
             "pipeshard_stage_sessions", "Sessions holding KV state", registry=self.registry
         )

@@ -324,6 +324,34 @@ def test_commands_without_flags_parse() -> None:
 # --- (b) compose and (c) Prometheus ---------------------------------------------------------
 
 
+def test_compose_file_passes_docker_compose_config(tmp_path: Path) -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.fail(
+            "docker-compose not found: install Debian's `docker-compose` package "
+            "(deploy/bootstrap.sh does as root); `config` needs no Docker engine"
+        )
+    env = {**os.environ, "PIPESHARD_EXPORT": str(tmp_path)}
+
+    def config(path: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [binary, "-f", str(path), "config"], env=env, capture_output=True, text=True
+        )
+
+    done = config(DEPLOY / "compose.yaml")
+    assert done.returncode == 0, done.stderr
+    resolved = yaml.safe_load(done.stdout)
+    assert set(resolved["services"]) == {"stage0", "stage1", "gateway", "prometheus"}
+    mounts = resolved["services"]["gateway"]["volumes"]
+    assert any(m.get("source") == str(tmp_path) and m.get("read_only") for m in mounts)
+    # and it does reject a broken file
+    broken = tmp_path / "compose.yaml"
+    text = (DEPLOY / "compose.yaml").read_text()
+    broken.write_text(text.replace("    restart: unless-stopped\n", "    restart: [1, 2]\n", 1))
+    (tmp_path / "prometheus.yml").write_text("")
+    assert config(broken).returncode != 0
+
+
 def test_compose_services() -> None:
     services = load_compose()["services"]
     assert set(services) == {"stage0", "stage1", "gateway", "prometheus"}
