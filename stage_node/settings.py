@@ -23,7 +23,9 @@ class StageSettings(BaseSettings):
     threads: int = Field(default=0, ge=0, description="inference threads (0: OpenVINO default)")
     cpus: str | None = Field(default=None, description="pin the process to these CPUs, e.g. 0,1")
     streams: int = Field(default=1, ge=1, description="sessions computed at the same time")
-    kv_cache_precision: str | None = Field(default=None, description="KV_CACHE_PRECISION")
+    kv_cache_precision: str | None = Field(
+        default=None, description="KV_CACHE_PRECISION (default f16 on CPU; 'default': the device's)"
+    )
     inference_precision: str | None = Field(
         default=None,
         description="INFERENCE_PRECISION_HINT (default f32 on CPU; 'default': the device's own)",
