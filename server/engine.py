@@ -191,6 +191,8 @@ class Engine:
             )
             if plan.draft:
                 self._learn(seq.seq_id, plan, out.tokens, time.perf_counter() - started)
+            elif not item.prefill and (adapt := self._adaptive.get(seq.seq_id)) is not None:
+                adapt.update_plain(time.perf_counter() - started)
         except Exception as exc:
             self.scheduler.on_error(item.seq_id, exc)
             self._end(item.seq_id)
@@ -241,7 +243,7 @@ class Engine:
             accepted += 1
         adapt = self._adaptive.get(seq_id)
         if adapt is not None:
-            adapt.update(len(plan.draft), accepted, pass_s, plan.draft_s)
+            adapt.update(len(plan.draft), accepted, len(emitted), pass_s, plan.draft_s)
         if self.metrics is not None:
             self.metrics.spec_proposed.inc(len(plan.draft))
             self.metrics.spec_accepted.inc(accepted)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -149,18 +149,28 @@ class NgramProposer:
 
 @dataclass
 class AdaptiveK:
-    """Per-sequence choice of k (draft tokens per step)."""
+    """Per-sequence choice of k (draft tokens per step); 0 = a plain step without a proposal.
+
+    The model: with acceptance rate ``a`` a step emits ``(1 - a^n) / (1 - a)`` tokens for ``n``
+    verified positions and costs a pipeline pass (a little more per extra position) plus ``k``
+    draft tokens; ``k`` maximises tokens per second. Greedy requests also measure what they get
+    from plain steps (one every ``EXPLORE`` steps) and stop proposing while plain steps are
+    faster, e.g. when the draft competes with the stages for the same cores. Sampling requests
+    always propose, so that their output does not depend on the choice.
+    """
+
+    EXPLORE = 16
 
     max_k: int = 8
     fixed: int | None = None
     acceptance: float = 0.6  # prior; running estimate of P(a draft token is accepted)
     pass_s: float = 0.05  # running cost of one pipeline pass (seconds)
     draft_s: float = 0.005  # running cost of one draft token
-    history: list[int] = field(default_factory=list)
+    spec_rate: float | None = None  # tokens per second on speculative steps
+    plain_rate: float | None = None  # tokens per second on plain steps
+    steps: int = 0
 
-    def choose(self, greedy: bool) -> int:
-        if self.fixed is not None:
-            return self.fixed
+    def model_k(self, greedy: bool) -> int:
         a = min(self.acceptance, 0.99)
         best, best_rate = 1, 0.0
         for k in range(1, self.max_k + 1):
@@ -171,11 +181,34 @@ class AdaptiveK:
                 best, best_rate = k, expected / cost
         return best
 
-    def update(self, proposed: int, accepted: int, pass_s: float, draft_s: float) -> None:
-        if proposed:
-            self.acceptance = 0.8 * self.acceptance + 0.2 * (accepted / proposed)
-            self.draft_s = 0.8 * self.draft_s + 0.2 * (draft_s / proposed)
+    def choose(self, greedy: bool) -> int:
+        self.steps += 1
+        if self.fixed is not None:
+            return self.fixed
+        k = self.model_k(greedy)
+        if not greedy:
+            return k
+        speculate = (
+            self.spec_rate is None or self.plain_rate is None or self.spec_rate >= self.plain_rate
+        )
+        if self.steps % self.EXPLORE == 0:  # now and then, try the other way
+            speculate = not speculate
+        return k if speculate else 0
+
+    def update(
+        self, proposed: int, accepted: int, emitted: int, pass_s: float, draft_s: float
+    ) -> None:
+        """After a speculative step: ``accepted`` of ``proposed`` draft tokens were kept."""
+        self.acceptance = 0.8 * self.acceptance + 0.2 * (accepted / proposed)
+        self.draft_s = 0.8 * self.draft_s + 0.2 * (draft_s / proposed)
         self.pass_s = 0.8 * self.pass_s + 0.2 * pass_s
+        rate = emitted / max(pass_s + draft_s, 1e-6)
+        self.spec_rate = rate if self.spec_rate is None else 0.8 * self.spec_rate + 0.2 * rate
+
+    def update_plain(self, seconds: float) -> None:
+        """After a plain step (one token) that took ``seconds``."""
+        rate = 1 / max(seconds, 1e-6)
+        self.plain_rate = rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from server.speculative import AdaptiveK, NgramProposer
 from stage_node.sampling import SamplingParams, probabilities, sample
 from stage_node.speculative import verify
 
@@ -134,3 +135,40 @@ def test_a_fixed_seed_reproduces_the_output() -> None:
     dists = [(ids, DRAFT[0].tolist()), (ids, DRAFT[1].tolist())]
     runs = {tuple(t.token_id for t in verify(TARGET, [2, 0], dists, params, 5)) for _ in range(5)}
     assert len(runs) == 1
+
+
+# --- choosing K and proposing without a model -------------------------------------------------
+def test_adaptive_k_proposes_more_when_a_pass_costs_more() -> None:
+    local = AdaptiveK(acceptance=0.7, pass_s=0.06, draft_s=0.02)
+    remote = AdaptiveK(acceptance=0.7, pass_s=0.36, draft_s=0.02)  # +100 ms on 3 hops
+    assert 1 <= local.model_k(greedy=True) < remote.model_k(greedy=True) <= 8
+    # a draft that is rarely right is worth fewer tokens
+    poor = AdaptiveK(acceptance=0.2, pass_s=0.36, draft_s=0.02)
+    assert poor.model_k(greedy=True) < remote.model_k(greedy=True)
+    assert AdaptiveK(fixed=3).choose(greedy=True) == 3
+
+
+def test_adaptive_k_learns_acceptance_and_stops_when_plain_steps_are_faster() -> None:
+    adapt = AdaptiveK(acceptance=0.6)
+    for _ in range(20):
+        adapt.update(proposed=4, accepted=4, emitted=5, pass_s=0.1, draft_s=0.04)
+    assert adapt.acceptance > 0.95
+    choices = [adapt.choose(greedy=True) for _ in range(32)]
+    assert all(k >= 1 for k in choices[:15])
+    # plain steps measured much faster than speculative ones: greedy stops proposing,
+    # except for an occasional look back
+    adapt.spec_rate, adapt.plain_rate = 10.0, 40.0
+    choices = [adapt.choose(greedy=True) for _ in range(32)]
+    assert choices.count(0) == 30 and len([k for k in choices if k]) == 2
+    # sampling always proposes (its output must not depend on the choice)
+    assert all(adapt.choose(greedy=False) >= 1 for _ in range(32))
+
+
+def test_prompt_lookup_continues_the_latest_match() -> None:
+    ngram = NgramProposer(max_ngram=3)
+    context = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    # the latest earlier "1 2 3" is followed by 7 8
+    assert ngram.propose("s", context, 4, SamplingParams()).tokens == [7, 8, 1, 2]
+    sampled = ngram.propose("s", context, 2, SamplingParams(temperature=1.0))
+    assert sampled.tokens == [7, 8] and sampled.dists == [([7], [1.0]), ([8], [1.0])]
+    assert ngram.propose("s", [1, 2, 3], 4, SamplingParams()).tokens == []
