@@ -91,7 +91,8 @@ class Engine:
         self.proposer = proposer
         self.fixed_k = spec_k or None
         self.max_k = spec_max_k
-        self._adaptive: dict[str, AdaptiveK] = {}
+        self._adaptive = AdaptiveK(spec_max_k, self.fixed_k)  # server-wide costs
+        self._acceptance: dict[str, float] = {}  # each request's own acceptance rate
         self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
 
     @property
@@ -191,8 +192,8 @@ class Engine:
             )
             if plan.draft:
                 self._learn(seq.seq_id, plan, out.tokens, time.perf_counter() - started)
-            elif not item.prefill and (adapt := self._adaptive.get(seq.seq_id)) is not None:
-                adapt.update_plain(time.perf_counter() - started)
+            elif not item.prefill and self.proposer is not None:
+                self._adaptive.update_plain(time.perf_counter() - started)
         except Exception as exc:
             self.scheduler.on_error(item.seq_id, exc)
             self._end(item.seq_id)
@@ -213,8 +214,7 @@ class Engine:
         if item.prefill or self.proposer is None:
             return _Plan(item.tokens)
         greedy = sampling.temperature == 0.0
-        adapt = self._adaptive.setdefault(seq.seq_id, AdaptiveK(self.max_k, self.fixed_k))
-        k = adapt.choose(greedy)
+        k = self._adaptive.choose(greedy, self._acceptance.get(seq.seq_id))
         # no proposals beyond max_tokens or the context (greedy also gets a bonus token)
         k = min(k, seq.max_tokens - len(seq.generated) - int(greedy))
         k = min(k, self.max_context - item.start_position - 2)
@@ -241,9 +241,9 @@ class Engine:
             if token.token_id != proposed:
                 break
             accepted += 1
-        adapt = self._adaptive.get(seq_id)
-        if adapt is not None:
-            adapt.update(len(plan.draft), accepted, len(emitted), pass_s, plan.draft_s)
+        self._adaptive.update(len(plan.draft), accepted, len(emitted), pass_s, plan.draft_s)
+        previous = self._acceptance.get(seq_id, self._adaptive.acceptance)
+        self._acceptance[seq_id] = 0.7 * previous + 0.3 * accepted / len(plan.draft)
         if self.metrics is not None:
             self.metrics.spec_proposed.inc(len(plan.draft))
             self.metrics.spec_accepted.inc(accepted)
@@ -262,7 +262,7 @@ class Engine:
     def _release(self, seq_ids: list[str]) -> None:
         if self.proposer is not None:
             for seq_id in seq_ids:
-                self._adaptive.pop(seq_id, None)
+                self._acceptance.pop(seq_id, None)
                 self._in_draft_pool(self.proposer.release, seq_id)
 
         async def release() -> None:

@@ -149,14 +149,16 @@ class NgramProposer:
 
 @dataclass
 class AdaptiveK:
-    """Per-sequence choice of k (draft tokens per step); 0 = a plain step without a proposal.
+    """The choice of k (draft tokens per step); 0 = a plain step without a proposal.
 
     The model: with acceptance rate ``a`` a step emits ``(1 - a^n) / (1 - a)`` tokens for ``n``
     verified positions and costs a pipeline pass (a little more per extra position) plus ``k``
-    draft tokens; ``k`` maximises tokens per second. Greedy requests also measure what they get
-    from plain steps (one every ``EXPLORE`` steps) and stop proposing while plain steps are
-    faster, e.g. when the draft competes with the stages for the same cores. Sampling requests
-    always propose, so that their output does not depend on the choice.
+    draft tokens; ``k`` maximises tokens per second. Costs are the server's (one instance for
+    all requests: network latency and load are shared), the acceptance rate is each request's
+    own (passed in; the instance keeps the server-wide one as the prior). Greedy steps also
+    measure what plain steps give (one in ``EXPLORE`` steps goes the other way) and stop
+    proposing while plain steps are faster, e.g. when the draft competes with the stages for
+    the same cores. Sampling always proposes, so that its output does not depend on the choice.
     """
 
     EXPLORE = 16
@@ -170,8 +172,8 @@ class AdaptiveK:
     plain_rate: float | None = None  # tokens per second on plain steps
     steps: int = 0
 
-    def model_k(self, greedy: bool) -> int:
-        a = min(self.acceptance, 0.99)
+    def model_k(self, greedy: bool, acceptance: float | None = None) -> int:
+        a = min(self.acceptance if acceptance is None else acceptance, 0.99)
         best, best_rate = 1, 0.0
         for k in range(1, self.max_k + 1):
             positions = k + 1 if greedy else k
@@ -181,11 +183,11 @@ class AdaptiveK:
                 best, best_rate = k, expected / cost
         return best
 
-    def choose(self, greedy: bool) -> int:
+    def choose(self, greedy: bool, acceptance: float | None = None) -> int:
         self.steps += 1
         if self.fixed is not None:
             return self.fixed
-        k = self.model_k(greedy)
+        k = self.model_k(greedy, acceptance)
         if not greedy:
             return k
         speculate = (
