@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.processes import start_gateway, start_stages  # noqa: E402
+from tests.processes import start_gateway, start_pinned_stages  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about pipelines."}]
 
@@ -88,16 +88,7 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     procs = []
     try:
-        for index in range(manifest.num_stages):
-            started, _ = start_stages(
-                opts.export,
-                logs,
-                stages=[index],
-                exact=False,
-                extra=["--cpus", str(index % 2)],
-            )
-            procs += started
-        stages = [p.args[p.args.index("--listen") + 1] for p in procs]
+        procs, stages, _ = start_pinned_stages(opts.export, logs)
         gateway, url = start_gateway(
             stages,
             logs / "gateway.log",

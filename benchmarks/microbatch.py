@@ -41,7 +41,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.processes import free_port, start_gateway, start_stages  # noqa: E402
+from tests.processes import start_gateway, start_pinned_stages  # noqa: E402
 
 TOPICS = [
     "Write a Python function that merges two sorted lists and explain it.",
@@ -255,17 +255,7 @@ def main() -> int:
     gateway = None
     rounds: dict[int, list[dict[str, Any]]] = {u: [] for u in user_counts}
     try:
-        metric_ports = [free_port() for _ in range(manifest.num_stages)]
-        for index in range(manifest.num_stages):
-            started, _ = start_stages(
-                opts.export,
-                logs,
-                stages=[index],
-                exact=False,
-                extra=["--cpus", str(index % 2), "--metrics-port", str(metric_ports[index])],
-            )
-            procs += started
-        addresses = [p.args[p.args.index("--listen") + 1] for p in procs]
+        procs, addresses, metric_ports = start_pinned_stages(opts.export, logs, metrics=True)
         gateway, url = start_gateway(
             addresses, logs / "gateway.log", ["--max-concurrent", str(max(user_counts))]
         )

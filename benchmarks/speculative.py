@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import start_in_thread  # noqa: E402
-from tests.processes import free_port, start_stages  # noqa: E402
+from tests.processes import start_pinned_stages  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -178,18 +178,7 @@ def main() -> int:
         manifest.model.vocab_size,
     )
     logs = Path(tempfile.mkdtemp(prefix="spec-bench-"))
-    procs = []
-    metric_ports = [free_port() for _ in range(manifest.num_stages)]
-    for index in range(manifest.num_stages):
-        started, _ = start_stages(
-            opts.export,
-            logs,
-            stages=[index],
-            exact=False,
-            extra=["--cpus", str(index % 2), "--metrics-port", str(metric_ports[index])],
-        )
-        procs += started
-    direct = [proc.args[proc.args.index("--listen") + 1] for proc in procs]
+    procs, direct, metric_ports = start_pinned_stages(opts.export, logs, metrics=True)
     ks = [int(k) for k in opts.ks.split(",")]
     configs: list[tuple[str, Any, int]] = [("off", None, 0), ("adaptive", proposer, 0)]
     configs += [(f"K={k}", proposer, k) for k in ks]

@@ -114,6 +114,27 @@ def start_stages(
     return procs, [f"127.0.0.1:{p}" for p in ports]
 
 
+def start_pinned_stages(
+    export_dir: Path, log_dir: Path, metrics: bool = False
+) -> tuple[list[Proc], list[str], list[int]]:
+    """Benchmarks: one stage process per stage, stage k pinned to core k (modulo the cores),
+    1 inference thread, the runtime's defaults; returns them, their addresses and (with
+    ``metrics``) their Prometheus ports."""
+    from protos.manifest import load_manifest
+
+    count = load_manifest(export_dir).num_stages
+    cores = os.cpu_count() or 1
+    ports = [free_port() for _ in range(count)] if metrics else []
+    procs: list[Proc] = []
+    for index in range(count):
+        extra = ["--cpus", str(index % cores)]
+        if metrics:
+            extra += ["--metrics-port", str(ports[index])]
+        started, _ = start_stages(export_dir, log_dir, extra, stages=[index], exact=False)
+        procs += started
+    return procs, [p.args[p.args.index("--listen") + 1] for p in procs], ports
+
+
 def start_gateway(
     stages: Sequence[str],
     log: Path,
