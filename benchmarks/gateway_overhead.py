@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import save  # noqa: E402
 from tests.processes import start_gateway, start_pinned_stages  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about pipelines."}]
@@ -119,20 +118,7 @@ def main() -> int:
             "(target: under 5 ms).",
         ]
     )
-    print(report)
-    opts.results.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y-%m-%d")
-    (opts.results / f"gateway_overhead-{stamp}.md").write_text(report + "\n")
-    (opts.results / f"gateway_overhead-{stamp}.json").write_text(
-        json.dumps(
-            {
-                "date": dt.datetime.now().isoformat(timespec="seconds"),
-                "options": {k: str(v) for k, v in vars(opts).items()},
-                **result,
-            },
-            indent=2,
-        )
-    )
+    save(opts.results, "gateway_overhead", report, result, opts)
     return 0
 
 

@@ -24,10 +24,8 @@ Writes benchmarks/results/microbatch-<date>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,6 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import save  # noqa: E402
 from tests.processes import start_gateway, start_pinned_stages  # noqa: E402
 
 TOPICS = [
@@ -321,7 +320,6 @@ def main() -> int:
         )
         rows[-1]["vs_monolithic"] = rows[-1]["decode_tok_s"] / base
 
-    date = dt.date.today().isoformat()
     stages_desc = ", ".join(
         f"stage {s.index} layers [{s.layer_start}, {s.layer_end}) on core {s.index % 2}"
         for s in manifest.stages
@@ -368,28 +366,15 @@ def main() -> int:
     for r in rows:
         cpu = " | ".join(f"{v:.1f}" for v in r["cpu_ms_per_token"].values())
         lines.append(f"| {r['users']} | {cpu} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    opts.results.mkdir(parents=True, exist_ok=True)
-    stem = opts.results / f"microbatch-{date}"
-    stem.with_suffix(".md").write_text(report)
-    stem.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "date": date,
-                "machine": {"cpu": platform.processor(), "cores": os.cpu_count()},
-                "export": str(opts.export),
-                "tokens": opts.tokens,
-                "baseline_runs": bases,
-                "two_copies_at_once": pair,
-                "rows": rows,
-                "rounds": {str(u): r for u, r in rounds.items()},
-            },
-            indent=2,
-        )
-    )
-    if plot(rows, base, stem.with_suffix(".png")):
-        print(f"plot: {stem.with_suffix('.png')}")
+    data = {
+        "baseline_runs": bases,
+        "two_copies_at_once": pair,
+        "rows": rows,
+        "rounds": {str(u): r for u, r in rounds.items()},
+    }
+    stem = save(opts.results, "microbatch", "\n".join(lines), data, opts)
+    if plot(rows, base, Path(f"{stem}.png")):
+        print(f"plot: {stem}.png")
     return 0
 
 

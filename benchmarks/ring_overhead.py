@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -35,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import start_in_thread  # noqa: E402
+from benchmarks.report import save  # noqa: E402
 from tests.processes import free_port, start_stages  # noqa: E402
 
 ROUNDS = 5
@@ -299,25 +297,7 @@ def main() -> int:
         f"ring fp16 {ring16['tokens_identical']}"
     )
     report = "\n".join(lines)
-    print(report)
-    opts.results.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y-%m-%d")
-    (opts.results / f"ring_overhead-{stamp}.md").write_text(report + "\n")
-    (opts.results / f"ring_overhead-{stamp}.json").write_text(
-        json.dumps(
-            {
-                "date": dt.datetime.now().isoformat(timespec="seconds"),
-                "machine": {
-                    "cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(),
-                },
-                "options": {k: str(v) for k, v in vars(opts).items()},
-                "ring_fp32": ring32,
-                "ring_fp16": ring16,
-            },
-            indent=2,
-        )
-    )
+    save(opts.results, "ring_overhead", report, {"ring_fp32": ring32, "ring_fp16": ring16}, opts)
     return 0
 
 

@@ -17,10 +17,8 @@ Writes benchmarks/results/shard_parity-<date>.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import save  # noqa: E402
+
 PROMPT = (
     "Write a Python class that implements a least-recently-used cache with get and put "
     "methods, explain its time complexity, and add a short usage example."
@@ -278,31 +280,9 @@ def main() -> int:
         )
     )
     report = "\n".join(lines)
-    print(report)
-
-    opts.results.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y-%m-%d")
-    out = opts.results / f"shard_parity-{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "date": dt.datetime.now().isoformat(timespec="seconds"),
-                "machine": {
-                    "cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(),
-                    "python": platform.python_version(),
-                },
-                "options": {k: str(v) for k, v in vars(opts).items()},
-                "rounds": rounds,
-                "summary": table,
-                "exports": exports,
-                "report": report,
-            },
-            indent=2,
-        )
-    )
-    (opts.results / f"shard_parity-{stamp}.md").write_text(report + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    data = {"rounds": rounds, "summary": table, "exports": exports, "report": report}
+    stem = save(opts.results, "shard_parity", report, data, opts)
+    print(f"wrote {stem}.json", file=sys.stderr)
     return 0
 
 

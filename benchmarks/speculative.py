@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -38,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import start_in_thread  # noqa: E402
+from benchmarks.report import save  # noqa: E402
 from tests.processes import start_pinned_stages  # noqa: E402
 
 PROMPTS = [
@@ -315,23 +313,7 @@ def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> 
             "",
             f"At +50 ms per hop: 2 users with speculation / 1 user without = {two / one:.2f}x.",
         ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    date = dt.date.today().isoformat()
-    opts.results.mkdir(parents=True, exist_ok=True)
-    stem = opts.results / f"speculative-{date}"
-    stem.with_suffix(".md").write_text(text)
-    stem.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "date": date,
-                "machine": {"cpu": platform.processor(), "cores": os.cpu_count()},
-                "export": str(opts.export),
-                **results,
-            },
-            indent=2,
-        )
-    )
+    stem = save(opts.results, "speculative", "\n".join(lines), results, opts)
     try:
         import matplotlib
 
@@ -349,7 +331,7 @@ def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> 
         ax.set_ylabel("speedup over no speculation")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    fig.savefig(f"{stem}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -95,14 +95,6 @@ class Engine:
         self._acceptance: dict[str, float] = {}  # each request's own acceptance rate
         self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
 
-    @property
-    def queued(self) -> int:
-        return self.scheduler.queued
-
-    @property
-    def running(self) -> int:
-        return len(self.scheduler.running)
-
     def choice_sampling(self, request: GenerationRequest, choice: int) -> SamplingParams:
         """Each of n choices draws differently, reproducibly from the request's seed."""
         seed = (request.sampling.seed or 0) + choice

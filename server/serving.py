@@ -287,9 +287,10 @@ class CompletionService:
             results = await asyncio.gather(
                 *(self._run_choice(prep, i) for i in range(prep.generation.n))
             )
-        except (PipelineError, QueueFull, QueueTimeout) as exc:
+        except Exception as exc:
             error = generation_api_error(exc)
-            assert error is not None
+            if error is None:
+                raise
             raise error from exc
         usage = Usage.of(
             len(prep.generation.prompt_ids) * prep.generation.n, sum(r.tokens for r in results)

@@ -27,8 +27,14 @@ import numpy as np
 
 from protos.manifest import load_manifest
 from stage_node.runner import RunnerOptions, ShardRunner
-from stage_node.sampling import SamplingParams, _seed_key, probabilities
-from stage_node.speculative import DraftDistribution
+from stage_node.sampling import (
+    SamplingParams,
+    _adjust,
+    _inverse_cdf,
+    greedy_token,
+    probabilities,
+)
+from stage_node.speculative import DraftDistribution, uniform
 
 DRAFT_TOP_K = 64  # the draft's sampling distribution is truncated to this many tokens
 _DRAFT_STREAM = 3  # random stream of draft draws (the verifier uses 1 and 2)
@@ -42,8 +48,6 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    name: str
-
     def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
         """Up to ``k`` tokens to follow ``context`` (the sequence so far); blocking."""
         ...
@@ -58,8 +62,6 @@ class Proposer(Protocol):
 class DraftProposer:
     """The draft model: one OpenVINO session per sequence, kept in step with the target."""
 
-    name = "draft"
-
     def __init__(self, export_dir: Path, options: RunnerOptions, vocab_size: int) -> None:
         manifest = load_manifest(export_dir)
         if manifest.num_stages != 1:
@@ -71,20 +73,25 @@ class DraftProposer:
             )
         self.model_id = manifest.model.model_id
         self.runner = ShardRunner(export_dir, 0, options, manifest=manifest)
-        self._held: dict[str, list[int]] = {}
+        # Per sequence: the tokens its draft session holds, and how many of them came from the
+        # sequence itself (the rest are proposals, which may have been rejected since).
+        self._held: dict[str, tuple[list[int], int]] = {}
         self._lock = threading.Lock()  # one inference at a time on the gateway
 
     def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
         with self._lock:
-            held = self._held.get(seq_id, [])
-            common = _common_prefix(held, context)
+            held, common = self._held.get(seq_id, ([], 0))
+            # the sequence only grows: only the proposals held beyond `common` can differ
+            while common < min(len(held), len(context)) and held[common] == context[common]:
+                common += 1
             if common == len(context):  # the last token's logits are needed again
                 common -= 1
             if common < len(held):
                 self.runner.rollback(seq_id, len(held) - common)
                 del held[common:]
             feed = context[common:]
+            synced = len(context)
             tokens: list[int] = []
             dists: list[DraftDistribution] = []
             greedy = params.temperature == 0.0
@@ -93,13 +100,13 @@ class DraftProposer:
                 held.extend(feed)
                 position = len(held)
                 if greedy:
-                    token = _greedy(logits, params)
+                    token = greedy_token(_adjust(logits, params, ()))
                 else:
                     token, dist = _draw(logits, params, position)
                     dists.append(dist)
                 tokens.append(token)
                 feed = [token]
-            self._held[seq_id] = held
+            self._held[seq_id] = (held, synced)
         return Proposal(tokens, dists, time.perf_counter() - started)
 
     def warm(self, seq_id: str, prompt: list[int]) -> None:
@@ -108,7 +115,7 @@ class DraftProposer:
                 return
             # all but the last token: a proposal always needs to feed at least one
             self.runner.forward(seq_id, np.asarray(prompt[:-1], dtype=np.int64))
-            self._held[seq_id] = list(prompt[:-1])
+            self._held[seq_id] = (list(prompt[:-1]), len(prompt) - 1)
 
     def release(self, seq_id: str) -> None:
         with self._lock:
@@ -118,8 +125,6 @@ class DraftProposer:
 
 class NgramProposer:
     """Prompt lookup: continue the sequence the way its own text continued before."""
-
-    name = "ngram"
 
     def __init__(self, max_ngram: int = 3) -> None:
         self.max_ngram = max_ngram
@@ -213,28 +218,11 @@ class AdaptiveK:
         self.plain_rate = rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return int(np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0])
-
-
-def _greedy(logits: np.ndarray, params: SamplingParams) -> int:
-    row = np.asarray(logits, dtype=np.float32)
-    if params.logit_bias:
-        row = row.copy()
-        for token, bias in params.logit_bias.items():
-            row[token] += bias
-    return int(np.argmax(row))
-
-
 def _draw(
     logits: np.ndarray, params: SamplingParams, position: int
 ) -> tuple[int, DraftDistribution]:
     """A draft token and the truncated distribution it was drawn from."""
     top_k = min(params.top_k, DRAFT_TOP_K) if params.top_k else DRAFT_TOP_K
     ids, probs = probabilities(logits, replace(params, top_k=top_k))
-    u = float(np.random.default_rng([_seed_key(params.seed), position, _DRAFT_STREAM]).random())
-    index = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)
+    index = _inverse_cdf(probs, uniform(params.seed, position, _DRAFT_STREAM))
     return int(ids[index]), (ids.tolist(), probs.astype(np.float32).tolist())

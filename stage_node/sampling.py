@@ -41,7 +41,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SampledToken", "SamplingParams", "annotate", "probabilities", "sample"]
+__all__ = [
+    "SampledToken",
+    "SamplingParams",
+    "annotate",
+    "greedy_token",
+    "probabilities",
+    "sample",
+]
 
 FloatArray = npt.NDArray[np.float32]
 IdArray = npt.NDArray[np.int64]
@@ -128,14 +135,20 @@ def sample(
         raise ValueError(f"position must be >= 0, got {position}")
     adjusted = _adjust(logits, params, history)
     if params.temperature == 0.0:
-        token = int(np.argmax(adjusted))
-        if not math.isfinite(float(adjusted[token])):
-            raise ValueError("logits must contain a finite maximum (NaN, +inf or all -inf)")
+        token = greedy_token(adjusted)
     else:
         u = float(np.random.default_rng([_seed_key(params.seed), position]).random())
         token = _draw(adjusted, params, u)
 
     return annotate(adjusted, params, token)
+
+
+def greedy_token(adjusted: FloatArray) -> int:
+    """``argmax`` of adjusted logits (ties: the lowest id); refuses rows without a finite max."""
+    token = int(np.argmax(adjusted))
+    if not math.isfinite(float(adjusted[token])):
+        raise ValueError("logits must contain a finite maximum (NaN, +inf or all -inf)")
+    return token
 
 
 def annotate(adjusted: FloatArray, params: SamplingParams, token: int) -> SampledToken:

@@ -38,6 +38,7 @@ from stage_node.sampling import (
     _seed_key,
     _weights,
     annotate,
+    greedy_token,
     sample,
 )
 
@@ -80,8 +81,7 @@ def verify(
             break
         adjusted = _adjust(logits[i], params, seen)
         if greedy:
-            token = int(np.argmax(adjusted))
-            _peak(adjusted)  # refuses NaN / inf rows
+            token = greedy_token(adjusted)
             accepted = token == draft[i]
         else:
             token, accepted = _test(adjusted, params, draft[i], dists[i], position)
@@ -100,7 +100,8 @@ def _test(
     position: int,
 ) -> tuple[int, bool]:
     """One speculative-sampling step: (emitted token, whether it was the accepted proposal)."""
-    q_of = dict(zip((int(t) for t in dist[0]), (float(v) for v in dist[1]), strict=True))
+    q_ids = np.asarray(dist[0], dtype=np.int64)
+    q_probs = np.asarray(dist[1], dtype=np.float64)
     truncated = 0 < params.top_k < adjusted.size or params.top_p < 1.0
     if truncated:
         ids, probs = _distribution(adjusted, params)
@@ -109,13 +110,16 @@ def _test(
     else:  # p(proposed) without sorting the vocabulary
         weights = _weights(adjusted, _peak(adjusted), params.temperature)
         p = float(weights[proposed]) / float(weights.astype(np.float64).sum())
-    q = q_of.get(proposed, 0.0)
+    hit = np.flatnonzero(q_ids == proposed)
+    q = float(q_probs[hit[0]]) if hit.size else 0.0
     if q > 0.0 and uniform(params.seed, position, _ACCEPT) < min(1.0, p / q):
         return proposed, True
     if not truncated:
         ids, probs = _distribution(adjusted, params)
     # Residual max(0, p - q) in the target's canonical order (probability desc, id asc).
-    q_on_p = np.array([q_of.get(t, 0.0) for t in ids.tolist()], dtype=np.float64)
+    q_dense = np.zeros(adjusted.size, dtype=np.float64)
+    q_dense[q_ids] = q_probs
+    q_on_p = q_dense[ids]
     residual = np.maximum(probs - q_on_p, 0.0)
     total = float(residual.sum())
     if total <= 0.0 or not math.isfinite(total):  # p == q on p's support: any p-draw is exact
