@@ -252,6 +252,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-prefill-in-flight", type=int, help="prefill chunks in the ring at once (1)"
     )
+    p.add_argument(
+        "--resume-grace",
+        type=float,
+        help="seconds in-flight requests wait for a failed stage to return, then go on (30)",
+    )
     p.add_argument("--draft", type=Path, help="draft export folder: speculative decoding")
     p.add_argument(
         "--speculation",

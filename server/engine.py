@@ -21,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineClient
+from server.pipeline import PipelineClient, PipelineError
 from server.scheduler import (
     Phase,
     QueueFull,
     QueueTimeout,
+    Release,
     Scheduler,
     SchedulerConfig,
     Sequence,
@@ -38,6 +39,7 @@ from stage_node.speculative import DraftDistribution
 __all__ = ["Engine", "GenerationRequest", "GenerationStats", "QueueFull", "QueueTimeout"]
 log = logging.getLogger(__name__)
 _EXPIRY_CHECK_S = 0.5
+_RING_CHECK_S = 0.1  # while sequences wait for the ring to heal
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,11 @@ class Engine:
         """Yield up to ``max_tokens`` sampled tokens; stops after an end-of-sequence token.
 
         Raises QueueFull at once when the queue is full, QueueTimeout when the request waited
-        too long, PipelineError when a step fails.
+        too long, PipelineError at once when the ring is not whole (a stage is down) and when a
+        step fails for good: with bad input, or when a lost ring does not heal within the
+        resume grace (the sequence waits for it, then re-prefills and goes on).
         """
+        self.pipeline.check_ready()
         stats = stats or GenerationStats()
         seq_id = f"{request.request_id}-{choice}"
         arrival = time.monotonic()
@@ -146,7 +151,9 @@ class Engine:
             now = time.monotonic()
             for seq_id in self.scheduler.expire(now):
                 self._end(seq_id)
-            for item in self.scheduler.next_work(now):
+            for item in self.scheduler.next_work(now, ring_ready=self.pipeline.ready):
+                if item.session_id and item.start_position == 0 and self.metrics is not None:
+                    self.metrics.resumed.inc()
                 task = asyncio.create_task(self._run_step(item))
                 self._steps.add(task)
                 task.add_done_callback(self._steps.discard)
@@ -156,8 +163,11 @@ class Engine:
             self._observe()
             if not self.scheduler.sequences:
                 return  # idle; the next request starts the loop again
+            waiting = any(s.phase is Phase.SUSPENDED for s in self.scheduler.sequences.values())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), _EXPIRY_CHECK_S)
+                await asyncio.wait_for(
+                    self._wake.wait(), _RING_CHECK_S if waiting else _EXPIRY_CHECK_S
+                )
 
     async def _run_step(self, item: Work) -> None:
         stream = self._streams.get(item.seq_id)
@@ -166,13 +176,13 @@ class Engine:
         # The stage needs the generated tokens only for presence/frequency penalties.
         penalised = sampling.presence_penalty or sampling.frequency_penalty
         if item.prefill and item.start_position == 0 and self.proposer is not None:
-            # the draft takes in the prompt while the stages prefill it
+            # the draft takes in the prompt while the stages prefill it (once: not on resumes)
             self._in_draft_pool(self.proposer.warm, item.seq_id, seq.prompt)
         try:
             plan = await self._speculate(seq, item, sampling)
             started = time.perf_counter()
             out = await self.pipeline.step(
-                item.seq_id,
+                item.session,
                 plan.tokens,
                 item.start_position,
                 rollback=item.rollback,
@@ -186,6 +196,14 @@ class Engine:
                 self._learn(seq.seq_id, plan, out.tokens, time.perf_counter() - started)
             elif not item.prefill and self.proposer is not None:
                 self._adaptive.update_plain(time.perf_counter() - started)
+        except PipelineError as exc:
+            if exc.retryable:
+                log.warning("sequence %s lost its step: %s", item.seq_id, exc)
+                if self.scheduler.on_lost(item.seq_id, exc, time.monotonic()):
+                    return  # it re-prefills when the ring is whole again
+            else:
+                self.scheduler.on_error(item.seq_id, exc)
+            self._end(item.seq_id)
         except Exception as exc:
             self.scheduler.on_error(item.seq_id, exc)
             self._end(item.seq_id)
@@ -251,17 +269,20 @@ class Engine:
         if stream is not None:
             stream.queue.put_nowait(seq.error if seq is not None and seq.error else None)
 
-    def _release(self, seq_ids: list[str]) -> None:
-        if self.proposer is not None:
-            for seq_id in seq_ids:
-                self._acceptance.pop(seq_id, None)
-                self._in_draft_pool(self.proposer.release, seq_id)
+    def _release(self, releases: list[Release]) -> None:
+        for done in releases:
+            if done.final and self.proposer is not None:
+                self._acceptance.pop(done.seq_id, None)
+                self._in_draft_pool(self.proposer.release, done.seq_id)
+        sessions = [r.session_id for r in releases if r.session_id]
+        if not sessions:
+            return
 
         async def release() -> None:
             try:
-                await self.pipeline.release(*seq_ids)
+                await self.pipeline.release(*sessions)
             except Exception:
-                log.warning("releasing sessions %s failed", seq_ids, exc_info=True)
+                log.warning("releasing sessions %s failed", sessions, exc_info=True)
 
         task = asyncio.create_task(release())
         self._releasing.add(task)
@@ -282,8 +303,19 @@ class Engine:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._releasing:  # sessions of finished sequences are freed, not abandoned
+        # Sessions of finished and of interrupted sequences are freed, not abandoned.
+        for seq_id in list(self.scheduler.running):
+            self.scheduler.on_error(seq_id, RuntimeError("the gateway is shutting down"))
+            self._end(seq_id)
+        releases = self.scheduler.take_releases()
+        if releases:
+            self._release(releases)
+        if self._releasing:
             await asyncio.wait(self._releasing, timeout=5.0)
+        if self.proposer is not None:  # the draft pool runs its releases in order
+            with contextlib.suppress(Exception):
+                barrier = asyncio.get_running_loop().run_in_executor(self._draft_pool, _nothing)
+                await asyncio.wait_for(barrier, 5.0)
         self._draft_pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -299,6 +331,10 @@ class _Plan:
     @property
     def num_logits(self) -> int:
         return len(self.tokens) if self.draft else 1
+
+
+def _nothing() -> None:
+    return None
 
 
 def _log_failure(future: asyncio.Future[object]) -> None:

@@ -71,6 +71,11 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.resumed = Counter(
+            "pipeshard_gateway_resumed",
+            "Choices that lost their sessions to a stage failure and re-prefilled to go on",
+            registry=self.registry,
+        )
         self.queue_seconds = Histogram(
             "pipeshard_gateway_queue_seconds",
             "Time a choice waited in the queue before it got a running slot",

@@ -64,6 +64,7 @@ class StageState:
     up: bool = False
     link_ok: bool = True  # this stage's stream to the next stage is connected
     detail: str = "not checked yet"
+    unreleased: set[str] = field(default_factory=set)  # frees it missed while unreachable
     info: pb.StageInfo | None = None
     stub: pb_grpc.StageStub | None = field(default=None, repr=False)
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
@@ -302,7 +303,7 @@ class PipelineClient:
     def _release_soon(self, sessions: set[str]) -> None:
         if sessions and not self._closed:
             task = asyncio.create_task(self.release(*sessions))
-            task.add_done_callback(lambda t: t.exception())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _recover(self, state: StageState) -> None:
         try:
@@ -323,10 +324,31 @@ class PipelineClient:
             return
         state.up, state.detail = True, "serving"
         log.info("stage %d at %s is back", state.index, state.address)
+        if state.unreleased:
+            await self._release_on(state, sorted(state.unreleased))
 
     @property
     def ready(self) -> bool:
         return all(s.up and s.link_ok for s in self.stages)
+
+    def check_ready(self) -> None:
+        """Raise UNAVAILABLE naming the first stage that is down or cut off from the next."""
+        if self.manifest is None:
+            raise RuntimeError("call start() first")
+        for state in self.stages:
+            if not state.up:
+                raise PipelineError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stage {state.index} at {state.address} is {state.detail}",
+                    state.index,
+                )
+            if not state.link_ok:
+                nxt = self.stages[state.index + 1]
+                raise PipelineError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stage {state.index} cannot reach stage {nxt.index} at {nxt.address}",
+                    nxt.index,
+                )
 
     # -- steps -----------------------------------------------------------------------------
     async def _run_push(self) -> None:
@@ -397,22 +419,7 @@ class PipelineClient:
         draft_tokens: Sequence[int] = (),
         draft_dists: Sequence[DraftDistribution] = (),
     ) -> StepOutput:
-        if self.manifest is None:
-            raise RuntimeError("call start() first")
-        for state in self.stages:
-            if not state.up:
-                raise PipelineError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"stage {state.index} at {state.address} is {state.detail}",
-                    state.index,
-                )
-            if not state.link_ok:
-                nxt = self.stages[state.index + 1]
-                raise PipelineError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"stage {state.index} cannot reach stage {nxt.index} at {nxt.address}",
-                    nxt.index,
-                )
+        self.check_ready()
         timeout = self.step_timeout if timeout is None else timeout
         step_id = next(self._ids)
         future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
@@ -449,19 +456,23 @@ class PipelineClient:
         if not session_ids:
             return 0
 
-        async def one(state: StageState) -> bool:
-            assert state.stub is not None
-            try:
-                await state.stub.Release(
-                    pb.ReleaseRequest(session_ids=list(session_ids)),
-                    metadata=self._metadata(),
-                    timeout=self.health_timeout * 2,
-                )
-            except grpc.aio.AioRpcError:
-                return False
-            return True
+        return sum(await asyncio.gather(*(self._release_on(s, session_ids) for s in self.stages)))
 
-        return sum(await asyncio.gather(*(one(s) for s in self.stages)))
+    async def _release_on(self, state: StageState, session_ids: Sequence[str]) -> bool:
+        """Free sessions on one stage; ones it misses are freed when it is back (a stalled
+        stage keeps its sessions, a restarted one has none to free)."""
+        assert state.stub is not None
+        try:
+            await state.stub.Release(
+                pb.ReleaseRequest(session_ids=list(session_ids)),
+                metadata=self._metadata(),
+                timeout=self.health_timeout * 2,
+            )
+        except grpc.aio.AioRpcError:
+            state.unreleased.update(session_ids)
+            return False
+        state.unreleased.difference_update(session_ids)
+        return True
 
     async def tokenizer_files(self) -> dict[str, bytes]:
         """The export's tokenizer files from the first stage that has them."""

@@ -4,9 +4,9 @@ A synchronous state machine with no I/O and no clock of its own, so it is tested
 model; :class:`server.engine.Engine` drives it from a thin async loop::
 
     add(seq) -> queued (or QueueFull)      cancel(id) -> leaves the queue, or stops after its step
-    next_work(now) -> [Work]               on_result(id, tokens) / on_error(id, exc)
-    expire(now) -> [ids waiting too long]  take_releases() -> [ids whose sessions to free]
-    take_admitted() -> [sequences that left the queue]
+    next_work(now, ring_ready) -> [Work]   on_result(id, tokens) / on_error(id, exc)
+    on_lost(id, exc, now) -> suspended?    expire(now) -> [ids that waited too long]
+    take_releases() -> [Release]           take_admitted() -> [sequences that left the queue]
 
 Policy
 ------
@@ -26,6 +26,13 @@ Policy
   compute steps in arrival order, so a decode step waits behind at most that many chunks per
   stage: a 2,000-token prompt delays the others by about one chunk's compute per token they
   generate, never by the whole prompt, and it still advances by one chunk per round.
+* **Surviving a stage restart.** A step lost to the ring (a stage went down or stalled) does
+  not end its sequence: :meth:`on_lost` suspends it, keeping its prompt and every token it has
+  generated, and queues its session for release. Once the ring is whole again (``next_work``
+  with ``ring_ready``) the sequence gets a fresh session (``seq_id.rN``) and re-prefills prompt
+  and generated tokens in chunks; the last chunk samples its next token, and decoding goes on.
+  A sequence still suspended after ``resume_grace`` seconds ends with the ring's error;
+  ``resume_grace=0`` ends it at once.
 * **Independence from load.** A sequence's tokens depend only on its own steps (each has its
   own session on every stage, and sampling draws from ``(seed, position)``), so its output is
   the same whether it runs alone or beside others; only its timing changes.
@@ -63,17 +70,19 @@ class SchedulerConfig:
     queue_timeout: float = 300.0  # seconds a sequence may wait in the queue
     prefill_chunk: int = 256  # prompt tokens per prefill step
     max_prefill_in_flight: int = 1  # prefill chunks in the ring at once
+    resume_grace: float = 30.0  # seconds a sequence lost to the ring waits for it to heal
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_prefill_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.max_queued < 0 or self.queue_timeout <= 0:
-            raise ValueError("max_queued must be >= 0 and queue_timeout > 0")
+        if self.max_queued < 0 or self.queue_timeout <= 0 or self.resume_grace < 0:
+            raise ValueError("max_queued and resume_grace must be >= 0 and queue_timeout > 0")
 
 
 class Phase(enum.Enum):
     QUEUED = "queued"
+    SUSPENDED = "suspended"  # lost its sessions to a ring failure; waits to re-prefill
     PREFILL = "prefill"
     DECODE = "decode"
     DONE = "done"
@@ -89,6 +98,21 @@ class Work:
     prefill: bool  # a prompt chunk (else one decode token)
     samples: bool  # the sampled token is the sequence's next token (last chunk or decode)
     rollback: int = 0  # positions the stages forget first (rejected speculative tokens)
+    session_id: str = ""  # the stages' session (default: seq_id)
+
+    @property
+    def session(self) -> str:
+        return self.session_id or self.seq_id
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free a sequence's session on the stages (when ``session_id``) and, if ``final``, the
+    rest of what it holds (a draft session)."""
+
+    seq_id: str
+    session_id: str | None
+    final: bool
 
 
 @dataclass
@@ -101,18 +125,31 @@ class Sequence:
     arrival: float
     phase: Phase = Phase.QUEUED
     admitted: float | None = None
-    fed: int = 0  # prompt positions sent into the ring so far
+    fed: int = 0  # prefill positions (prompt, then generated when resuming) sent so far
     session_length: int = 0  # positions the stages hold for this sequence
     generated: list[int] = field(default_factory=list)
     in_flight: Work | None = None
     last_served: float = 0.0
     cancelled: bool = False
     error: BaseException | None = None
+    incarnation: int = 0  # sessions lost to ring failures so far
+    lost_since: float | None = None
+    resumes: int = 0  # times the sequence re-prefilled after a loss
 
     @property
     def opened(self) -> bool:
         """Whether a step went into the ring (so stages may hold a session to free)."""
         return self.fed > 0
+
+    @property
+    def session_id(self) -> str:
+        """Its session on the stages; a new one after each loss, so late frees cannot hit it."""
+        return self.seq_id if self.incarnation == 0 else f"{self.seq_id}.r{self.incarnation}"
+
+    @property
+    def prefix(self) -> list[int]:
+        """What a prefill feeds: the prompt, plus generated tokens when resuming."""
+        return self.prompt + self.generated if self.generated else self.prompt
 
 
 class Scheduler:
@@ -122,7 +159,7 @@ class Scheduler:
         self.sequences: dict[str, Sequence] = {}
         self.queue: deque[str] = deque()
         self.running: list[str] = []  # admission order
-        self._releases: list[str] = []
+        self._releases: list[Release] = []
         self._admitted: list[Sequence] = []
         self._clock = 0.0  # the latest `now` seen, orders round-robin service
 
@@ -149,7 +186,8 @@ class Scheduler:
         return 1.0 + len(self.queue) / max(1, self.config.max_running)
 
     def expire(self, now: float) -> list[str]:
-        """Queued sequences past their waiting limit: they leave with QueueTimeout."""
+        """Sequences that waited too long: queued ones leave with QueueTimeout, suspended
+        ones end with the error that suspended them."""
         expired = [
             sid
             for sid in self.queue
@@ -163,6 +201,11 @@ class Scheduler:
                 f"request waited {now - seq.arrival:.1f}s in the queue "
                 f"(limit {self.config.queue_timeout:g}s)"
             )
+        for sid in list(self.running):
+            seq = self.sequences[sid]
+            if seq.lost_since is not None and now - seq.lost_since >= self.config.resume_grace:
+                self._finish(seq)
+                expired.append(sid)
         return expired
 
     def cancel(self, seq_id: str) -> None:
@@ -196,10 +239,19 @@ class Scheduler:
             self.running.append(seq.seq_id)
             self._admitted.append(seq)
 
-    def next_work(self, now: float) -> list[Work]:
-        """Steps to send now: decode steps of every ready sequence, then prefill chunks."""
+    def next_work(self, now: float, ring_ready: bool = True) -> list[Work]:
+        """Steps to send now: decode steps of every ready sequence, then prefill chunks.
+
+        Suspended sequences re-prefill once ``ring_ready`` (every stage is up again).
+        """
         self._clock = max(self._clock, now)
         self._admit(now)
+        if ring_ready:
+            for sid in self.running:
+                seq = self.sequences[sid]
+                if seq.phase is Phase.SUSPENDED:
+                    seq.phase, seq.lost_since = Phase.PREFILL, None
+                    seq.resumes += 1
         ready = [
             self.sequences[sid] for sid in self.running if self.sequences[sid].in_flight is None
         ]
@@ -226,8 +278,9 @@ class Scheduler:
         for seq in (s for s in ready if s.phase is Phase.PREFILL):  # admission order
             if chunks >= self.config.max_prefill_in_flight:
                 break
-            end = min(len(seq.prompt), seq.fed + self.config.prefill_chunk)
-            work.append(self._issue(seq, tuple(seq.prompt[seq.fed : end]), seq.fed, prefill=True))
+            prefix = seq.prefix
+            end = min(len(prefix), seq.fed + self.config.prefill_chunk)
+            work.append(self._issue(seq, tuple(prefix[seq.fed : end]), seq.fed, prefill=True))
             chunks += 1
         return work
 
@@ -239,8 +292,16 @@ class Scheduler:
         prefill: bool,
         rollback: int = 0,
     ) -> Work:
-        samples = not prefill or start + len(tokens) == len(seq.prompt)
-        item = Work(seq.seq_id, tokens, start, prefill=prefill, samples=samples, rollback=rollback)
+        samples = not prefill or start + len(tokens) == len(seq.prefix)
+        item = Work(
+            seq.seq_id,
+            tokens,
+            start,
+            prefill=prefill,
+            samples=samples,
+            rollback=rollback,
+            session_id=seq.session_id if seq.incarnation else "",
+        )
         seq.in_flight = item
         if prefill:
             seq.fed = start + len(tokens)
@@ -264,6 +325,7 @@ class Scheduler:
         if item is None:
             raise ValueError(f"sequence {seq_id!r} has no step in flight")
         seq.in_flight = None
+        seq.error = None  # a resumed sequence healed
         if session_length is None:
             session_length = item.start_position + len(item.tokens)
         seq.session_length = session_length
@@ -285,6 +347,23 @@ class Scheduler:
                 break
         return taken
 
+    def on_lost(self, seq_id: str, error: BaseException, now: float) -> bool:
+        """The step was lost with the ring (a stage down or stalled): the stages' state of the
+        sequence is unknown. Suspend it to re-prefill once the ring is whole again; returns
+        False when it ends instead (``resume_grace`` 0, or nobody waits for it)."""
+        seq = self.sequences[seq_id]
+        if self.config.resume_grace <= 0 or seq.cancelled:
+            self.on_error(seq_id, error)
+            return False
+        seq.in_flight = None
+        seq.error = error  # what it ends with if the ring does not heal in time
+        if seq.opened:
+            self._releases.append(Release(seq_id, seq.session_id, final=False))
+        seq.incarnation += 1
+        seq.fed = seq.session_length = 0
+        seq.phase, seq.lost_since = Phase.SUSPENDED, now
+        return True
+
     def on_error(self, seq_id: str, error: BaseException) -> None:
         """The step failed: the sequence ends with ``error``; stages may hold its session."""
         seq = self.sequences[seq_id]
@@ -298,11 +377,13 @@ class Scheduler:
         seq.phase = Phase.DONE
         if seq.seq_id in self.running:
             self.running.remove(seq.seq_id)
-        if seq.opened:
-            self._releases.append(seq.seq_id)
+        if seq.opened or seq.incarnation:
+            self._releases.append(
+                Release(seq.seq_id, seq.session_id if seq.opened else None, final=True)
+            )
 
-    def take_releases(self) -> list[str]:
-        """Sessions of finished sequences to free on every stage (each reported once)."""
+    def take_releases(self) -> list[Release]:
+        """Sessions to free on every stage, of finished or suspended sequences (once each)."""
         out, self._releases = self._releases, []
         return out
 

@@ -62,6 +62,12 @@ class GatewaySettings(BaseSettings):
     max_prefill_in_flight: int = Field(
         default=1, ge=1, description="prefill chunks in the stage ring at once"
     )
+    resume_grace: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds in-flight requests wait for a failed stage to come back, then "
+        "re-prefill and go on (0: fail them at once)",
+    )
     draft: Path | None = Field(
         default=None, description="draft export folder (export/draft) for speculative decoding"
     )
@@ -87,6 +93,7 @@ class GatewaySettings(BaseSettings):
             queue_timeout=self.queue_timeout,
             prefill_chunk=self.prefill_chunk,
             max_prefill_in_flight=self.max_prefill_in_flight,
+            resume_grace=self.resume_grace,
         )
 
     @field_validator("stages", "api_keys", mode="before")

@@ -90,9 +90,18 @@ class Downstream:
                 call = self.stub.Push(metadata=self.metadata, wait_for_ready=True)
                 await call.wait_for_connection()
                 self.ok = True
+                # The call ends only when the stream breaks: notice that at once, not at the
+                # next write, so health checks never report a dead link as connected.
+                ended = asyncio.ensure_future(call)
+                ended.add_done_callback(lambda f: f.cancelled() or f.exception())
                 while True:
                     if step is None:
-                        step = await self.queue.get()
+                        getter = asyncio.ensure_future(self.queue.get())
+                        await asyncio.wait({getter, ended}, return_when=asyncio.FIRST_COMPLETED)
+                        if not getter.done():
+                            getter.cancel()
+                            raise ConnectionError("the stream to the next stage ended")
+                        step = getter.result()
                     await call.write(step)
                     step = None
             except asyncio.CancelledError:

@@ -8,6 +8,7 @@ from server.scheduler import (
     Phase,
     QueueFull,
     QueueTimeout,
+    Release,
     Scheduler,
     SchedulerConfig,
     Sequence,
@@ -24,6 +25,11 @@ def seq(name: str, prompt: int = 4, max_tokens: int = 8, arrival: float = 0.0) -
 def token_for(item: Work) -> list[int]:
     """A fabricated sample: a token that depends on where the step is, never EOS."""
     return [100 + item.start_position + len(item.tokens)] if item.samples else []
+
+
+def freed(s: Scheduler) -> list[str]:
+    """Sessions the scheduler asks to free on the stages now."""
+    return [r.session_id for r in s.take_releases() if r.session_id]
 
 
 def complete(s: Scheduler, work: list[Work]) -> None:
@@ -45,8 +51,8 @@ def test_prefill_then_decode_positions_and_tokens() -> None:
     s.on_result("a", [44])  # max_tokens reached
     assert s.sequences["a"].phase is Phase.DONE
     assert s.next_work(0.3) == []
-    assert s.take_releases() == ["a"]
-    assert s.take_releases() == []
+    assert freed(s) == ["a"]
+    assert freed(s) == []
 
 
 def test_eos_ends_a_sequence() -> None:
@@ -58,7 +64,7 @@ def test_eos_ends_a_sequence() -> None:
     s.on_result("a", [EOS])
     assert s.sequences["a"].generated == [7, EOS]
     assert s.sequences["a"].phase is Phase.DONE
-    assert s.take_releases() == ["a"]
+    assert freed(s) == ["a"]
 
 
 def test_long_prompt_goes_in_chunks_and_only_the_last_samples() -> None:
@@ -177,7 +183,7 @@ def test_cancelling_a_queued_request_frees_its_place() -> None:
     assert "b" not in s.sequences
     s.add(seq("c"))
     assert list(s.queue) == ["c"]
-    assert s.take_releases() == []  # "b" never reached a stage
+    assert freed(s) == []  # "b" never reached a stage
 
 
 def test_cancelling_a_running_request_releases_after_its_step() -> None:
@@ -185,16 +191,16 @@ def test_cancelling_a_running_request_releases_after_its_step() -> None:
     s.add(seq("a"))
     [item] = s.next_work(0.0)
     s.cancel("a")
-    assert s.take_releases() == []  # its step is still in the ring
+    assert freed(s) == []  # its step is still in the ring
     assert s.on_result("a", token_for(item)) == 0  # the token is not emitted
-    assert s.take_releases() == ["a"]
+    assert freed(s) == ["a"]
     assert "a" not in s.sequences
     assert s.next_work(1.0) == []
     # A sequence cancelled between steps is released at once.
     s.add(seq("b"))
     complete(s, s.next_work(2.0))
     s.cancel("b")
-    assert s.take_releases() == ["b"]
+    assert freed(s) == ["b"]
     assert s.sequences == {}
 
 
@@ -219,7 +225,7 @@ def test_errors_end_the_sequence_and_release_its_session() -> None:
     s.on_error("a", failure)
     assert s.sequences["a"].error is failure
     assert s.sequences["a"].phase is Phase.DONE
-    assert s.take_releases() == ["a"]
+    assert freed(s) == ["a"]
     assert s.running == []
 
 
@@ -255,3 +261,73 @@ def test_bad_sequences_are_refused() -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(max_running=0)
     assert s.sequences == {}
+
+
+def run_to_end(s: Scheduler, now: float = 0.0) -> None:
+    while work := s.next_work(now):
+        complete(s, work)
+
+
+def test_a_lost_step_resumes_with_a_fresh_session_and_the_same_tokens() -> None:
+    lost = RuntimeError("stage 1 is unavailable")
+    alone = Scheduler(SchedulerConfig(prefill_chunk=3), eos_ids=[EOS])
+    alone.add(seq("a", prompt=5, max_tokens=6))
+    run_to_end(alone)
+    expected = alone.sequences["a"].generated
+
+    s = Scheduler(SchedulerConfig(prefill_chunk=3, resume_grace=10.0), eos_ids=[EOS])
+    s.add(seq("a", prompt=5, max_tokens=6))
+    for _ in range(4):  # two prompt chunks, then two decode steps
+        complete(s, s.next_work(0.0))
+    a = s.sequences["a"]
+    assert a.generated == expected[:3]
+    assert len(s.next_work(1.0)) == 1  # the step the ring loses
+    assert s.on_lost("a", lost, now=1.0) is True
+    assert a.phase is Phase.SUSPENDED and a.session_id == "a.r1"
+    assert s.take_releases() == [Release("a", "a", final=False)]  # the lost session
+    assert s.next_work(2.0, ring_ready=False) == []  # waits while a stage is down
+    assert s.expire(5.0) == []  # within the grace
+    # The ring is whole: prompt + generated are prefilled again in chunks on a new session;
+    # the last chunk samples the next token, and decoding goes on where it stopped.
+    resume = s.next_work(6.0)
+    assert resume == [Work("a", (1, 2, 3), 0, prefill=True, samples=False, session_id="a.r1")]
+    complete(s, resume)
+    [middle] = s.next_work(6.0)
+    assert middle.tokens == (4, 5, expected[0]) and not middle.samples
+    complete(s, [middle])
+    [last] = s.next_work(6.0)
+    assert last.tokens == tuple(expected[1:3]) and last.samples and last.start_position == 6
+    complete(s, [last])
+    [decode] = s.next_work(6.0)
+    assert decode == Work("a", (expected[3],), 8, False, True, session_id="a.r1")
+    complete(s, [decode])
+    run_to_end(s, 6.0)
+    assert a.generated == expected and a.error is None and a.resumes == 1
+    assert s.take_releases() == [Release("a", "a.r1", final=True)]
+
+
+def test_a_lost_sequence_ends_with_the_error_after_the_grace() -> None:
+    lost = RuntimeError("stage 1 is unavailable")
+    s = Scheduler(SchedulerConfig(resume_grace=10.0), eos_ids=[EOS])
+    s.add(seq("a"))
+    s.add(seq("b"))
+    s.next_work(0.0)
+    assert s.on_lost("a", lost, now=0.0) and s.on_lost("b", lost, now=1.0)
+    s.take_releases()
+    assert s.expire(10.5) == ["a"]  # "b" still has half a second
+    assert s.sequences["a"].phase is Phase.DONE and s.sequences["a"].error is lost
+    assert s.take_releases() == [Release("a", None, final=True)]  # nothing left on the stages
+    assert s.running == ["b"]
+    # A suspended sequence whose caller goes away simply ends.
+    s.cancel("b")
+    assert s.running == [] and "b" not in s.sequences
+
+
+def test_without_grace_a_lost_step_ends_the_sequence() -> None:
+    s = Scheduler(SchedulerConfig(resume_grace=0.0), eos_ids=[EOS])
+    s.add(seq("a"))
+    s.next_work(0.0)
+    error = RuntimeError("gone")
+    assert s.on_lost("a", error, now=0.0) is False
+    assert s.sequences["a"].phase is Phase.DONE and s.sequences["a"].error is error
+    assert freed(s) == ["a"]

@@ -168,6 +168,7 @@ def test_bad_steps_get_status_codes_and_change_nothing(qwen_ring: tuple[Path, li
             (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [9999], len(PROMPTS[0]))),
             (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [1], len(PROMPTS[0]) + 5)),
             (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [1], 0, rollback=100)),
+            (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [1], -1)),
             (grpc.StatusCode.NOT_FOUND, client.step("nobody", [1], 4)),
             (grpc.StatusCode.INVALID_ARGUMENT, client.step("good", [], len(PROMPTS[0]))),
         ]
@@ -175,6 +176,8 @@ def test_bad_steps_get_status_codes_and_change_nothing(qwen_ring: tuple[Path, li
             with pytest.raises(PipelineError) as caught:
                 await call
             assert caught.value.code == code, caught.value
+        with pytest.raises(ValueError):  # the wire cannot carry a negative rollback
+            pb.Step(session_id="good", rollback=-1)
 
         # Malformed hidden states sent straight to stage 1: dtype, shape, byte length.
         async with grpc.aio.insecure_channel(addresses[1]) as channel:
@@ -265,11 +268,24 @@ def test_secret_idle_timeout_and_metrics(tiny_export: ExportFn, tmp_path: Path) 
     try:
 
         async def run() -> None:
-            wrong = PipelineClient(addresses, secret="guess")
-            with pytest.raises(PipelineError) as caught:
-                await wrong.start(timeout=5)
-            assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
-            await wrong.close()
+            for secret in ("guess", None):
+                wrong = PipelineClient(addresses, secret=secret)
+                with pytest.raises(PipelineError) as caught:
+                    await wrong.start(timeout=5)
+                assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+                await wrong.close()
+
+            # The right secret but another export's manifest hash: the data path refuses it.
+            async with grpc.aio.insecure_channel(addresses[0]) as channel:
+                stub = pb_grpc.StageStub(channel)
+                for digest in ("0" * 64, None):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await stub.Release(
+                            pb.ReleaseRequest(session_ids=["x"]),
+                            metadata=call_metadata("s3cret", digest),
+                        )
+                    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert "differs from this stage's" in (refused.value.details() or "")
 
             client = PipelineClient(addresses, secret="s3cret")
             await client.start()

@@ -1,0 +1,248 @@
+"""Stage failures seen from the client, over HTTP, with real processes: a stage killed, one
+restarted mid-generation (the requests go on), one stalled (SIGSTOP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from protos import pipeshard_v1_pb2 as pb
+from protos import pipeshard_v1_pb2_grpc as pb_grpc
+from protos.transport import call_metadata
+from tests.processes import Proc, start_gateway, start_stages
+from tests.test_gateway import MESSAGES, export_chat_model
+
+NO_EOS = {"2": -100}  # the tiny model's end-of-sequence token never comes
+
+
+@dataclass
+class Ring:
+    export: Path
+    logs: Path
+    procs: list[Proc]
+    addresses: list[str]
+
+    def restart(self, index: int) -> None:
+        """Start stage ``index`` again on its address (its process was killed)."""
+        port = int(self.addresses[index].rsplit(":", 1)[1])
+        self.procs[index] = start_stages(self.export, self.logs, ports=[port], stages=[index])[0][0]
+
+    def sessions(self, index: int) -> int:
+        """Sessions in use on one stage, asked directly (the others may be down)."""
+
+        async def ask() -> int:
+            async with grpc.aio.insecure_channel(self.addresses[index]) as channel:
+                info = await pb_grpc.StageStub(channel).Info(
+                    pb.InfoRequest(), metadata=call_metadata(None, None), timeout=5
+                )
+                return int(info.sessions_in_use)
+
+        return asyncio.run(ask())
+
+    def wait_sessions_freed(self, timeout: float = 3.0, stages: int | None = None) -> list[int]:
+        """Sessions in use on the first ``stages`` stages (all) once they reach 0 or time out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [self.sessions(i) for i in range(stages or len(self.addresses))]
+            if not any(found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def ring(tmp_path: Path) -> Iterator[Ring]:
+    _, export = export_chat_model(tmp_path)
+    procs, addresses = start_stages(export, tmp_path)
+    ring = Ring(export, tmp_path, procs, addresses)
+    try:
+        yield ring
+    finally:
+        for proc in ring.procs:
+            proc.stop()
+
+
+def chat_body(max_tokens: int, stream: bool, **extra: object) -> dict[str, object]:
+    return {
+        "model": "chat-model",
+        "messages": MESSAGES,
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "logit_bias": NO_EOS,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def stream_text(events: list[str]) -> str:
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events if e != "data: [DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+class InBackground(threading.Thread):
+    """A non-streaming request running while the test breaks the ring."""
+
+    def __init__(self, url: str, body: dict[str, object]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.reply: httpx.Response | None = None
+
+    def run(self) -> None:
+        self.reply = httpx.post(f"{self.url}/v1/chat/completions", json=self.body, timeout=60)
+
+    def result(self) -> httpx.Response:
+        self.join(60)
+        assert self.reply is not None
+        return self.reply
+
+
+def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(ring: Ring) -> None:
+    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log", ["--resume-grace", "0"])
+    try:
+        body = chat_body(200, stream=True)
+        before = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
+        assert before.status_code == 200
+        # Stall stage 1 so both requests are surely mid-generation when it dies.
+        waiting = InBackground(url, {**body, "stream": False})
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) == 4:
+                    ring.procs[1].signal(signal.SIGSTOP)
+                    waiting.start()
+                    time.sleep(0.5)
+                    ring.procs[1].kill()
+                    killed = time.monotonic()
+                    break
+            events += [line for line in lines if line.startswith("data: ")]
+            ended = time.monotonic()
+        # Streaming: one error event, then [DONE], within 2 s.
+        assert events[-1] == "data: [DONE]"
+        errors = [e for e in events if '"error"' in e]
+        assert len(errors) == 1 and errors[0] == events[-2]
+        assert json.loads(errors[0].removeprefix("data: "))["error"]["code"] == "stage_unavailable"
+        assert ended - killed < 2.0
+        # Non-streaming: a 503 in the OpenAI envelope.
+        failed = waiting.result()
+        assert failed.status_code == 503
+        envelope = failed.json()["error"]
+        assert envelope["code"] == "stage_unavailable" and "stage 1" in envelope["message"]
+        assert set(envelope) == {"message", "type", "param", "code"}
+        # The gateway stays up, says which stage is down, and refuses new work with a 503.
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503
+        assert [s["up"] for s in ready.json()["stages"]] == [True, False]
+        assert httpx.get(f"{url}/health").status_code == 200
+        refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "stage_unavailable"
+        assert ring.wait_sessions_freed(2.0, stages=1) == [0]  # the surviving stage is clean
+
+        # The stage comes back on the same address: the gateway reconnects by itself.
+        ring.restart(1)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
+        assert after.status_code == 200
+        assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
+        assert ring.wait_sessions_freed() == [0, 0]
+    finally:
+        gateway.stop()
+
+
+def test_requests_survive_a_stage_restart(ring: Ring) -> None:
+    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log")  # default grace
+    try:
+        greedy = chat_body(120, stream=True)
+        sampled = chat_body(120, stream=False, temperature=0.9, seed=7)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=greedy) as reply:
+            expected_stream = stream_text([x for x in reply.iter_lines() if x.startswith("data:")])
+        expected_sampled = httpx.post(f"{url}/v1/chat/completions", json=sampled).json()
+        assert len(expected_stream) > 0
+
+        background = InBackground(url, sampled)
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=greedy, timeout=60) as reply:
+            lines = reply.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) == 4:
+                    # Freeze stage 1 with both requests in flight, then kill and restart it.
+                    ring.procs[1].signal(signal.SIGSTOP)
+                    background.start()
+                    time.sleep(0.5)
+                    ring.procs[1].kill()
+                    ring.restart(1)
+                    break
+            events += [line for line in lines if line.startswith("data: ")]
+        assert not [e for e in events if '"error"' in e]
+        assert events[-1] == "data: [DONE]"
+        # At temperature 0 the text equals the uninterrupted run; seeded sampling does too,
+        # because draws are keyed on (seed, position).
+        assert stream_text(events) == expected_stream
+        resumed = background.result()
+        assert resumed.status_code == 200, resumed.text
+        assert resumed.json()["choices"] == expected_sampled["choices"]
+        assert resumed.json()["usage"] == expected_sampled["usage"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "pipeshard_gateway_resumed_total 2.0" in metrics
+        assert ring.wait_sessions_freed() == [0, 0]
+    finally:
+        gateway.stop()
+
+
+def test_a_stalled_stage_times_out_and_the_gateway_keeps_answering(ring: Ring) -> None:
+    gateway, url = start_gateway(
+        ring.addresses,
+        ring.logs / "gateway.log",
+        ["--step-timeout", "2", "--resume-grace", "0"],
+    )
+    try:
+        body = chat_body(200, stream=True)
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as reply:
+            lines = reply.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) == 2:
+                    ring.procs[1].signal(signal.SIGSTOP)
+                    stalled = time.monotonic()
+                    break
+            # While the stage is stalled, the gateway's other endpoints answer at once.
+            with httpx.Client(base_url=url, timeout=1.0) as other:
+                for path in ("/health", "/v1/models", "/metrics"):
+                    assert other.get(path).status_code == 200, path
+                assert other.get("/ready").status_code in (200, 503)
+            events += [line for line in lines if line.startswith("data: ")]
+            ended = time.monotonic()
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "stage_timeout" and events[-1] == "data: [DONE]"
+        assert 1.5 < ended - stalled < 4.0  # the 2 s step deadline, not a hang
+        ready = httpx.get(f"{url}/ready").json()
+        assert [s["up"] for s in ready["stages"]] == [True, False]
+
+        # The stage wakes up: the ring heals, and the session it kept is freed.
+        ring.procs[1].signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        again = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 8})
+        assert again.status_code == 200
+        assert ring.wait_sessions_freed() == [0, 0]
+    finally:
+        gateway.stop()
