@@ -188,7 +188,7 @@ class Engine:
                 rollback=item.rollback,
                 num_logits=plan.num_logits,
                 sampling=sampling,
-                history=list(seq.generated) if penalised and not item.prefill else (),
+                history=list(seq.generated) if penalised and item.samples else (),
                 draft_tokens=plan.draft,
                 draft_dists=plan.dists,
             )

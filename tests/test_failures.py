@@ -105,6 +105,32 @@ class InBackground(threading.Thread):
         return self.reply
 
 
+class StreamInBackground(threading.Thread):
+    """A streaming request read in a thread; ``started`` is set after its 4th event."""
+
+    def __init__(self, url: str, body: dict[str, object]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.events: list[str] = []
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream(
+            "POST", f"{self.url}/v1/chat/completions", json=self.body, timeout=60
+        ) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line)
+                    if len(self.events) == 4:
+                        self.started.set()
+
+    def result(self) -> str:
+        if not self.is_alive() and not self.events:
+            self.start()
+        self.join(60)
+        return stream_text(self.events)
+
+
 def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(ring: Ring) -> None:
     gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log", ["--resume-grace", "0"])
     try:
@@ -167,39 +193,44 @@ def test_requests_survive_a_stage_restart(ring: Ring) -> None:
     gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log")  # default grace
     try:
         greedy = chat_body(120, stream=True)
-        sampled = chat_body(120, stream=False, temperature=0.9, seed=7)
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=greedy) as reply:
-            expected_stream = stream_text([x for x in reply.iter_lines() if x.startswith("data:")])
-        expected_sampled = httpx.post(f"{url}/v1/chat/completions", json=sampled).json()
-        assert len(expected_stream) > 0
+        sampled = chat_body(120, stream=True, temperature=0.9, seed=7, frequency_penalty=0.5)
+        plain = chat_body(60, stream=False)
+        expected = {
+            "greedy": StreamInBackground(url, greedy).result(),
+            "sampled": StreamInBackground(url, sampled).result(),
+        }
+        expected_plain = httpx.post(f"{url}/v1/chat/completions", json=plain).json()
+        assert all(expected.values())
 
-        background = InBackground(url, sampled)
-        events = []
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=greedy, timeout=60) as reply:
-            lines = reply.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line)
-                if len(events) == 4:
-                    # Freeze stage 1 with both requests in flight, then kill and restart it.
-                    ring.procs[1].signal(signal.SIGSTOP)
-                    background.start()
-                    time.sleep(0.5)
-                    ring.procs[1].kill()
-                    ring.restart(1)
-                    break
-            events += [line for line in lines if line.startswith("data: ")]
-        assert not [e for e in events if '"error"' in e]
-        assert events[-1] == "data: [DONE]"
-        # At temperature 0 the text equals the uninterrupted run; seeded sampling does too,
-        # because draws are keyed on (seed, position).
-        assert stream_text(events) == expected_stream
-        resumed = background.result()
+        # Two streams mid-generation, then stage 1 freezes, a third request arrives, and stage
+        # 1 is killed and restarted.
+        streams = {
+            "greedy": StreamInBackground(url, greedy),
+            "sampled": StreamInBackground(url, sampled),
+        }
+        for stream in streams.values():
+            stream.start()
+        for stream in streams.values():
+            assert stream.started.wait(30)
+        ring.procs[1].signal(signal.SIGSTOP)
+        waiting = InBackground(url, plain)
+        waiting.start()
+        time.sleep(0.5)
+        ring.procs[1].kill()
+        ring.restart(1)
+
+        # At temperature 0 the text equals the uninterrupted run; seeded sampling with penalties
+        # does too, because draws are keyed on (seed, position) and the history is kept.
+        for name, stream in streams.items():
+            assert stream.result() == expected[name], name
+            assert not [e for e in stream.events if '"error"' in e]
+            assert stream.events[-1] == "data: [DONE]"
+        resumed = waiting.result()
         assert resumed.status_code == 200, resumed.text
-        assert resumed.json()["choices"] == expected_sampled["choices"]
-        assert resumed.json()["usage"] == expected_sampled["usage"]
+        assert resumed.json()["choices"] == expected_plain["choices"]
+        assert resumed.json()["usage"] == expected_plain["usage"]
         metrics = httpx.get(f"{url}/metrics").text
-        assert "pipeshard_gateway_resumed_total 2.0" in metrics
+        assert "pipeshard_gateway_resumed_total 3.0" in metrics
         assert ring.wait_sessions_freed() == [0, 0]
     finally:
         gateway.stop()
