@@ -19,6 +19,7 @@ _DTYPES: dict[int, np.dtype] = {
 _ENUMS = {np.dtype("float16"): pb.DTYPE_FLOAT16, np.dtype("float32"): pb.DTYPE_FLOAT32}
 HIDDEN_DTYPES: dict[str, np.dtype] = {"fp16": np.dtype("float16"), "fp32": np.dtype("float32")}
 MAX_TENSOR_DIMS = 4
+_SEED_MOD = 1 << 64
 
 
 def tensor_to_numpy(tensor: pb.Tensor) -> np.ndarray:
@@ -47,7 +48,9 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
-        seed=params.seed or 0,
+        # The wire field is uint64: a negative 64-bit seed travels as its two's complement,
+        # the key the sampler draws with anyway (seed mod 2**64).
+        seed=(params.seed or 0) % _SEED_MOD,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
         logit_bias={int(k): float(v) for k, v in params.logit_bias.items()},
@@ -61,7 +64,8 @@ def sampling_from_pb(message: pb.SamplingParams) -> SamplingParams:
         temperature=message.temperature,
         top_p=message.top_p if 0.0 < message.top_p <= 1.0 else 1.0,
         top_k=message.top_k,
-        seed=message.seed,
+        # Back to a signed 64-bit seed, as SamplingParams holds it (same draws: seed mod 2**64).
+        seed=message.seed - _SEED_MOD if message.seed >= _SEED_MOD >> 1 else message.seed,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         logit_bias=dict(message.logit_bias),

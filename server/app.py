@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
+import json
 import logging
 import re
 import time
@@ -20,17 +22,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from server.engine import Engine
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient
 from server.protocol import (
     APIError,
+    ChatCompletion,
     ChatCompletionRequest,
+    Completion,
     CompletionRequest,
+    ErrorResponse,
     ModelCard,
     ModelList,
     errors_to_api_error,
@@ -45,7 +53,32 @@ from stage_node.runner import RunnerOptions
 
 log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json")
+
+
+# What each error status of the API means; the OpenAPI schema lists them per operation.
+_ERRORS = {
+    400: "Invalid request: bad JSON, a bad field, or more tokens than the model's context",
+    401: "Missing or wrong API key (Authorization: Bearer KEY)",
+    404: "No such model",
+    413: "Request body over the gateway's limit (--max-body-bytes)",
+    429: "Too many requests queued: retry after Retry-After seconds",
+    503: "The gateway is starting, a stage is down, or the request waited too long in the queue",
+    504: "A pipeline step took longer than the step timeout",
+}
+_BEARER = "bearerAuth"
+_REF_TEMPLATE = "#/components/schemas/{model}"
+
+
+class StageReadiness(BaseModel):
+    index: int
+    address: str
+    up: bool
+    state: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    stages: list[StageReadiness]
 
 
 @dataclass
@@ -130,6 +163,8 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     app = FastAPI(title="pipeshard", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gateway
     keys = [k.get_secret_value().encode() for k in settings.api_keys]
+    _document(app, secured=bool(keys))
+    auth = (401,) if keys else ()
 
     @app.middleware("http")
     async def edge(
@@ -164,7 +199,10 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(APIError(exc.status_code, str(exc.detail), type=kind))
+        # Keep the exception's headers: a 405 must say which methods are allowed (Allow).
+        return _error(
+            APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -180,9 +218,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         request: Request, prepared_kind: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> Response:
         svc = service()
-        body = await request.body()
-        if len(body) > settings.max_body_bytes:
-            raise APIError(413, f"request body over {settings.max_body_bytes} bytes")
+        body = await _read_body(request, settings.max_body_bytes)
         req = parse_request(prepared_kind, body)
         prefix = "chatcmpl" if prepared_kind is ChatCompletionRequest else "cmpl"
         prep = svc.prepare(req, f"{prefix}-{request.state.request_id}")
@@ -193,20 +229,34 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         result = await _until_disconnect(request, svc.complete(prep))
         return JSONResponse(result.model_dump(mode="json"))
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    generation_errors = (400, *auth, 404, 413, 429, 503, 504)
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=_body_schema(ChatCompletionRequest),
+        responses=_responses(ChatCompletion, generation_errors, stream=True),
+    )
     async def chat_completions(request: Request) -> Response:
         return await run(request, ChatCompletionRequest)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    @app.post(
+        "/v1/completions",
+        openapi_extra=_body_schema(CompletionRequest),
+        responses=_responses(Completion, generation_errors, stream=True),
+    )
     async def completions(request: Request) -> Response:
         return await run(request, CompletionRequest)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=_responses(None, (*auth, 503)))
     async def models() -> dict[str, Any]:
         svc = service()
         return ModelList(data=[ModelCard(id=svc.model, created=gateway.created)]).model_dump()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=ModelCard,
+        responses=_responses(None, (*auth, 404, 503)),
+    )
     async def model(model_id: str) -> dict[str, Any]:
         svc = service()
         if model_id != svc.model:
@@ -222,7 +272,11 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get(
+        "/ready",
+        response_model=Readiness,
+        responses={503: {"model": Readiness, "description": "Not ready: starting or a stage down"}},
+    )
     async def ready() -> JSONResponse:
         stages = [
             {"index": s.index, "address": s.address, "up": s.up and s.link_ok, "state": s.detail}
@@ -231,7 +285,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         ok = gateway.service is not None and gateway.pipeline.ready
         return JSONResponse({"ready": ok, "stages": stages}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -288,11 +342,110 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _body_schema(model: type[Any]) -> dict[str, Any]:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it grows past ``limit`` bytes.
+
+    The middleware already refuses a declared Content-Length over the limit; this catches a
+    chunked body (no Content-Length), and stops reading it at the chunk that passes the limit.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left before it sent the whole body
+        raise APIError(499, "client closed the request") from None
+    return b"".join(chunks)
+
+
+_REQUEST_MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest]
+
+
+@functools.cache
+def _request_schemas() -> tuple[dict[type[BaseModel], dict[str, Any]], dict[str, Any]]:
+    """References to the request models and their component schemas (with nested models)."""
+    refs, schema = models_json_schema(
+        [(model, "validation") for model in _REQUEST_MODELS], ref_template=_REF_TEMPLATE
+    )
+    return {model: refs[(model, "validation")] for model in _REQUEST_MODELS}, schema["$defs"]
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     """Document the JSON body in the OpenAPI schema (the route parses it itself, for 400s)."""
+    refs, _ = _request_schemas()
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema()}},
+            "content": {"application/json": {"schema": refs[model]}},
         }
     }
+
+
+def _responses(
+    ok: type[BaseModel] | None, errors: tuple[int, ...], stream: bool = False
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses: the 200 (a model, and with ``stream`` also an SSE stream) and the
+    error statuses, each with the OpenAI error envelope."""
+    out: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in errors
+    }
+    if ok is not None:
+        out[200] = {"model": ok, "description": "Successful Response"}
+    if stream:
+        out[200]["description"] = "The completion; with stream=true, server-sent events"
+        out[200]["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
+    return out
+
+
+# One server-sent event of a streamed completion (OpenAPI before 3.2: `schema` is per event).
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "a JSON chunk (chat.completion.chunk or text_completion), an "
+            '{"error": {...}} envelope if generation fails after the 200, and last [DONE]',
+        },
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
+def _document(app: FastAPI, secured: bool) -> None:
+    """Make the generated OpenAPI schema tell the truth about the API.
+
+    * the request bodies' models are components (their nested ``$ref`` resolve);
+    * no 422 (validation errors are 400 in the OpenAI envelope, listed per operation);
+    * with API keys, the ``/v1`` operations need Bearer authentication.
+    """
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        _, defs = _request_schemas()
+        for name, definition in defs.items():
+            if schemas.setdefault(name, definition) != definition:
+                raise RuntimeError(f"two different OpenAPI schemas are named {name}")
+        for path, item in schema["paths"].items():
+            for operation in item.values():
+                operation["responses"].pop("422", None)
+                if secured and path.startswith("/v1/"):
+                    operation["security"] = [{_BEARER: []}]
+        if "/HTTPValidationError" not in json.dumps(schema["paths"]):
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+        if secured:
+            components["securitySchemes"] = {_BEARER: {"type": "http", "scheme": "bearer"}}
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

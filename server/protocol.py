@@ -7,11 +7,13 @@ described in ``/work/shared/notes/openai-api.md``:
 * numbers and booleans are strict (``"3"``, ``3.0`` or ``true`` are not a valid ``max_tokens``);
 * out-of-range values are rejected; :func:`parse_request` / :func:`validation_error_to_api_error`
   turn any failure into an :class:`APIError` 400 ``invalid_request_error`` whose ``param`` is the
-  path of the first failing field (``"temperature"``, ``"messages[0].role"``).
+  path of the first failing field (``"temperature"``, ``"messages[0].role"``);
+* so is a body nested deeper than ``MAX_JSON_DEPTH`` or holding a string that is not Unicode
+  (a lone surrogate such as ``"\\ud800"``, which JSON can carry).
 
 Union-typed fields (message ``content``, ``stop``, ``prompt``, ``logit_bias``) are checked by
 ``before`` validators so that an error names the field itself with one readable message, never
-one error per union member.
+one error per union member; their JSON schema (the OpenAPI document) says what those accept.
 
 Responses serialize (``model_dump_json()``) to exactly the JSON the ``openai`` Python client
 parses: a chat message always carries ``"refusal": null``, chunk choices carry ``"logprobs"``
@@ -41,6 +43,7 @@ from pydantic import (
     StrictInt,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_serializer,
 )
@@ -96,6 +99,7 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 LOGIT_BIAS_LIMIT = 100.0
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (a real request needs about 5)
 UNLIKELY_LOGPROB = -9999.0  # what OpenAI reports for a logprob that is -inf
 OWNER = "pipeshard"
 
@@ -105,6 +109,36 @@ FinishReason = Literal["stop", "length"]
 # Strict scalars: JSON "3", 3.0 or true are not accepted where an integer is expected.
 PositiveInt32 = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+# What the ``before`` validators below enforce, also said in the JSON schema (OpenAPI).
+StopSequence = Annotated[str, Field(min_length=1)]
+LogitBias = Annotated[
+    dict[str, float],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^-?[0-9]+$"},
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -LOGIT_BIAS_LIMIT,
+                "maximum": LOGIT_BIAS_LIMIT,
+            },
+        }
+    ),
+]
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        _TOKEN_IDS,
+        {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "minItems": 1,
+            "maxItems": 1,
+        },
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+    ]
+}
 
 
 def _finite_logprob(value: float) -> float:
@@ -266,22 +300,81 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+_JSON_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _check_json_value(data: Any) -> None:
+    """Reject what JSON can carry but no later step should handle: nesting deeper than
+    ``MAX_JSON_DEPTH`` (no real request nests that deep; validation and error messages recurse
+    through it) and strings with a lone UTF-16 surrogate such as ``"\\ud800"`` (not Unicode:
+    the tokenizer and the UTF-8 encoding of a response fail on it).
+
+    Walks iteratively, so a deep body cannot exhaust the stack here either.
+    """
+    stack: list[tuple[Any, tuple[int | str, ...]]] = [(data, ())]
+    while stack:
+        value, loc = stack.pop()
+        if len(loc) > MAX_JSON_DEPTH:
+            raise APIError(
+                400,
+                f"The JSON body of your request is nested too deeply (over {MAX_JSON_DEPTH} "
+                "levels).",
+            )
+        if isinstance(value, str):
+            _check_text(value, loc)
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                _check_text(str(key), loc)
+                if isinstance(item, str | Mapping | list):
+                    stack.append((item, (*loc, str(key))))
+        elif isinstance(value, list) and not _JSON_SCALARS.issuperset(map(type, value)):
+            # (the test above is the fast way past a long list of numbers: prompt token ids)
+            stack.extend(
+                (item, (*loc, i))
+                for i, item in enumerate(value)
+                if isinstance(item, str | Mapping | list)
+            )
+
+
+def _check_text(text: str, loc: tuple[int | str, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        param = _param_path(loc)
+        name = f"'{param}'" if param else "the request body"
+        bad = text[exc.start]
+        raise APIError(
+            400,
+            f"Invalid value for {name}: the string holds a lone UTF-16 surrogate "
+            f"(\\u{ord(bad):04x}), which is not valid Unicode.",
+            param=param,
+        ) from None
+
+
 def parse_request(cls: type[_Model], body: bytes | str | Mapping[str, Any]) -> _Model:
     """Parse a request body (raw JSON or an already decoded object); raise :class:`APIError`.
 
-    Malformed JSON, a body that is not a JSON object, and every validation failure are 400
-    ``invalid_request_error`` (policy: 400, not 422).
+    Malformed JSON, a body that is not a JSON object, JSON nested deeper than
+    ``MAX_JSON_DEPTH``, strings that are not Unicode (lone surrogates), and every validation
+    failure are 400 ``invalid_request_error`` (policy: 400, not 422).
     """
     data: Any = body
     if isinstance(body, bytes | str):
         try:
             data = json.loads(body, parse_constant=_reject_constant)
+        except RecursionError:
+            raise APIError(
+                400,
+                f"The JSON body of your request is nested too deeply (over {MAX_JSON_DEPTH} "
+                "levels).",
+            ) from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(
                 400, f"We could not parse the JSON body of your request: {exc}."
             ) from None
     if not isinstance(data, Mapping):
         raise APIError(400, "The request body must be a JSON object.")
+    _check_json_value(data)
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -296,7 +389,7 @@ class _Request(BaseModel):
 
 
 class TextContentPart(_Request):
-    type: Literal["text"] = "text"
+    type: Literal["text"]
     text: str
 
 
@@ -387,13 +480,13 @@ class _SamplingRequest(_Request):
     top_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None  # extension; 0 = off
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = 1
-    stop: str | list[str] | None = None
+    stop: StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP)] | None = None
     seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -432,7 +525,7 @@ class CompletionRequest(_SamplingRequest):
     ``logprobs`` is the number (0..5) of top alternatives per token to report.
     """
 
-    prompt: str | list[int]
+    prompt: Annotated[str | list[int], Field(json_schema_extra=_PROMPT_SCHEMA)]
     max_tokens: PositiveInt32 | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: StrictBool | None = False

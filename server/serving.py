@@ -176,7 +176,7 @@ class CompletionService:
                 f"This model's maximum context length is {self.max_context} tokens. However, you "
                 f"requested {len(prompt) + (max_tokens or 1)} tokens ({len(prompt)} in the "
                 f"prompt, {max_tokens or 1} for the completion).",
-                param="max_tokens" if room >= 1 else "messages",
+                param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
                 code="context_length_exceeded",
             )
         sampling = to_sampling_params(req, vocab_size=self.codec.vocab_size)
