@@ -8,7 +8,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +88,22 @@ def stream_text(events: list[str]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
+def stream_with(
+    url: str, body: dict[str, object], after: int, action: Callable[[], None]
+) -> list[str]:
+    """Stream a chat completion, run ``action`` once ``after`` events have arrived, and return
+    every ``data:`` event up to the end of the stream."""
+    events: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == after:
+                    action()
+    return events
+
+
 class InBackground(threading.Thread):
     """A non-streaming request running while the test breaks the ring."""
 
@@ -139,22 +155,18 @@ def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(ring: 
         assert before.status_code == 200
         # Stall stage 1 so both requests are surely mid-generation when it dies.
         waiting = InBackground(url, {**body, "stream": False})
-        events = []
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as reply:
-            assert reply.status_code == 200
-            lines = reply.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line)
-                if len(events) == 4:
-                    ring.procs[1].signal(signal.SIGSTOP)
-                    waiting.start()
-                    time.sleep(0.5)
-                    ring.procs[1].kill()
-                    killed = time.monotonic()
-                    break
-            events += [line for line in lines if line.startswith("data: ")]
-            ended = time.monotonic()
+        killed = 0.0
+
+        def kill_stage_1() -> None:
+            nonlocal killed
+            ring.procs[1].signal(signal.SIGSTOP)
+            waiting.start()
+            time.sleep(0.5)
+            ring.procs[1].kill()
+            killed = time.monotonic()
+
+        events = stream_with(url, body, 4, kill_stage_1)
+        ended = time.monotonic()
         # Streaming: one error event, then [DONE], within 2 s.
         assert events[-1] == "data: [DONE]"
         errors = [e for e in events if '"error"' in e]
@@ -244,23 +256,20 @@ def test_a_stalled_stage_times_out_and_the_gateway_keeps_answering(ring: Ring) -
     )
     try:
         body = chat_body(200, stream=True)
-        events = []
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as reply:
-            lines = reply.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line)
-                if len(events) == 2:
-                    ring.procs[1].signal(signal.SIGSTOP)
-                    stalled = time.monotonic()
-                    break
+        stalled = 0.0
+
+        def stall_stage_1() -> None:
+            nonlocal stalled
+            ring.procs[1].signal(signal.SIGSTOP)
+            stalled = time.monotonic()
             # While the stage is stalled, the gateway's other endpoints answer at once.
             with httpx.Client(base_url=url, timeout=1.0) as other:
                 for path in ("/health", "/v1/models", "/metrics"):
                     assert other.get(path).status_code == 200, path
                 assert other.get("/ready").status_code in (200, 503)
-            events += [line for line in lines if line.startswith("data: ")]
-            ended = time.monotonic()
+
+        events = stream_with(url, body, 2, stall_stage_1)
+        ended = time.monotonic()
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == "stage_timeout" and events[-1] == "data: [DONE]"
         assert 1.5 < ended - stalled < 4.0  # the 2 s step deadline, not a hang
