@@ -25,8 +25,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
-from tests.processes import start_gateway, start_pinned_stages  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about pipelines."}]
 
@@ -85,7 +85,7 @@ def main() -> int:
     codec = load_codec(opts.export / manifest.tokenizer.directory, manifest)
     prompt = codec.chat_prompt(MESSAGES)
     logs = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
-    procs = []
+    procs: list[Proc] = []
     try:
         procs, stages, _ = start_pinned_stages(opts.export, logs)
         gateway, url = start_gateway(

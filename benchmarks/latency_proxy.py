@@ -44,10 +44,10 @@ import socket
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
-__all__ = ["LatencyProxy", "start_in_thread"]
+__all__ = ["LatencyProxy", "delay_stages", "start_in_thread"]
 
 log = logging.getLogger("latency_proxy")
 
@@ -91,9 +91,11 @@ class _Direction:
         name: str,
         src: asyncio.StreamReader,
         dst: asyncio.StreamWriter,
+        delay_s: float,
     ) -> None:
         self.proxy = proxy
         self.name = name
+        self.delay_s = delay_s
         self.src = src
         self.dst = dst
         self.pending: deque[tuple[float, bytes | None]] = deque()
@@ -108,7 +110,7 @@ class _Direction:
 
     async def read_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        delay = self.proxy.delay_s
+        delay = self.delay_s
         limit = self.proxy.max_inflight_bytes
         while True:
             while self.inflight >= limit:
@@ -162,6 +164,7 @@ class _Direction:
 class LatencyProxy:
     """TCP proxy adding a fixed one-way delay in each direction (see module docstring).
 
+    ``delay_s`` delays client -> target, ``down_delay_s`` (default: the same) target -> client.
     ``bytes_forwarded`` counts bytes handed to the destination socket, per direction:
     ``"up"`` is client -> target, ``"down"`` is target -> client.
     """
@@ -174,10 +177,12 @@ class LatencyProxy:
         target_port: int,
         delay_s: float,
         *,
+        down_delay_s: float | None = None,
         max_inflight_bytes: int = _DEFAULT_MAX_INFLIGHT,
     ) -> None:
-        if delay_s < 0:
-            raise ValueError(f"delay_s must be >= 0, got {delay_s}")
+        down_delay_s = delay_s if down_delay_s is None else down_delay_s
+        if min(delay_s, down_delay_s) < 0:
+            raise ValueError(f"delays must be >= 0, got {delay_s}, {down_delay_s}")
         if max_inflight_bytes <= 0:
             raise ValueError(f"max_inflight_bytes must be > 0, got {max_inflight_bytes}")
         self.listen_host = listen_host
@@ -185,6 +190,7 @@ class LatencyProxy:
         self.target_host = target_host
         self.target_port = target_port
         self.delay_s = float(delay_s)
+        self.down_delay_s = float(down_delay_s)
         self.max_inflight_bytes = max_inflight_bytes
         self.bytes_forwarded: dict[str, int] = {"up": 0, "down": 0}
         self.connections_total = 0
@@ -272,8 +278,8 @@ class LatencyProxy:
         _set_nodelay(client_writer)
         _set_nodelay(target_writer)
 
-        up = _Direction(self, "up", client_reader, target_writer)
-        down = _Direction(self, "down", target_reader, client_writer)
+        up = _Direction(self, "up", client_reader, target_writer, self.delay_s)
+        down = _Direction(self, "down", target_reader, client_writer, self.down_delay_s)
         readers = [
             asyncio.create_task(up.read_loop(), name="latency-proxy-up-read"),
             asyncio.create_task(down.read_loop(), name="latency-proxy-down-read"),
@@ -307,13 +313,16 @@ def start_in_thread(
     target_host: str,
     target_port: int,
     delay_s: float,
+    down_delay_s: float | None = None,
 ) -> tuple[LatencyProxy, Callable[[], None]]:
     """Run a ``LatencyProxy`` on its own event loop in a daemon thread.
 
     Returns once the proxy is listening (``proxy.port`` is valid), with the proxy and an
     idempotent ``stop()`` that closes it and ends the thread.
     """
-    proxy = LatencyProxy(listen_host, listen_port, target_host, target_port, delay_s)
+    proxy = LatencyProxy(
+        listen_host, listen_port, target_host, target_port, delay_s, down_delay_s=down_delay_s
+    )
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     failure: list[BaseException] = []
@@ -357,6 +366,39 @@ def start_in_thread(
         thread.join(timeout=_CLOSE_TIMEOUT_S * 3)
 
     return proxy, stop
+
+
+def delay_stages(
+    addresses: Sequence[str], delay_s: float, *, star: bool = False
+) -> tuple[list[str], Callable[[], None]]:
+    """A proxy in front of every stage of a ring; the addresses to use instead, and a stop().
+
+    The gateway's client links each stage to the next stage's address as the client knows it,
+    so stage k reaches stage k + 1 through that stage's proxy too. Ring (default): every hop
+    waits ``delay_s`` one way, N + 1 transfers per step for N stages. ``star``: what reaches
+    stage k > 0 waits ``2 * delay_s`` (stage k - 1 -> coordinator -> stage k, relayed by the
+    proxy's thread in the coordinator's process) and what leaves it ``delay_s``: 2N transfers
+    per step, a coordinator that sends every stage its input and gets its output back.
+    """
+    addresses_out: list[str] = []
+    stops: list[Callable[[], None]] = []
+    try:
+        for index, address in enumerate(addresses):
+            host, port = address.rsplit(":", 1)
+            up = 2 * delay_s if star and index > 0 else delay_s
+            proxy, stop = start_in_thread("127.0.0.1", 0, host, int(port), up, delay_s)
+            stops.append(stop)
+            addresses_out.append(f"127.0.0.1:{proxy.port}")
+    except BaseException:
+        for stop in stops:
+            stop()
+        raise
+
+    def stop_all() -> None:
+        for stop in stops:
+            stop()
+
+    return addresses_out, stop_all
 
 
 def _parse_hostport(text: str) -> tuple[str, int]:

@@ -39,8 +39,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
-from tests.processes import start_gateway, start_pinned_stages  # noqa: E402
 
 TOPICS = [
     "Write a Python function that merges two sorted lists and explain it.",
@@ -143,10 +143,11 @@ def busy_seconds(port: int) -> float:
 
 
 def baseline(work_dir: Path, tokens: int) -> float:
-    from benchmarks.shard_parity import measure
+    from benchmarks.workers import measure
 
-    opts = argparse.Namespace(threads=1, tokens=tokens, cores="0")
-    return float(measure("a", work_dir, opts)["decode_tok_s"])
+    props = {"INFERENCE_PRECISION_HINT": "f32"}
+    result = measure("genai-decode", work_dir / "optimum", cores="0", tokens=tokens, props=props)
+    return float(result["decode_tok_s"])
 
 
 def ceiling_worker(model_dir: Path, tokens: int, sync: Path) -> None:
@@ -250,7 +251,7 @@ def main() -> int:
     bases: list[float] = []
     if not opts.no_baseline:
         bases.append(baseline(opts.baseline_dir, opts.tokens))
-    procs = []
+    procs: list[Proc] = []
     gateway = None
     rounds: dict[int, list[dict[str, Any]]] = {u: [] for u in user_counts}
     try:
@@ -364,9 +365,9 @@ def main() -> int:
         "|---" * (1 + len(rows[0]["cpu_ms_per_token"])) + "|",
     ]
     for r in rows:
-        cpu = " | ".join(f"{v:.1f}" for v in r["cpu_ms_per_token"].values())
-        lines.append(f"| {r['users']} | {cpu} |")
-    data = {
+        cells = " | ".join(f"{v:.1f}" for v in r["cpu_ms_per_token"].values())
+        lines.append(f"| {r['users']} | {cells} |")
+    data: dict[str, Any] = {
         "baseline_runs": bases,
         "two_copies_at_once": pair,
         "rows": rows,

@@ -8,11 +8,65 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import json
 import os
 import platform
 from pathlib import Path
 from typing import Any
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on: CPU model, cores, memory, load, software versions."""
+    memory = _memory_gib()
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory, 1) if memory else None,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "openvino": _version("openvino"),
+        "openvino_genai": _version("openvino-genai"),
+        "pipeshard": _version("pipeshard"),
+    }
+
+
+def describe(info: dict[str, Any]) -> str:
+    """One line for a report."""
+    return (
+        f"{info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB memory, "
+        f"{info['os']}; Python {info['python']}, OpenVINO {info['openvino']}, "
+        f"openvino-genai {info['openvino_genai'] or 'not installed'}; load average at start "
+        f"{' / '.join(str(x) for x in info['load_average'])} (1 / 5 / 15 min)"
+    )
 
 
 def save(
@@ -25,11 +79,7 @@ def save(
     Path(f"{stem}.md").write_text(report.rstrip("\n") + "\n")
     payload = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "options": {key: str(value) for key, value in vars(opts).items()},
         **data,
     }

@@ -31,16 +31,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.latency_proxy import start_in_thread  # noqa: E402
+from benchmarks.latency_proxy import delay_stages  # noqa: E402
+from benchmarks.processes import free_port, start_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
-from tests.processes import free_port, start_stages  # noqa: E402
+from benchmarks.workers import PROMPT  # noqa: E402
 
 ROUNDS = 5
 PIN = True  # stage k on core k; --no-pin lets the OS place every thread
-PROMPT = (
-    "Write a Python class that implements a least-recently-used cache with get and put "
-    "methods, explain its time complexity, and add a short usage example."
-)
 
 
 def prompt_ids(export: Path) -> list[int]:
@@ -200,19 +197,12 @@ def run_ring(
             for a, b in zip(after, before, strict=True)
         ]
         for delay in delays:
-            proxies = []
-            addresses = []
-            for address in direct:
-                host, port = address.rsplit(":", 1)
-                proxy, stop = start_in_thread("127.0.0.1", 0, host, int(port), delay / 1000)
-                proxies.append(stop)
-                addresses.append(f"127.0.0.1:{proxy.port}")
+            addresses, stop_proxies = delay_stages(direct, delay / 1000)
             try:
                 step, _ = asyncio.run(ring_once(addresses, prompt, tokens))
                 runs[f"delay_{delay:g}_ms"] = step * 1000
             finally:
-                for stop in proxies:
-                    stop()
+                stop_proxies()
         return runs
     finally:
         for proc in procs:

@@ -17,7 +17,6 @@ Writes benchmarks/results/shard_parity-<date>.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,12 +29,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import workers  # noqa: E402
 from benchmarks.report import save  # noqa: E402
 
-PROMPT = (
-    "Write a Python class that implements a least-recently-used cache with get and put "
-    "methods, explain its time complexity, and add a short usage example."
-)
 # name -> (description, export folder, runtime). Runtimes: "f32" sets INFERENCE_PRECISION_HINT=f32
 # (pipeshard's default on CPU: under it a split model computes bit for bit what the unsplit one
 # does); "device" keeps the CPU plugin's own default (bf16 where the CPU has it). Both keep the
@@ -126,71 +122,18 @@ def make_hf_dir(model: str, out: Path) -> None:
     source.load_tokenizer().save_pretrained(out)
 
 
-# --- workers: one configuration, one process ---------------------------------------------------
-def worker_genai(path: Path, threads: int, tokens: int, props: dict[str, str]) -> dict[str, float]:
-    import openvino_genai
-
-    pipe = openvino_genai.LLMPipeline(str(path), "CPU", INFERENCE_NUM_THREADS=threads, **props)
-    config = openvino_genai.GenerationConfig()
-    config.max_new_tokens = tokens
-    config.min_new_tokens = tokens
-    config.do_sample = False
-    config.apply_chat_template = False
-    pipe.generate([PROMPT], config)  # warm-up
-    result = pipe.generate([PROMPT], config)  # a list gives DecodedResults with perf_metrics
-    metrics = result.perf_metrics
-    return {
-        "decode_tok_s": 1000.0 / metrics.get_tpot().mean,
-        "ttft_ms": metrics.get_ttft().mean,
-        "prompt_tokens": float(metrics.get_num_input_tokens()),
-    }
-
-
-def worker_chain(path: Path, threads: int, tokens: int, runtime: str) -> dict[str, float]:
-    import numpy as np
-    from transformers import AutoTokenizer
-
-    from stage_node.chain import LocalChain
-    from stage_node.runner import RunnerOptions
-
-    options = RunnerOptions(threads=threads, inference_precision=RUNNER_PRECISION[runtime])
-    chain = LocalChain(path, options)
-    tokenizer = AutoTokenizer.from_pretrained(str(path / chain.manifest.tokenizer.directory))
-    prompt = np.array(tokenizer.encode(PROMPT), dtype=np.int64)
-
-    def once(session: str) -> tuple[float, float]:
-        start = time.perf_counter()
-        logits = chain.forward(session, prompt)
-        first = time.perf_counter()
-        for _ in range(tokens - 1):
-            logits = chain.forward(session, np.array([int(np.argmax(logits[-1]))]))
-        end = time.perf_counter()
-        chain.release(session)
-        return first - start, (end - first) / (tokens - 1)
-
-    once("warm-up")
-    ttft, tpot = once("measured")
-    return {"decode_tok_s": 1.0 / tpot, "ttft_ms": ttft * 1000, "prompt_tokens": float(len(prompt))}
-
-
 def measure(config: str, work: Path, opts: argparse.Namespace) -> dict[str, float]:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        config,
-        "--work-dir",
-        str(work),
-        "--threads",
-        str(opts.threads),
-        "--tokens",
-        str(opts.tokens),
-    ]
-    if opts.cores:
-        cmd = ["taskset", "-c", opts.cores, *cmd]
-    out = run(cmd, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    """One configuration in its own pinned process (benchmarks/workers.py)."""
+    _, folder, runtime = CONFIGS[config]
+    return workers.measure(
+        "genai-decode" if folder == "optimum" else "chain-decode",
+        work / folder,
+        cores=opts.cores,
+        threads=opts.threads,
+        tokens=opts.tokens,
+        props=RUNTIME_PROPERTIES[runtime],
+        precision=RUNNER_PRECISION[runtime],
+    )
 
 
 def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -221,23 +164,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "out" / "shard_parity")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--make-hf-dir", type=Path, help=argparse.SUPPRESS)
     opts = p.parse_args()
 
     work = opts.work_dir.resolve()
     if opts.make_hf_dir:
         make_hf_dir(opts.model, opts.make_hf_dir)
-        return 0
-    if opts.worker:
-        _, folder, runtime = CONFIGS[opts.worker]
-        if folder == "optimum":
-            result = worker_genai(
-                work / folder, opts.threads, opts.tokens, RUNTIME_PROPERTIES[runtime]
-            )
-        else:
-            result = worker_chain(work / folder, opts.threads, opts.tokens, runtime)
-        print(json.dumps(result))
         return 0
 
     work.mkdir(parents=True, exist_ok=True)

@@ -24,19 +24,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.latency_proxy import start_in_thread  # noqa: E402
+from benchmarks.latency_proxy import delay_stages  # noqa: E402
+from benchmarks.processes import start_pinned_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
-from tests.processes import start_pinned_stages  # noqa: E402
+
+if TYPE_CHECKING:
+    from server.engine import Engine
+    from server.metrics import GatewayMetrics
+    from server.scheduler import SchedulerConfig
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -66,6 +73,39 @@ def chat_ids(export: Path) -> list[list[int]]:
     return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
 
+@contextlib.asynccontextmanager
+async def gateway_engine(
+    addresses: list[str],
+    proposer: Any,
+    spec_k: int,
+    max_context: int,
+    config: SchedulerConfig | None = None,
+) -> AsyncIterator[tuple[Engine, GatewayMetrics]]:
+    """The gateway's engine (scheduler, pipeline client, proposer) in this process."""
+    from server.engine import Engine
+    from server.metrics import GatewayMetrics
+    from server.pipeline import PipelineClient
+    from server.scheduler import SchedulerConfig
+
+    client = PipelineClient(addresses, step_timeout=600)
+    await client.start(timeout=120)
+    metrics = GatewayMetrics()
+    engine = Engine(
+        client,
+        frozenset(),
+        max_context,
+        config or SchedulerConfig(),
+        metrics,
+        proposer=proposer,
+        spec_k=spec_k,
+    )
+    try:
+        yield engine, metrics
+    finally:
+        await engine.close()
+        await client.close()
+
+
 async def run_config(
     addresses: list[str],
     prompts: list[list[int]],
@@ -76,40 +116,29 @@ async def run_config(
     eos: list[int],
     max_context: int,
 ) -> dict[str, Any]:
-    from server.engine import Engine, GenerationRequest
-    from server.metrics import GatewayMetrics
-    from server.pipeline import PipelineClient
-    from server.scheduler import SchedulerConfig
+    """The prompts in ``users`` concurrent lanes; tok/s, acceptance, per-prompt seconds."""
+    from server.engine import GenerationRequest
     from stage_node.sampling import SamplingParams
 
-    client = PipelineClient(addresses, step_timeout=600)
-    await client.start(timeout=120)
-    metrics = GatewayMetrics()
-    engine = Engine(
-        client,
-        frozenset(),
-        max_context,
-        SchedulerConfig(),
-        metrics,
-        proposer=proposer,
-        spec_k=spec_k,
-    )
     greedy = SamplingParams(logit_bias={e: -100.0 for e in eos})
     outputs: dict[int, list[int]] = {}
+    seconds: dict[int, float] = {}
 
-    async def user(indices: list[int]) -> None:
-        for i in indices:
-            request = GenerationRequest(f"p{i}-{time.monotonic_ns()}", prompts[i], tokens, greedy)
-            outputs[i] = [t.token_id async for t in engine.generate(request)]
+    async with gateway_engine(addresses, proposer, spec_k, max_context) as (engine, metrics):
 
-    started = time.perf_counter()
-    try:
+        async def user(indices: list[int]) -> None:
+            for i in indices:
+                request = GenerationRequest(
+                    f"p{i}-{time.monotonic_ns()}", prompts[i], tokens, greedy
+                )
+                began = time.perf_counter()
+                outputs[i] = [t.token_id async for t in engine.generate(request)]
+                seconds[i] = time.perf_counter() - began
+
+        started = time.perf_counter()
         lanes = [list(range(u, len(prompts), users)) for u in range(users)]
         await asyncio.gather(*(user(lane) for lane in lanes))
-    finally:
         elapsed = time.perf_counter() - started
-        await engine.close()
-        await client.close()
     proposed = metrics.registry.get_sample_value("pipeshard_gateway_spec_proposed_tokens_total")
     accepted = metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
     steps = metrics.registry.get_sample_value("pipeshard_gateway_spec_k_count") or 0.0
@@ -117,7 +146,8 @@ async def run_config(
     return {
         "tok_s": len(prompts) * tokens / elapsed,
         "seconds": elapsed,
-        "acceptance": (accepted / proposed) if proposed else None,
+        "prompt_seconds": [seconds[i] for i in range(len(prompts))],
+        "acceptance": (accepted or 0.0) / proposed if proposed else None,
         "mean_k": k_sum / steps if steps else None,
         "outputs": [outputs[i] for i in range(len(prompts))],
     }
@@ -208,16 +238,9 @@ def main() -> int:
         }
         print(f"greedy identical with and without speculation: {results['check']['identical']}")
         for delay in [float(d) for d in opts.delays.split(",")]:
-            proxies = []
-            addresses = []
-            for address in direct:
-                host, port = address.rsplit(":", 1)
-                if delay > 0:
-                    proxy, stop = start_in_thread("127.0.0.1", 0, host, int(port), delay / 1000)
-                    proxies.append(stop)
-                    addresses.append(f"127.0.0.1:{proxy.port}")
-                else:
-                    addresses.append(address)
+            addresses, stop_proxies = (
+                delay_stages(direct, delay / 1000) if delay > 0 else (direct, lambda: None)
+            )
             print(f"+{delay:g} ms per hop", flush=True)
             try:
                 for users in [int(u) for u in opts.users.split(",")]:
@@ -228,8 +251,7 @@ def main() -> int:
                             {"delay_ms": delay, "users": users, "config": name, **out}
                         )
             finally:
-                for stop in proxies:
-                    stop()
+                stop_proxies()
         results["stage_costs_ms"] = [stage_costs(port) for port in metric_ports]
     finally:
         for proc in procs:

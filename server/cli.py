@@ -336,12 +336,32 @@ def _run_up(args: argparse.Namespace) -> int:
     return run_fleet(options)
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    # Its options are the benchmarks' own (`pipeshard bench --help`): main() hands them over.
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="run the paper's experiments on this machine: report, raw data, plots "
+        "(= python -m benchmarks)",
+    )
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks.suite.cli import main as bench_main
+    except ImportError as exc:
+        raise ValueError(f"the benchmarks are not installed here ({exc})") from None
+    result: int = bench_main(args.bench_args)
+    return result
+
+
 COMMANDS = {
     "export": _run_export,
     "verify": _run_verify,
     "stage": _run_stage,
     "serve": _run_serve,
     "up": _run_up,
+    "bench": _run_bench,
 }
 SERVICES = {"stage", "serve", "up"}
 
@@ -373,11 +393,17 @@ def build_parser() -> argparse.ArgumentParser:
     _stage_parser(sub)
     _serve_parser(sub)
     _up_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     service = args.command in SERVICES
     level = args.log_level or ("INFO" if service else "WARNING")
     logging.basicConfig(

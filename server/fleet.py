@@ -49,6 +49,12 @@ class FleetOptions:
         return self.draft
 
 
+def export_path(options: FleetOptions, model_id: str) -> Path:
+    """Where `up` keeps the export of ``model_id`` made with these options."""
+    name = f"{model_id}-{options.stages}stage-{options.weights}"
+    return options.exports_dir / (name + ("-draft" if options.draft_model() else ""))
+
+
 def ensure_export(options: FleetOptions) -> Path:
     if options.export is not None:
         return options.export
@@ -58,8 +64,7 @@ def ensure_export(options: FleetOptions) -> Path:
 
     source = resolve_source(options.model)
     draft = options.draft_model()
-    name = f"{source.model_id}-{options.stages}stage-{options.weights}"
-    out = options.exports_dir / (name + ("-draft" if draft else ""))
+    out = export_path(options, source.model_id)
     int4 = options.weights == "int4"
     export_model(
         ExportOptions(

@@ -24,30 +24,11 @@ from stage_node.chain import LocalChain
 from stage_node.sampling import SamplingParams
 from tests.conftest import EXACT
 from tests.processes import start_gateway, start_stages
-from tests.tiny_models import CHAT_TEMPLATE, make_model
+from tests.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 
 PROMPTS = [[5, 9, 13, 2 + i, 40, 41, 42, 7 * i + 3, 12, 13, 14] for i in range(4)]
 TOKENS = 40
 GREEDY = SamplingParams()
-
-
-def make_draft(target: Path, folder: Path, noise: float) -> Path:
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(123)
-    model = AutoModelForCausalLM.from_pretrained(str(target))
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.add_(torch.randn_like(param) * param.std() * noise)
-    model.save_pretrained(folder)
-    for item in target.iterdir():
-        if "token" in item.name or item.suffix == ".jinja":
-            shutil.copy(item, folder / item.name)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -116,3 +116,24 @@ def make_model(
     model.save_pretrained(folder)
     make_tokenizer(folder, min(vocab, VOCAB), chat_template)
     return folder
+
+
+def make_draft(target: Path, folder: Path, noise: float) -> Path:
+    """A draft for ``target``: its weights plus noise (same vocabulary, often but not always
+    right), saved with its tokenizer files in ``folder``."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(123)
+    model = AutoModelForCausalLM.from_pretrained(str(target))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.add_(torch.randn_like(param) * param.std() * noise)
+    model.save_pretrained(folder)
+    for item in target.iterdir():
+        if "token" in item.name or item.suffix == ".jinja":
+            shutil.copy(item, folder / item.name)
+    return folder

@@ -1,0 +1,8 @@
+"""`pipeshard bench` (= `python -m benchmarks`): the paper's five experiments in one run.
+
+``cli`` parses the options and writes the report; ``context`` holds what the experiments share
+(the stage processes, the pinning, the prompts, the draft); ``parity``, ``users``,
+``speculation``, ``latency`` and ``ttft`` are the experiments, each a ``run(bench)`` that
+returns its raw rounds and summary and a ``table(result, bench)`` that lays them out beside the
+paper's numbers (``paper``); ``plots`` draws the PNGs.
+"""

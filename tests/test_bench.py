@@ -1,0 +1,159 @@
+"""`pipeshard bench --quick` end to end on a tiny model: the report, the raw data and the plots
+are written with the expected structure (the speeds are not checked).
+
+The tiny target is exported to 2 stages with a draft (its own weights plus noise) and to the
+two 1-stage variants of experiment 1. There is no openvino-genai baseline, so the report must
+say what it left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.processes import PIPESHARD
+from benchmarks.suite import latency, parity, speculation, ttft, users
+from exporter.export import ExportOptions, export_model
+from protos.manifest import WeightSpec
+from tests.tiny_models import CHAT_TEMPLATE, make_draft, make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ["parity", "microbatch", "speculative", "latency", "ttft"]
+TITLES = [m.TITLE for m in (parity, users, speculation, latency, ttft)]
+ROUNDS = 2  # --quick
+
+
+def make_bench_exports(base: Path) -> tuple[Path, Path]:
+    """(the 2-stage export with draft/, the variants folder holding s1/ and s1-nobeam/)."""
+    target = make_model("qwen2", base / "target", chat_template=CHAT_TEMPLATE)
+    draft = make_draft(target, base / "draft-model", noise=0.3)
+    fp32 = WeightSpec(format="fp32")
+    export = base / "export"
+    export_model(
+        ExportOptions(
+            model=str(target), out=export, stages=2, weights=fp32, draft=str(draft), quiet=True
+        )
+    )
+    variants = base / "variants"
+    for name, beam_idx in (("s1", True), ("s1-nobeam", False)):
+        export_model(
+            ExportOptions(
+                model=str(target),
+                out=variants / name,
+                stages=1,
+                weights=fp32,
+                beam_idx=beam_idx,
+                quiet=True,
+            )
+        )
+    return export, variants
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_bench_exports(tmp_path_factory.mktemp("bench"))
+
+
+@pytest.fixture(scope="module")
+def run(exports: tuple[Path, Path]) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    export, variants = exports
+    base = export.parent
+    out = base / "results"
+    cmd = [
+        PIPESHARD,
+        "bench",
+        "--quick",
+        *("--export", str(export), "--variants", str(variants), "--out", str(out)),
+        *("--ov-cache-dir", str(base / "ov-cache")),
+        *("--delays", "0,20"),  # the quick default goes to 100 ms per hop: slow on any model
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=base)
+    return out, done
+
+
+def one(out: Path, pattern: str) -> Path:
+    found = sorted(out.glob(pattern))
+    assert len(found) == 1, (pattern, found)
+    return found[0]
+
+
+def test_bench_runs_every_experiment(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    _, done = run
+    assert done.returncode == 0, done.stderr[-5000:]
+
+
+def test_report_has_every_table_beside_the_paper(
+    run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    out, _ = run
+    report = one(out, "bench-*.md").read_text()
+    assert "## Processes: cores and threads" in report
+    cores = sorted(os.sched_getaffinity(0))
+    assert f"| stage 1 (`pipeshard stage`) | {cores[1 % len(cores)]} | 1 |" in report
+    for title in TITLES:
+        assert f"## {title}" in report
+        section = report.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+        assert "|---|" in section and "**Failed**" not in section, section
+    assert "| 24.54 |" in report  # the paper's monolithic figure beside ours
+    # no --baseline: said, never silently left out
+    assert report.count("no --baseline") >= 3
+    assert "(c) 1-stage shard without beam_idx | 21.26 | 0.866 | " in report
+    assert "(b) skipped" not in report and "(c) skipped" not in report
+
+
+def test_json_has_every_raw_measurement(
+    run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    out, _ = run
+    data: dict[str, Any] = json.loads(one(out, "bench-*.json").read_text())
+    assert {"cpu", "cores", "memory_gib", "openvino"} <= set(data["machine"])
+    assert data["failures"] == {}
+    assert set(data["experiments"]) == set(EXPERIMENTS)
+    for name in EXPERIMENTS:
+        assert len(data["experiments"][name]["rounds"]) == ROUNDS, name
+    parity_round = data["experiments"]["parity"]["rounds"][0]
+    assert set(parity_round) == {"s1", "s1-nobeam", "chain", "ring"}
+    assert all(r["decode_tok_s"] > 0 for r in parity_round.values())
+    fleet = data["experiments"]["microbatch"]["rounds"][0]
+    assert set(fleet["fleet"]) == {"1", "2"} and fleet["spec"]["ttft_ms"]
+    spec = data["experiments"]["speculative"]["rounds"][0]["0"]
+    assert set(spec) == {"off", "adaptive", "K=3"}
+    assert len(spec["K=3"]["prompt_seconds"]) == 4 and all(spec["K=3"]["identical"])
+    wan = data["experiments"]["latency"]["rounds"][0]
+    assert set(wan) == {"0", "20"} and set(wan["20"]) == {"naive", "full, 2 users"}
+    ttft_round = data["experiments"]["ttft"]["rounds"][0]
+    assert data["experiments"]["ttft"]["lengths"] == [128, 255]  # the tiny model's context: 256
+    assert ttft_round["monolithic_ms"] is None and len(ttft_round["stages_ms"]) == 2
+
+
+def test_plots_are_png_images(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    import matplotlib.image
+
+    out, _ = run
+    for name in ("users", "speedup", "ttft"):
+        path = one(out, f"bench-*-{name}.png")
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert height > 100 and width > 100
+
+
+def test_variants_must_share_the_exports_weights(exports: tuple[Path, Path]) -> None:
+    from benchmarks.suite.exports import find_variants
+    from protos.manifest import SourceSpec, load_manifest
+
+    export, variants = exports
+    manifest = load_manifest(export)
+    found, notes = find_variants(manifest, variants)
+    assert set(found) == {"s1", "s1-nobeam"} and notes == []
+    # other weights, whose source is not here to export from: both rows say why they are missing
+    elsewhere = manifest.model_copy(
+        update={"source": SourceSpec(kind="hf_dir", path=str(export.parent / "gone"))}
+    )
+    found, notes = find_variants(elsewhere, variants)
+    assert found == {} and len(notes) == 2
+    assert notes[0].startswith("(b) skipped:") and "is not on this machine" in notes[0]
