@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import random
 import socket
 import statistics
@@ -14,9 +13,10 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from benchmarks import latency_proxy as lp
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -24,20 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DELAY_S = 0.050
 RTT_S = 2 * DELAY_S
 SLACK_S = 0.060
-
-
-def _load_module() -> ModuleType:
-    # benchmarks/ is a plain folder (no package), so load the script by path.
-    path = ROOT / "benchmarks" / "latency_proxy.py"
-    spec = importlib.util.spec_from_file_location("latency_proxy", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["latency_proxy"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lp = _load_module()
 
 
 class EchoServer:
