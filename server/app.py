@@ -278,12 +278,13 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         responses={503: {"model": Readiness, "description": "Not ready: starting or a stage down"}},
     )
     async def ready() -> JSONResponse:
+        ok = gateway.service is not None and gateway.pipeline.ready
         stages = [
-            {"index": s.index, "address": s.address, "up": s.up and s.link_ok, "state": s.detail}
+            StageReadiness(index=s.index, address=s.address, up=s.up and s.link_ok, state=s.detail)
             for s in gateway.pipeline.stages
         ]
-        ok = gateway.service is not None and gateway.pipeline.ready
-        return JSONResponse({"ready": ok, "stages": stages}, status_code=200 if ok else 503)
+        body = Readiness(ready=ok, stages=stages).model_dump()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

@@ -315,11 +315,7 @@ def _check_json_value(data: Any) -> None:
     while stack:
         value, loc = stack.pop()
         if len(loc) > MAX_JSON_DEPTH:
-            raise APIError(
-                400,
-                f"The JSON body of your request is nested too deeply (over {MAX_JSON_DEPTH} "
-                "levels).",
-            )
+            raise _too_deep()
         if isinstance(value, str):
             _check_text(value, loc)
         elif isinstance(value, Mapping):
@@ -334,6 +330,12 @@ def _check_json_value(data: Any) -> None:
                 for i, item in enumerate(value)
                 if isinstance(item, str | Mapping | list)
             )
+
+
+def _too_deep() -> APIError:
+    return APIError(
+        400, f"The JSON body of your request is nested too deeply (over {MAX_JSON_DEPTH} levels)."
+    )
 
 
 def _check_text(text: str, loc: tuple[int | str, ...]) -> None:
@@ -363,11 +365,7 @@ def parse_request(cls: type[_Model], body: bytes | str | Mapping[str, Any]) -> _
         try:
             data = json.loads(body, parse_constant=_reject_constant)
         except RecursionError:
-            raise APIError(
-                400,
-                f"The JSON body of your request is nested too deeply (over {MAX_JSON_DEPTH} "
-                "levels).",
-            ) from None
+            raise _too_deep() from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(
                 400, f"We could not parse the JSON body of your request: {exc}."

@@ -13,6 +13,7 @@ never waits in vain.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -69,7 +70,8 @@ class Downstream:
         self.stub = pb_grpc.StageStub(self.channel)
         secret = settings.secret.get_secret_value() if settings.secret else None
         self.metadata = call_metadata(secret, manifest_hash)
-        self.queue: asyncio.Queue[pb.Step] = asyncio.Queue()
+        # steps to send, and the calls whose stream ended (see _pump)
+        self.queue: asyncio.Queue[pb.Step | object] = asyncio.Queue()
         self.ok = False  # until the stream to the next stage is connected
         self._task: asyncio.Task[None] | None = None
 
@@ -91,17 +93,18 @@ class Downstream:
                 await call.wait_for_connection()
                 self.ok = True
                 # The call ends only when the stream breaks: notice that at once, not at the
-                # next write, so health checks never report a dead link as connected.
+                # next write, so health checks never report a dead link as connected. The
+                # call itself goes into the queue as the marker of its end.
                 ended = asyncio.ensure_future(call)
-                ended.add_done_callback(lambda f: f.cancelled() or f.exception())
+                ended.add_done_callback(functools.partial(self._ended, call))
                 while True:
                     if step is None:
-                        getter = asyncio.ensure_future(self.queue.get())
-                        await asyncio.wait({getter, ended}, return_when=asyncio.FIRST_COMPLETED)
-                        if not getter.done():
-                            getter.cancel()
-                            raise ConnectionError("the stream to the next stage ended")
-                        step = getter.result()
+                        item = await self.queue.get()
+                        if not isinstance(item, pb.Step):
+                            if item is call:
+                                raise ConnectionError("the stream to the next stage ended")
+                            continue  # an earlier stream's end
+                        step = item
                     await call.write(step)
                     step = None
             except asyncio.CancelledError:
@@ -114,6 +117,11 @@ class Downstream:
                     log.warning("next stage %s: %s", self.address, exc)
                 self.ok = False
                 await asyncio.sleep(0.2)
+
+    def _ended(self, call: object, future: asyncio.Future[object]) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved: a broken stream is expected here
+        self.queue.put_nowait(call)
 
     async def close(self) -> None:
         if self._task is not None:
