@@ -185,7 +185,17 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="OpenVINO device (default CPU)")
     p.add_argument("--threads", type=int, help="inference threads (0: default)")
     p.add_argument("--cpus", help="pin to these CPUs, e.g. 0 or 0-3")
-    p.add_argument("--streams", type=int, help="sessions computed at the same time (default 1)")
+    p.add_argument(
+        "--streams", type=int, help="stateful: sessions computed at the same time (default 1)"
+    )
+    p.add_argument(
+        "--kv-backend",
+        choices=["stateful", "paged"],
+        help="KV cache: an infer request per session (stateful, default) or a shared block "
+        "pool, every ready session in one inference call (paged)",
+    )
+    p.add_argument("--kv-cache-size", type=float, help="paged: GiB of KV blocks (default 1)")
+    p.add_argument("--max-batch", type=int, help="paged: sessions per inference call (default 64)")
     p.add_argument("--kv-cache-precision", help="KV_CACHE_PRECISION, e.g. f16, f32, u8")
     p.add_argument("--inference-precision", help="INFERENCE_PRECISION_HINT, e.g. f32")
     p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (CACHE_DIR)")

@@ -357,7 +357,12 @@ class PipelineClient:
         try:
             call = first.stub.Push(metadata=self._metadata())
             while True:
-                await call.write(await self._push_queue.get())
+                steps = [await self._push_queue.get()]
+                # Steps issued in the same scheduler tick travel (and are computed) together.
+                await asyncio.sleep(0)
+                while not self._push_queue.empty():
+                    steps.append(self._push_queue.get_nowait())
+                await call.write(pb.StepBatch(steps=steps))
         except asyncio.CancelledError:
             pass
         except Exception as exc:
@@ -430,6 +435,7 @@ class PipelineClient:
                 step_id=step_id,
                 client_id=self.client_id,
                 token_ids=list(tokens),
+                num_tokens=len(tokens),
                 start_position=start_position,
                 rollback=rollback,
                 num_logits=num_logits,

@@ -6,9 +6,11 @@ hidden states (next stage) or sampled tokens (last stage)``
 The service hands a backend a *batch* of steps of different sessions and runs up to
 ``parallelism`` batches at once; a session never has two steps in one batch or in two batches
 at the same time. :class:`StatefulBackend` (one OpenVINO infer request and KV state per
-session, one compiled model shared by all) computes a batch one step after another. A backend
-with paged KV can take the same batch and run every session's tokens in one inference call;
-nothing above this interface (service, ring, gateway scheduler) changes.
+session, one compiled model shared by all) computes steps one by one, ``parallelism`` (the
+CPU streams) at once. :class:`PagedBackend` runs every step of a batch - decode tokens,
+prefill chunks and speculative verifications of different sessions - in one inference call
+over a shared KV block pool (:mod:`stage_node.paged`), so the weights are read once per batch
+instead of once per session.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Protocol
 import numpy as np
 
 from stage_node.metrics import StageMetrics
-from stage_node.runner import InvalidStageInput, ShardRunner
+from stage_node.paged import PagedRunner, PagedStep
+from stage_node.runner import InvalidStageInput, ShardBase, ShardRunner
 from stage_node.sampling import SampledToken, SamplingParams, sample
 from stage_node.speculative import DraftDistribution, verify
 
@@ -52,18 +55,62 @@ StepOutcome = np.ndarray | list[SampledToken] | None | Exception
 
 class StageBackend(Protocol):
     parallelism: int  # batches computed at the same time
+    max_batch: int  # steps in one batch at most
 
     def compute(self, batch: Sequence[StepInput]) -> list[StepOutcome]:
         """Run every step of ``batch`` (distinct sessions); one outcome per step, in order."""
         ...
 
 
-class StatefulBackend:
-    """One infer request per session (OpenVINO stateful KV cache); steps run one by one."""
+class _Backend:
+    """What both backends share: deadlines, rollbacks, phases and sampling at the last stage."""
 
-    def __init__(self, runner: ShardRunner, metrics: StageMetrics, parallelism: int = 1) -> None:
+    def __init__(self, runner: ShardBase, metrics: StageMetrics) -> None:
         self.runner = runner
         self.metrics = metrics
+
+    def _prepare(self, step: StepInput) -> bool:
+        """Check the deadline and apply the rollback; False for a pure rollback (no tokens)."""
+        if step.deadline_unix_ms and time.time() * 1000 > step.deadline_unix_ms:
+            raise StepExpired(
+                f"step {step.step_id} arrived at stage {self.runner.stage.index} after its deadline"
+            )
+        if step.rollback:
+            started = time.perf_counter()
+            self.runner.rollback(step.session_id, step.rollback)
+            self.metrics.rollback_seconds.observe(time.perf_counter() - started)
+        if len(step.data) == 0:
+            if step.rollback:
+                return False
+            raise InvalidStageInput("a step must carry tokens or a rollback")
+        return True
+
+    @staticmethod
+    def phase(step: StepInput) -> str:
+        return "verify" if step.draft_tokens else "prefill" if len(step.data) > 1 else "decode"
+
+    def _emit(self, step: StepInput, out: np.ndarray) -> np.ndarray | list[SampledToken]:
+        """Hidden states pass on; the last stage samples (or verifies draft tokens)."""
+        if not self.runner.is_last:
+            return out
+        num_logits = len(out)
+        first = step.start_position + len(step.data) - num_logits
+        history = list(step.history)
+        if step.draft_tokens:
+            return verify(
+                out, step.draft_tokens, step.draft_dists, step.sampling, first + 1, history
+            )
+        return [sample(row, step.sampling, first + i + 1, history) for i, row in enumerate(out)]
+
+
+class StatefulBackend(_Backend):
+    """One infer request per session (OpenVINO stateful KV cache); steps run one by one."""
+
+    runner: ShardRunner
+    max_batch = 1  # a batch would only queue steps behind each other: streams run them
+
+    def __init__(self, runner: ShardRunner, metrics: StageMetrics, parallelism: int = 1) -> None:
+        super().__init__(runner, metrics)
         self.parallelism = parallelism
 
     def compute(self, batch: Sequence[StepInput]) -> list[StepOutcome]:
@@ -76,31 +123,70 @@ class StatefulBackend:
         return outcomes
 
     def _one(self, step: StepInput) -> np.ndarray | list[SampledToken] | None:
-        index = self.runner.stage.index
-        if step.deadline_unix_ms and time.time() * 1000 > step.deadline_unix_ms:
-            raise StepExpired(f"step {step.step_id} arrived at stage {index} after its deadline")
-        if step.rollback:
-            started = time.perf_counter()
-            self.runner.rollback(step.session_id, step.rollback)
-            self.metrics.rollback_seconds.observe(time.perf_counter() - started)
+        if not self._prepare(step):
+            return None
         count = len(step.data)
-        if count == 0:
-            if step.rollback:
-                return None  # a pure rollback
-            raise InvalidStageInput("a step must carry tokens or a rollback")
         positions = np.arange(step.start_position, step.start_position + count, dtype=np.int64)
-        num_logits = max(1, step.num_logits)
-        phase = "verify" if step.draft_tokens else "prefill" if count > 1 else "decode"
+        phase = self.phase(step)
         started = time.perf_counter()
-        out = self.runner.forward(step.session_id, step.data, positions, num_logits)
+        out = self.runner.forward(step.session_id, step.data, positions, max(1, step.num_logits))
         self.metrics.forward_seconds.labels(phase).observe(time.perf_counter() - started)
         self.metrics.tokens.labels(phase).inc(count)
-        if not self.runner.is_last:
-            return out
-        first = step.start_position + count - num_logits
-        history = list(step.history)
-        if step.draft_tokens:
-            return verify(
-                out, step.draft_tokens, step.draft_dists, step.sampling, first + 1, history
-            )
-        return [sample(row, step.sampling, first + i + 1, history) for i, row in enumerate(out)]
+        self.metrics.batch_size.observe(1)
+        self.metrics.batch_tokens.observe(count)
+        return self._emit(step, out)
+
+
+class PagedBackend(_Backend):
+    """Every step of a batch in one inference call over the stage's shared KV block pool."""
+
+    runner: PagedRunner
+    parallelism = 1  # one inference call at a time owns the pool
+
+    def __init__(self, runner: PagedRunner, metrics: StageMetrics, max_batch: int = 64) -> None:
+        super().__init__(runner, metrics)
+        self.max_batch = max_batch
+        self._blocks()
+
+    def _blocks(self) -> None:
+        blocks = self.runner.blocks
+        self.metrics.kv_blocks.labels("used").set(blocks.used)
+        self.metrics.kv_blocks.labels("free").set(blocks.free)
+
+    def compute(self, batch: Sequence[StepInput]) -> list[StepOutcome]:
+        outcomes: list[StepOutcome] = [None] * len(batch)
+        placed: list[tuple[int, PagedStep]] = []
+        for i, step in enumerate(batch):
+            try:
+                if not self._prepare(step):
+                    continue
+                data = self.runner.check_chunk(step.data)
+                item = PagedStep(
+                    step.session_id, data, step.start_position, max(1, step.num_logits)
+                )
+                self.runner.place(item)
+                placed.append((i, item))
+            except Exception as exc:
+                outcomes[i] = exc
+        if placed:
+            phases = {self.phase(batch[i]) for i, _ in placed}
+            phase = phases.pop() if len(phases) == 1 else "mixed"
+            tokens = sum(len(item.data) for _, item in placed)
+            started = time.perf_counter()
+            try:
+                outs = self.runner.forward([item for _, item in placed])
+            except Exception as exc:
+                for i, _ in placed:
+                    outcomes[i] = exc
+            else:
+                self.metrics.forward_seconds.labels(phase).observe(time.perf_counter() - started)
+                self.metrics.batch_size.observe(len(placed))
+                self.metrics.batch_tokens.observe(tokens)
+                for (i, _), out in zip(placed, outs, strict=True):
+                    self.metrics.tokens.labels(self.phase(batch[i])).inc(len(batch[i].data))
+                    try:
+                        outcomes[i] = self._emit(batch[i], out)
+                    except Exception as exc:
+                        outcomes[i] = exc
+        self._blocks()
+        return outcomes

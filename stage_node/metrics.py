@@ -51,3 +51,21 @@ class StageMetrics:
             ["code"],
             registry=self.registry,
         )
+        self.batch_size = Histogram(
+            "pipeshard_stage_batch_size",
+            "Sessions computed in one inference call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=self.registry,
+        )
+        self.batch_tokens = Histogram(
+            "pipeshard_stage_batch_tokens",
+            "Positions computed in one inference call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+            registry=self.registry,
+        )
+        self.kv_blocks = Gauge(
+            "pipeshard_stage_kv_blocks",
+            "Paged KV blocks by state (used, free); absent on the stateful backend",
+            ["state"],
+            registry=self.registry,
+        )

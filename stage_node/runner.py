@@ -96,8 +96,8 @@ class StageSession:
         self.last_used = time.monotonic()
 
 
-class ShardRunner:
-    """Runs one stage of an export for many independent sessions."""
+class ShardBase:
+    """What every stage runner shares: the manifest, this stage's entry and input checks."""
 
     def __init__(
         self,
@@ -105,7 +105,6 @@ class ShardRunner:
         stage_index: int,
         options: RunnerOptions | None = None,
         *,
-        core: ov.Core | None = None,
         manifest: ShardManifest | None = None,
     ) -> None:
         self.options = options or RunnerOptions()
@@ -117,18 +116,81 @@ class ShardRunner:
         self.stage: StageEntry = self.manifest.stages[stage_index]
         self.is_first = stage_index == 0
         self.is_last = stage_index == self.manifest.num_stages - 1
+        self.model_xml = export_dir / self.stage.model_xml
+        if not self.model_xml.is_file():
+            raise ValueError(
+                f"{self.model_xml} is missing: copy the stage folder with its manifest"
+            )
+        self.hidden_size = self.manifest.model.hidden_size
+        self.max_context = self.manifest.model.max_context
+
+    def check_chunk(self, data: np.ndarray) -> np.ndarray:
+        """Validate one step's input; token ids [T] (stage 0) or hidden states [T, H] (f32)."""
+        if self.is_first:
+            if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
+                raise InvalidStageInput(
+                    f"stage 0 takes a 1-D array of token ids, got {data.dtype} {list(data.shape)}"
+                )
+            vocab = self.manifest.model.vocab_size
+            if data.size and (data.min() < 0 or data.max() >= vocab):
+                raise InvalidStageInput(f"token ids must lie in [0, {vocab})")
+            return data.astype(np.int64, copy=False)
+        if data.ndim != 2 or data.shape[1] != self.hidden_size:
+            raise InvalidStageInput(
+                f"stage {self.stage.index} takes hidden states [tokens, {self.hidden_size}], "
+                f"got {list(data.shape)}"
+            )
+        if data.dtype not in (np.float32, np.float16):
+            raise InvalidStageInput(f"hidden states must be float32 or float16, got {data.dtype}")
+        return data.astype(np.float32, copy=False)
+
+    def check_step(
+        self, session_id: str, length: int, count: int, start: int, num_logits: int
+    ) -> None:
+        """A chunk of ``count`` positions at ``start`` must continue a session holding
+        ``length`` and fit the model's context; the last stage samples 1..count rows."""
+        if count == 0:
+            raise InvalidStageInput("a chunk must hold at least one token")
+        if start != length:
+            raise InvalidStageInput(
+                f"positions must continue session {session_id!r} at {length} for {count} tokens"
+            )
+        total = length + count
+        if total > self.max_context:
+            raise CapacityExceeded(
+                f"session {session_id!r} would hold {total} positions "
+                f"(maximum context {self.max_context})"
+            )
+        if self.is_last and not 1 <= num_logits <= count:
+            raise InvalidStageInput(f"num_logits must lie in [1, {count}], got {num_logits}")
+
+    def rollback(self, session_id: str, count: int) -> None:
+        """Forget the last ``count`` positions of a session (rejected draft tokens)."""
+        raise NotImplementedError
+
+
+class ShardRunner(ShardBase):
+    """Runs one stage of an export for many independent sessions."""
+
+    kv_backend = "stateful"
+
+    def __init__(
+        self,
+        export_dir: Path,
+        stage_index: int,
+        options: RunnerOptions | None = None,
+        *,
+        core: ov.Core | None = None,
+        manifest: ShardManifest | None = None,
+    ) -> None:
+        super().__init__(export_dir, stage_index, options, manifest=manifest)
         core = core or ov.Core()
-        xml = export_dir / self.stage.model_xml
-        if not xml.is_file():
-            raise ValueError(f"{xml} is missing: copy the stage folder with its manifest")
         self.compiled = core.compile_model(
-            core.read_model(xml), self.options.device, self.options.compile_properties()
+            core.read_model(self.model_xml), self.options.device, self.options.compile_properties()
         )
         self._input_names = {port.get_any_name() for port in self.compiled.inputs}
         self._sessions: dict[str, StageSession] = {}
         self._lock = threading.Lock()
-        self.hidden_size = self.manifest.model.hidden_size
-        self.max_context = self.manifest.model.max_context
 
     # -- sessions -------------------------------------------------------------------------
     @property
@@ -176,25 +238,6 @@ class ShardRunner:
         return idle
 
     # -- compute --------------------------------------------------------------------------
-    def _check_chunk(self, data: np.ndarray) -> np.ndarray:
-        if self.is_first:
-            if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
-                raise InvalidStageInput(
-                    f"stage 0 takes a 1-D array of token ids, got {data.dtype} {list(data.shape)}"
-                )
-            vocab = self.manifest.model.vocab_size
-            if data.size and (data.min() < 0 or data.max() >= vocab):
-                raise InvalidStageInput(f"token ids must lie in [0, {vocab})")
-            return data.astype(np.int64, copy=False)[None, :]
-        if data.ndim != 2 or data.shape[1] != self.hidden_size:
-            raise InvalidStageInput(
-                f"stage {self.stage.index} takes hidden states [tokens, {self.hidden_size}], "
-                f"got {list(data.shape)}"
-            )
-        if data.dtype not in (np.float32, np.float16):
-            raise InvalidStageInput(f"hidden states must be float32 or float16, got {data.dtype}")
-        return data.astype(np.float32, copy=False)[None, :, :]
-
     def forward(
         self,
         session_id: str,
@@ -207,8 +250,8 @@ class ShardRunner:
         A session opens on its first chunk (positions starting at 0). Returns hidden states
         ``[T, H]``, or on the last stage logits ``[num_logits, V]`` for the chunk's last tokens.
         """
-        chunk = self._check_chunk(data)
-        count = chunk.shape[1]
+        chunk = self.check_chunk(data)
+        count = len(chunk)
         if count == 0:
             raise InvalidStageInput("a chunk must hold at least one token")
         start = 0 if positions is None else int(positions[0]) if len(positions) else -1
@@ -229,16 +272,10 @@ class ShardRunner:
                     f"positions must continue session {session_id!r} at {session.length} "
                     f"for {count} tokens"
                 )
+            self.check_step(session_id, session.length, count, session.length, num_logits)
             total = session.length + count
-            if total > self.max_context:
-                raise CapacityExceeded(
-                    f"session {session_id!r} would hold {total} positions "
-                    f"(maximum context {self.max_context})"
-                )
-            if self.is_last and not 1 <= num_logits <= count:
-                raise InvalidStageInput(f"num_logits must lie in [1, {count}], got {num_logits}")
             inputs: dict[str, Any] = {
-                "input_ids" if self.is_first else "inputs_embeds": chunk,
+                "input_ids" if self.is_first else "inputs_embeds": chunk[None],
                 "attention_mask": np.ones((1, total), dtype=np.int64),
                 "position_ids": positions.astype(np.int64, copy=False)[None, :],
             }

@@ -17,6 +17,7 @@ from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.manifest import MANIFEST_NAME, manifest_hash
 from protos.transport import CHANNEL_OPTIONS, MANIFEST_KEY, OPEN_METHODS, SECRET_KEY
 from stage_node.metrics import StageMetrics
+from stage_node.paged import GIB, PagedRunner
 from stage_node.runner import RunnerOptions, ShardRunner
 from stage_node.service import StageService
 from stage_node.settings import StageSettings
@@ -97,7 +98,16 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     )
     if settings.ov_cache_dir is not None:
         settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)
-    runner = ShardRunner(settings.shards, settings.stage, options)
+    runner: ShardRunner | PagedRunner
+    if settings.kv_backend == "paged":
+        runner = PagedRunner(
+            settings.shards,
+            settings.stage,
+            options,
+            kv_cache_bytes=int(settings.kv_cache_size * GIB),
+        )
+    else:
+        runner = ShardRunner(settings.shards, settings.stage, options)
     digest = manifest_hash(settings.shards)
     manifest_json = (settings.shards / MANIFEST_NAME).read_bytes()
     metrics = StageMetrics()

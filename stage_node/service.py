@@ -1,10 +1,13 @@
 """The stage's gRPC service: steps in, steps (or results) out, in order within a session.
 
-``pb.Step -> (codec) numpy -> ShardRunner.forward -> numpy -> (codec) pb.Step or pb.StepResult``
+``pb.StepBatch -> (codec) numpy -> StageBackend.compute -> numpy -> (codec) pb.StepBatch`` (or
+``pb.StepResult`` per step on the last stage)
 
-Steps arrive on long-lived ``Push`` streams. Each step runs after the previous step of the same
-session (a chain of tasks per session) and concurrently with other sessions' steps, up to
-``streams`` at a time, in arrival order (the inference pool is FIFO). The model side is a
+Steps arrive in batches on long-lived ``Push`` streams. Each step runs after the previous step
+of the same session (a chain of tasks per session). Steps that are ready at the same time are
+computed together, in arrival order: the paged backend takes them all (up to ``max_batch``) in
+one inference call; the stateful backend runs them one at a time on each of its ``streams``.
+Steps computed together go on to the next stage as one batch. The model side is a
 :class:`stage_node.backend.StageBackend`. A step that fails here is not dropped: it travels on
 with its error set, so the last stage reports it to the gateway that sent it, and the gateway
 never waits in vain.
@@ -16,6 +19,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,8 +37,16 @@ from protos.codec import (
     tensor_to_numpy,
 )
 from protos.transport import call_metadata, open_channel
-from stage_node.backend import StatefulBackend, StepExpired, StepInput, StepOutcome
+from stage_node.backend import (
+    PagedBackend,
+    StageBackend,
+    StatefulBackend,
+    StepExpired,
+    StepInput,
+    StepOutcome,
+)
 from stage_node.metrics import StageMetrics
+from stage_node.paged import PagedRunner
 from stage_node.runner import (
     CapacityExceeded,
     InvalidStageInput,
@@ -61,17 +73,66 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+# A step to pass on with its output rows (hidden states), or None for a rollback or an error.
+Outgoing = tuple[pb.Step, np.ndarray | None]
+
+
+def pack(items: list[Outgoing], dtype: np.dtype) -> pb.StepBatch:
+    """Steps computed together, as one message: their hidden states packed row after row."""
+    batch = pb.StepBatch()
+    rows = []
+    for step, out in items:
+        step.ClearField("token_ids")
+        step.num_tokens = 0 if out is None else len(out)
+        if out is not None:
+            rows.append(out)
+        batch.steps.append(step)
+    if rows:
+        batch.hidden.CopyFrom(numpy_to_tensor(np.concatenate(rows), dtype))
+    return batch
+
+
+def unpack(batch: pb.StepBatch, first: bool) -> list[tuple[pb.Step, np.ndarray | Exception]]:
+    """Each step of a batch with its input: token ids on stage 0, its rows of the packed
+    hidden states after it (or why they cannot be read: a malformed batch fails its steps)."""
+    if first:
+        return [(s, np.asarray(s.token_ids, dtype=np.int64)) for s in batch.steps]
+    counts = [s.num_tokens for s in batch.steps]
+    try:
+        hidden = tensor_to_numpy(batch.hidden) if batch.HasField("hidden") else None
+        rows = 0 if hidden is None else hidden.shape[0]
+        if rows != sum(counts) or (hidden is not None and hidden.ndim != 2):
+            raise InvalidStageInput(
+                f"the batch's hidden states hold {rows} rows for steps of {sum(counts)} tokens"
+            )
+    except Exception as exc:
+        return [(s, exc) for s in batch.steps]
+    out: list[tuple[pb.Step, np.ndarray | Exception]] = []
+    offset = 0
+    for step, count in zip(batch.steps, counts, strict=True):
+        if hidden is None:
+            out.append((step, np.zeros((0, 0), dtype=np.float32)))
+        else:
+            out.append((step, hidden[offset : offset + count]))
+        offset += count
+    return out
+
+
 class Downstream:
     """The link to the next stage: one long-lived Push stream fed from a queue."""
 
-    def __init__(self, address: str, settings: StageSettings, manifest_hash: str) -> None:
+    def __init__(
+        self, address: str, settings: StageSettings, manifest_hash: str, metrics: StageMetrics
+    ) -> None:
         self.address = address
+        self.metrics = metrics
         self.channel = open_channel(address, settings.tls_ca, settings.tls_server_name)
         self.stub = pb_grpc.StageStub(self.channel)
         secret = settings.secret.get_secret_value() if settings.secret else None
         self.metadata = call_metadata(secret, manifest_hash)
-        # steps to send, and the calls whose stream ended (see _pump)
-        self.queue: asyncio.Queue[pb.Step | object] = asyncio.Queue()
+        # steps to send with their output rows, and the calls whose stream ended (see _pump)
+        self.queue: asyncio.Queue[Outgoing | object] = asyncio.Queue()
+        self.hidden_dtype = HIDDEN_DTYPES[settings.hidden_dtype]
         self.ok = False  # until the stream to the next stage is connected
         self._task: asyncio.Task[None] | None = None
 
@@ -79,12 +140,23 @@ class Downstream:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._pump())
 
-    def send(self, step: pb.Step) -> None:
+    def send(self, step: pb.Step, rows: np.ndarray | None) -> None:
         self.connect()
-        self.queue.put_nowait(step)
+        self.queue.put_nowait((step, rows))
+
+    def _take(self, first: Outgoing, call: object) -> tuple[pb.StepBatch, bool]:
+        """Everything queued now goes out as one batch; also says whether ``call`` ended."""
+        items, ended = [first], False
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, tuple):
+                items.append(item)
+            elif item is call:
+                ended = True
+        return pack(items, self.hidden_dtype), ended
 
     async def _pump(self) -> None:
-        step: pb.Step | None = None
+        batch: pb.StepBatch | None = None
         while True:
             try:
                 # wait_for_ready: while the next stage is down, wait for it to come back
@@ -97,21 +169,24 @@ class Downstream:
                 # call itself goes into the queue as the marker of its end.
                 ended = asyncio.ensure_future(call)
                 ended.add_done_callback(functools.partial(self._ended, call))
-                while True:
-                    if step is None:
+                ended = False
+                while not ended:
+                    if batch is None:
                         item = await self.queue.get()
-                        if not isinstance(item, pb.Step):
+                        if not isinstance(item, tuple):
                             if item is call:
                                 raise ConnectionError("the stream to the next stage ended")
                             continue  # an earlier stream's end
-                        step = item
-                    await call.write(step)
-                    step = None
+                        batch, ended = self._take(item, call)
+                    await call.write(batch)
+                    self.metrics.bytes.labels("out").inc(batch.ByteSize())
+                    batch = None
+                raise ConnectionError("the stream to the next stage ended")
             except asyncio.CancelledError:
                 return
             except Exception as exc:
                 # A step written just before the stream broke may be lost; the gateway sees
-                # the stage go down (its health probes) or the step's deadline pass. The step
+                # the stage go down (its health probes) or the step's deadline pass. The batch
                 # whose write failed is sent again on the next stream.
                 if self.ok:
                     log.warning("next stage %s: %s", self.address, exc)
@@ -132,7 +207,7 @@ class Downstream:
 class StageService(pb_grpc.StageServicer):
     def __init__(
         self,
-        runner: ShardRunner,
+        runner: ShardRunner | PagedRunner,
         settings: StageSettings,
         metrics: StageMetrics,
         manifest_hash: str,
@@ -145,8 +220,15 @@ class StageService(pb_grpc.StageServicer):
         self.manifest_json = manifest_json
         self.index = runner.stage.index
         self.hidden_dtype = HIDDEN_DTYPES[settings.hidden_dtype]
-        self.backend = StatefulBackend(runner, metrics, settings.streams)
+        self.backend: StageBackend = (
+            PagedBackend(runner, metrics, settings.max_batch)
+            if isinstance(runner, PagedRunner)
+            else StatefulBackend(runner, metrics, settings.streams)
+        )
         self.pool = ThreadPoolExecutor(self.backend.parallelism, thread_name_prefix="infer")
+        self._ready: deque[tuple[StepInput, asyncio.Future[StepOutcome]]] = deque()
+        self._workers = 0
+        self._worker_tasks: set[asyncio.Task[None]] = set()
         self.downstream: Downstream | None = None
         self.results: dict[str, asyncio.Queue[pb.StepResult]] = {}
         self._tails: dict[str, asyncio.Task[None]] = {}
@@ -170,7 +252,19 @@ class StageService(pb_grpc.StageServicer):
             manifest_json=self.manifest_json,
             version=VERSION,
             next_address=self.downstream.address if self.downstream else "",
+            kv_backend=self.runner.kv_backend,
+            **self._pool_info(),
         )
+
+    def _pool_info(self) -> dict[str, int]:
+        if not isinstance(self.runner, PagedRunner):
+            return {}
+        blocks = self.runner.blocks
+        return {
+            "kv_block_size": blocks.block_size,
+            "kv_blocks": blocks.num_blocks,
+            "kv_blocks_free": blocks.free,
+        }
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
         return pb.HealthReply(
@@ -189,7 +283,9 @@ class StageService(pb_grpc.StageServicer):
             return pb.LinkReply()
         old, self.downstream = self.downstream, None
         if request.next_address:
-            self.downstream = Downstream(request.next_address, self.settings, self.manifest_hash)
+            self.downstream = Downstream(
+                request.next_address, self.settings, self.manifest_hash, self.metrics
+            )
             self.downstream.connect()
             log.info("stage %d linked to next stage %s", self.index, request.next_address)
         if old is not None:
@@ -230,18 +326,22 @@ class StageService(pb_grpc.StageServicer):
                 del self.results[request.client_id]
 
     # -- the data path --------------------------------------------------------------------
-    async def Push(self, request_iterator: AsyncIterator[pb.Step], context: Any) -> pb.PushSummary:
-        count = 0
-        async for step in request_iterator:
-            self.metrics.bytes.labels("in").inc(step.ByteSize())
-            self._schedule(step)
-            count += 1
-        return pb.PushSummary(steps=count)
+    async def Push(
+        self, request_iterator: AsyncIterator[pb.StepBatch], context: Any
+    ) -> pb.PushSummary:
+        steps = batches = 0
+        async for batch in request_iterator:
+            self.metrics.bytes.labels("in").inc(batch.ByteSize())
+            for step, data in unpack(batch, self.runner.is_first):
+                self._schedule(step, data)
+                steps += 1
+            batches += 1
+        return pb.PushSummary(steps=steps, batches=batches)
 
-    def _schedule(self, step: pb.Step) -> None:
+    def _schedule(self, step: pb.Step, data: np.ndarray | Exception) -> None:
         sid = step.session_id
         previous = self._tails.get(sid)
-        task = asyncio.create_task(self._run_after(previous, step))
+        task = asyncio.create_task(self._run_after(previous, step, data))
         self._tails[sid] = task
 
         def forget(done: asyncio.Task[None]) -> None:
@@ -250,22 +350,23 @@ class StageService(pb_grpc.StageServicer):
 
         task.add_done_callback(forget)
 
-    async def _run_after(self, previous: asyncio.Task[None] | None, step: pb.Step) -> None:
+    async def _run_after(
+        self, previous: asyncio.Task[None] | None, step: pb.Step, data: np.ndarray | Exception
+    ) -> None:
         if previous is not None:
             await asyncio.wait([previous])
         try:
-            await self._run(step)
+            await self._run(step, data)
         except Exception:  # never let one step take the stage down
             log.exception("step %s/%d could not be delivered", step.session_id, step.step_id)
 
-    async def _run(self, step: pb.Step) -> None:
+    async def _run(self, step: pb.Step, data: np.ndarray | Exception) -> None:
         output: StepOutcome = None
         self.metrics.steps_in_flight.inc()
         try:
             if not step.HasField("error"):
-                output = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, self._compute, step
-                )
+                item = data if isinstance(data, Exception) else self._step_input(step, data)
+                output = item if isinstance(item, Exception) else await self._compute(item)
             if isinstance(output, Exception):
                 code, message = status_for(output)
                 self.metrics.errors.labels(code.name).inc()
@@ -281,17 +382,9 @@ class StageService(pb_grpc.StageServicer):
         finally:
             self.metrics.steps_in_flight.dec()
 
-    def _compute(self, step: pb.Step) -> StepOutcome:
-        """Runs in the inference pool: the step's input from the wire, then the backend."""
-        started = time.perf_counter()
+    def _step_input(self, step: pb.Step, data: np.ndarray) -> StepInput | Exception:
         try:
-            if self.runner.is_first:
-                data = np.asarray(step.token_ids, dtype=np.int64)
-            elif step.HasField("hidden"):
-                data = tensor_to_numpy(step.hidden)
-            else:
-                data = np.zeros((0, self.runner.hidden_size), dtype=np.float32)
-            item = StepInput(
+            return StepInput(
                 session_id=step.session_id,
                 step_id=step.step_id,
                 data=data,
@@ -306,23 +399,54 @@ class StageService(pb_grpc.StageServicer):
             )
         except Exception as exc:
             return exc
+
+    # -- batching: steps that are ready together are computed together ----------------------
+    def _compute(self, item: StepInput) -> asyncio.Future[StepOutcome]:
+        future: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
+        self._ready.append((item, future))
+        if self._workers < self.backend.parallelism:
+            self._workers += 1
+            task = asyncio.create_task(self._work())
+            self._worker_tasks.add(task)
+            task.add_done_callback(self._worker_tasks.discard)
+        return future
+
+    async def _work(self) -> None:
+        """Take every ready step (up to the backend's batch size) and compute them as one
+        batch; the steps' own sessions are ordered by their chains (see _schedule)."""
+        loop = asyncio.get_running_loop()
         try:
-            return self.backend.compute([item])[0]
+            while self._ready:
+                batch = [
+                    self._ready.popleft()
+                    for _ in range(min(len(self._ready), self.backend.max_batch))
+                ]
+                try:
+                    outcomes = await loop.run_in_executor(
+                        self.pool, self._compute_batch, [item for item, _ in batch]
+                    )
+                except Exception as exc:  # the pool is gone (shutting down)
+                    outcomes = [exc] * len(batch)
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    if not future.done():
+                        future.set_result(outcome)
+        finally:
+            self._workers -= 1
+
+    def _compute_batch(self, batch: list[StepInput]) -> list[StepOutcome]:
+        """Runs in the inference pool."""
+        started = time.perf_counter()
+        try:
+            return self.backend.compute(batch)
         finally:
             self.metrics.busy_seconds.inc(time.perf_counter() - started)
 
     def _forward(self, step: pb.Step, output: Any) -> None:
-        step.ClearField("token_ids")
-        if output is not None:
-            step.hidden.CopyFrom(numpy_to_tensor(output, self.hidden_dtype))
-        else:
-            step.ClearField("hidden")
         if self.downstream is None:
             log.error("stage %d is not linked to a next stage; dropping step", self.index)
             self.metrics.errors.labels(grpc.StatusCode.UNAVAILABLE.name).inc()
             return
-        self.metrics.bytes.labels("out").inc(step.ByteSize())
-        self.downstream.send(step)
+        self.downstream.send(step, output)
 
     def _deliver(self, step: pb.Step, tokens: Any) -> None:
         result = pb.StepResult(session_id=step.session_id, step_id=step.step_id)

@@ -22,7 +22,20 @@ class StageSettings(BaseSettings):
     device: str = Field(default="CPU", description="OpenVINO device: CPU, GPU, NPU, AUTO, ...")
     threads: int = Field(default=0, ge=0, description="inference threads (0: OpenVINO default)")
     cpus: str | None = Field(default=None, description="pin the process to these CPUs, e.g. 0,1")
-    streams: int = Field(default=1, ge=1, description="sessions computed at the same time")
+    streams: int = Field(
+        default=1, ge=1, description="stateful backend: sessions computed at the same time"
+    )
+    kv_backend: Literal["stateful", "paged"] = Field(
+        default="stateful",
+        description="KV cache: an infer request per session (stateful), or a shared block pool "
+        "with every ready session in one inference call (paged)",
+    )
+    kv_cache_size: float = Field(
+        default=1.0, gt=0, description="paged backend: GiB of KV blocks this stage holds"
+    )
+    max_batch: int = Field(
+        default=64, ge=1, description="paged backend: sessions in one inference call at most"
+    )
     kv_cache_precision: str | None = Field(
         default=None, description="KV_CACHE_PRECISION (default f16 on CPU; 'default': the device's)"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -179,7 +179,8 @@ def test_bad_steps_get_status_codes_and_change_nothing(qwen_ring: tuple[Path, li
         with pytest.raises(ValueError):  # the wire cannot carry a negative rollback
             pb.Step(session_id="good", rollback=-1)
 
-        # Malformed hidden states sent straight to stage 1: dtype, shape, byte length.
+        # Malformed hidden states sent straight to stage 1: dtype, shape, byte length, and
+        # rows that do not match the steps' token counts.
         async with grpc.aio.insecure_channel(addresses[1]) as channel:
             stub = pb_grpc.StageStub(channel)
             metadata = call_metadata(None, digest)
@@ -189,19 +190,25 @@ def test_bad_steps_get_status_codes_and_change_nothing(qwen_ring: tuple[Path, li
             wrong_dtype = pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[1, 64], data=hidden.data)
             wrong_shape = numpy_to_tensor(np.zeros((1, 63), np.float32))
             short = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 64], data=hidden.data[:-4])
+            cases = [(wrong_dtype, 1), (wrong_shape, 1), (short, 1), (hidden, 2)]
             steps = [
-                pb.Step(
-                    session_id="good",
-                    step_id=i + 1,
-                    client_id="raw",
+                pb.StepBatch(
+                    steps=[
+                        pb.Step(
+                            session_id="good",
+                            step_id=i + 1,
+                            client_id="raw",
+                            num_tokens=count,
+                            start_position=len(PROMPTS[0]),
+                            num_logits=1,
+                        )
+                    ],
                     hidden=t,
-                    start_position=len(PROMPTS[0]),
-                    num_logits=1,
                 )
-                for i, t in enumerate([wrong_dtype, wrong_shape, short])
+                for i, (t, count) in enumerate(cases)
             ]
 
-            async def feed() -> None:
+            async def feed() -> AsyncIterator[pb.StepBatch]:
                 for step in steps:
                     yield step
 

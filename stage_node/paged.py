@@ -1,0 +1,331 @@
+"""The paged KV backend's model side: a block pool shared by every session of this stage.
+
+``[steps of many sessions] -> packed tokens / hidden states + block tables -> one inference``
+
+The stage's stateful IR is turned into a PagedAttention model when it loads
+(:func:`paged_model`): OpenVINO's ``paged_attention_transformation`` replaces each layer's
+KV ``ReadValue``/``Assign`` state with per-layer ``key_cache.N`` / ``value_cache.N`` inputs
+(one pool of fixed-size blocks) and inputs that say where each session's positions live
+(``past_lens``, ``subsequence_begins``, ``block_indices``, ``block_indices_begins``). Two edits
+make it fit a stage: the main input takes the packed tokens of all sessions (``[T]`` ids, or
+``[T, H]`` hidden states), and on the last stage the "last ``num_logits`` rows" slice becomes a
+gather of ``logits_indices``, so the head runs only for the rows each session samples.
+
+The :class:`BlockManager` is pure bookkeeping (tested without a model): a session's block table
+grows as it is fed, rollback shortens it and frees trailing blocks (no copy: the next feed
+overwrites the stale slots), and release frees them all at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from protos.manifest import ShardManifest
+from stage_node.runner import (
+    CapacityExceeded,
+    InvalidStageInput,
+    RunnerOptions,
+    SessionNotFound,
+    ShardBase,
+)
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+
+
+class BlocksExhausted(CapacityExceeded):
+    """The block pool cannot hold a session's next positions (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class BlockTable:
+    length: int = 0  # positions the session holds
+    blocks: list[int] = field(default_factory=list)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class BlockManager:
+    """Fixed-size KV blocks handed to sessions: allocation, rollback, release, exhaustion."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("a block pool needs at least one block of at least one position")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids are used first
+        self.tables: dict[str, BlockTable] = {}
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, length: int) -> int:
+        return math.ceil(length / self.block_size)
+
+    def open(self, session_id: str) -> BlockTable:
+        if session_id in self.tables:
+            raise ValueError(f"session {session_id!r} is already open")
+        table = self.tables[session_id] = BlockTable()
+        return table
+
+    def grow(self, session_id: str, length: int) -> None:
+        """Make the session's table cover ``length`` positions (all or nothing)."""
+        table = self.tables[session_id]
+        need = self.blocks_for(length) - len(table.blocks)
+        if need > len(self._free):
+            raise BlocksExhausted(
+                f"KV blocks exhausted: session {session_id!r} needs {need} more block(s) of "
+                f"{self.block_size} positions, {len(self._free)} of {self.num_blocks} are free"
+            )
+        for _ in range(max(0, need)):
+            table.blocks.append(self._free.pop())
+
+    def truncate(self, session_id: str, length: int) -> None:
+        """Shorten a session to ``length`` positions and free the blocks it no longer needs."""
+        table = self.tables[session_id]
+        if not 0 <= length <= table.length:
+            raise ValueError(f"cannot shorten a session of {table.length} to {length}")
+        keep = self.blocks_for(length)
+        while len(table.blocks) > keep:
+            self._free.append(table.blocks.pop())
+        table.length = length
+
+    def release(self, session_id: str) -> bool:
+        table = self.tables.pop(session_id, None)
+        if table is None:
+            return False
+        self._free.extend(reversed(table.blocks))
+        return True
+
+
+def paged_model(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
+    """Turn a stateful stage IR into a PagedAttention one (in place; returns it)."""
+    from openvino._offline_transformations import paged_attention_transformation
+
+    paged_attention_transformation(model, False, False)
+    main = "input_ids" if is_first else "inputs_embeds"
+    for param in list(model.get_parameters()):
+        names = param.output(0).get_names()
+        if main in names:
+            # The transformation unsqueezes the main input at axis 1 itself: the caller
+            # passes the packed tokens of every session, [T] or [T, H].
+            shape = [-1] if is_first else [-1, param.get_partial_shape()[2]]
+            param.set_partial_shape(ov.PartialShape(shape))
+        elif "num_logits" in names:
+            _gather_logit_rows(model, param)
+    model.validate_nodes_and_infer_types()
+    return model
+
+
+def _gather_logit_rows(model: ov.Model, num_logits: Any) -> None:
+    """Replace ``hidden[:, T - num_logits:]`` (exporter/stage_module.py) with a gather of
+    the packed rows named by a new ``logits_indices`` input."""
+    (subtract,) = [t.get_node() for t in num_logits.output(0).get_target_inputs()]
+    (arange,) = [t.get_node() for t in subtract.output(0).get_target_inputs()]
+    (gather,) = [t.get_node() for t in arange.output(0).get_target_inputs()]
+    if gather.get_type_name() != "Gather":
+        raise ValueError("the last stage's num_logits slice has an unexpected shape")
+    indices = ops.parameter([-1], ov.Type.i64, name="logits_indices")
+    indices.output(0).set_names({"logits_indices"})
+    rows = ops.gather(gather.input(0).get_source_output(), indices, ops.constant(0, ov.Type.i64))
+    gather.output(0).replace(rows.output(0))
+    model.remove_parameter(num_logits)
+    model.add_parameters([indices])
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """One session's part of a batch, checked and placed (see :meth:`PagedRunner.forward`)."""
+
+    session_id: str
+    data: np.ndarray  # [T] ids or [T, H] hidden states
+    start: int
+    num_logits: int = 1
+
+
+class PagedRunner(ShardBase):
+    """One stage shard over a shared KV block pool; a batch of sessions per inference call."""
+
+    kv_backend = "paged"
+
+    def __init__(
+        self,
+        export_dir: Path,
+        stage_index: int,
+        options: RunnerOptions | None = None,
+        *,
+        kv_cache_bytes: int = GIB,
+        core: ov.Core | None = None,
+        manifest: ShardManifest | None = None,
+    ) -> None:
+        super().__init__(export_dir, stage_index, options, manifest=manifest)
+        core = core or ov.Core()
+        model = paged_model(core.read_model(self.model_xml), self.is_first, self.is_last)
+        self.compiled = core.compile_model(
+            model, self.options.device, self.options.compile_properties()
+        )
+        self.request = self.compiled.create_infer_request()
+        caches = [p for p in self.compiled.inputs if "_cache." in p.get_any_name()]
+        # Cache shapes come from the compiled model ([blocks, kv heads, block size, head dim]
+        # on CPU; other devices choose their own layout and block size).
+        shapes = {
+            p.get_any_name(): [d.get_length() for d in p.get_partial_shape()[1:]] for p in caches
+        }
+        block_bytes = sum(
+            int(np.prod(shapes[p.get_any_name()])) * p.get_element_type().size for p in caches
+        )
+        block_size = shapes[caches[0].get_any_name()][1]
+        num_blocks = max(1, kv_cache_bytes // max(1, block_bytes))
+        for port in caches:
+            tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[port.get_any_name()]])
+            self.request.set_tensor(port.get_any_name(), tensor)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.kv_cache_bytes = num_blocks * block_bytes
+        self._lock = threading.Lock()
+        log.info(
+            "paged KV: %d blocks of %d positions, %.1f MiB (%s)",
+            num_blocks,
+            block_size,
+            self.kv_cache_bytes / (1 << 20),
+            caches[0].get_element_type(),
+        )
+
+    # -- sessions (same surface as ShardRunner) ---------------------------------------------
+    @property
+    def session_count(self) -> int:
+        return len(self.blocks.tables)
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self.blocks.tables
+
+    def session_length(self, session_id: str) -> int:
+        return self._table(session_id).length
+
+    def _table(self, session_id: str) -> Any:
+        table = self.blocks.tables.get(session_id)
+        if table is None:
+            raise SessionNotFound(f"session {session_id!r} is not open on stage {self.stage.index}")
+        return table
+
+    def release(self, session_id: str) -> bool:
+        with self._lock:
+            return self.blocks.release(session_id)
+
+    def release_idle(self, max_idle_s: float) -> list[str]:
+        cutoff = time.monotonic() - max_idle_s
+        with self._lock:
+            idle = [sid for sid, t in self.blocks.tables.items() if t.last_used < cutoff]
+            for sid in idle:
+                self.blocks.release(sid)
+        return idle
+
+    def rollback(self, session_id: str, count: int) -> None:
+        """Forget a session's last ``count`` positions: bookkeeping, no copy."""
+        with self._lock:
+            table = self._table(session_id)
+            if not 0 <= count <= table.length:
+                raise InvalidStageInput(
+                    f"cannot roll back {count} positions of a session holding {table.length}"
+                )
+            self.blocks.truncate(session_id, table.length - count)
+
+    # -- compute ----------------------------------------------------------------------------
+    def place(self, step: PagedStep) -> None:
+        """Check a step against its session and reserve the blocks it writes; raises (and
+        changes nothing) when it cannot run. A new session opens at position 0."""
+        count = len(step.data)
+        with self._lock:
+            table = self.blocks.tables.get(step.session_id)
+            if table is None:
+                if step.start != 0:
+                    raise SessionNotFound(
+                        f"session {step.session_id!r} is not open on stage {self.stage.index} "
+                        f"(a new session starts at position 0, got {step.start})"
+                    )
+                if len(self.blocks.tables) >= self.options.max_sessions:
+                    raise CapacityExceeded(
+                        f"stage {self.stage.index} holds {len(self.blocks.tables)} sessions "
+                        f"(limit {self.options.max_sessions})"
+                    )
+                self.check_step(step.session_id, 0, count, step.start, step.num_logits)
+                self.blocks.open(step.session_id)
+                try:
+                    self.blocks.grow(step.session_id, count)
+                except BlocksExhausted:
+                    self.blocks.release(step.session_id)
+                    raise
+                return
+            self.check_step(step.session_id, table.length, count, step.start, step.num_logits)
+            self.blocks.grow(step.session_id, table.length + count)
+
+    def forward(self, steps: list[PagedStep]) -> list[np.ndarray]:
+        """Run placed steps (distinct sessions) in one inference call.
+
+        Returns per step its hidden states ``[T, H]``, or on the last stage the logits
+        ``[num_logits, V]`` of its last rows. On failure every step's session is left as it
+        was before the call (its reserved blocks are given back)."""
+        counts = [len(s.data) for s in steps]
+        begins = np.zeros(len(steps) + 1, dtype=np.int32)
+        np.cumsum(counts, out=begins[1:])
+        with self._lock:
+            tables = [self.blocks.tables[s.session_id].blocks for s in steps]
+            block_begins = np.zeros(len(steps) + 1, dtype=np.int32)
+            np.cumsum([len(t) for t in tables], out=block_begins[1:])
+            block_indices = np.fromiter(
+                (b for t in tables for b in t), dtype=np.int32, count=int(block_begins[-1])
+            )
+        data = np.concatenate([s.data for s in steps])
+        inputs: dict[str, Any] = {
+            "input_ids" if self.is_first else "inputs_embeds": data,
+            "position_ids": np.concatenate(
+                [
+                    np.arange(s.start, s.start + c, dtype=np.int64)
+                    for s, c in zip(steps, counts, strict=True)
+                ]
+            ),
+            "past_lens": np.array([s.start for s in steps], dtype=np.int32),
+            "subsequence_begins": begins,
+            "block_indices_begins": block_begins,
+            "block_indices": block_indices,
+            "max_context_len": np.array(
+                max(s.start + c for s, c in zip(steps, counts, strict=True)), np.int32
+            ),
+        }
+        if self.is_last:
+            inputs["logits_indices"] = np.concatenate(
+                [np.arange(e - s.num_logits, e) for s, e in zip(steps, begins[1:], strict=True)]
+            ).astype(np.int64)
+        try:
+            result = np.asarray(self.request.infer(inputs)[0])
+        except Exception:
+            with self._lock:
+                for s in steps:
+                    if self.has_session(s.session_id):
+                        self.blocks.truncate(s.session_id, self.blocks.tables[s.session_id].length)
+            raise
+        now = time.monotonic()
+        with self._lock:
+            for s, c in zip(steps, counts, strict=True):
+                table = self.blocks.tables.get(s.session_id)
+                if table is not None:  # released while computing: its blocks are gone
+                    table.length, table.last_used = s.start + c, now
+        rows = result.reshape(result.shape[0], result.shape[-1])
+        if self.is_last:
+            ends = np.cumsum([s.num_logits for s in steps])
+            return [rows[e - s.num_logits : e] for s, e in zip(steps, ends, strict=True)]
+        return [rows[b:e] for b, e in itertools.pairwise(begins)]

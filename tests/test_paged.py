@@ -1,0 +1,225 @@
+"""The paged KV backend: block bookkeeping, step packing, and batched inference that changes
+nothing about each session's output (f32 KV cache, token for token)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exporter.verify import reference_greedy
+from protos import pipeshard_v1_pb2 as pb
+from server.pipeline import PipelineClient
+from stage_node.backend import PagedBackend, StatefulBackend, StepInput
+from stage_node.chain import LocalChain
+from stage_node.metrics import StageMetrics
+from stage_node.paged import BlockManager, BlocksExhausted, PagedRunner
+from stage_node.runner import CapacityExceeded, ShardRunner
+from stage_node.sampling import SampledToken
+from stage_node.service import pack, unpack
+from tests.conftest import EXACT, ExportFn
+from tests.processes import start_stages
+
+PROMPTS = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(8)]
+
+
+# -- the block manager -------------------------------------------------------------------------
+def test_blocks_grow_with_the_session_and_rollback_frees_trailing_blocks() -> None:
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    blocks.open("a")
+    blocks.grow("a", 5)  # 2 blocks
+    assert (blocks.used, blocks.free) == (2, 4)
+    blocks.tables["a"].length = 5
+    blocks.grow("a", 8)  # still 2 blocks
+    blocks.tables["a"].length = 8
+    assert blocks.used == 2
+    blocks.grow("a", 9)
+    blocks.tables["a"].length = 9
+    assert len(blocks.tables["a"].blocks) == 3
+    blocks.truncate("a", 4)  # rollback: bookkeeping, the trailing 2 blocks come back
+    assert (blocks.tables["a"].length, len(blocks.tables["a"].blocks), blocks.free) == (4, 1, 5)
+    blocks.truncate("a", 0)
+    assert blocks.free == 6 and blocks.tables["a"].blocks == []
+    with pytest.raises(ValueError):
+        blocks.truncate("a", 1)  # cannot grow by truncating
+
+
+def test_exhaustion_is_all_or_nothing_and_release_frees_at_once() -> None:
+    blocks = BlockManager(num_blocks=4, block_size=2)
+    blocks.open("a")
+    blocks.open("b")
+    blocks.grow("a", 5)  # 3 blocks
+    with pytest.raises(BlocksExhausted) as caught:
+        blocks.grow("b", 3)  # needs 2, 1 free
+    assert isinstance(caught.value, CapacityExceeded)  # RESOURCE_EXHAUSTED on the wire
+    assert "1 of 4 are free" in str(caught.value)
+    assert blocks.tables["b"].blocks == [] and blocks.free == 1  # nothing taken
+    assert blocks.release("a") and not blocks.release("a")
+    blocks.grow("b", 8)
+    assert blocks.free == 0
+    assert sorted(blocks.tables["b"].blocks) == [0, 1, 2, 3]  # a's blocks were reused
+
+
+def test_blocks_of_sessions_never_overlap() -> None:
+    rng = np.random.default_rng(0)
+    blocks = BlockManager(num_blocks=32, block_size=3)
+    lengths: dict[str, int] = {}
+    for round_ in range(300):
+        sid = f"s{rng.integers(8)}"
+        if sid not in blocks.tables:
+            blocks.open(sid)
+            lengths[sid] = 0
+        action = rng.integers(3)
+        if action == 0:
+            target = lengths[sid] + int(rng.integers(1, 7))
+            try:
+                blocks.grow(sid, target)
+                lengths[sid] = blocks.tables[sid].length = target
+            except BlocksExhausted:
+                pass
+        elif action == 1:
+            lengths[sid] = int(rng.integers(0, lengths[sid] + 1))
+            blocks.truncate(sid, lengths[sid])
+        else:
+            blocks.release(sid)
+            del lengths[sid]
+        held = [b for t in blocks.tables.values() for b in t.blocks]
+        assert len(held) == len(set(held)) == blocks.used, round_
+        for s, table in blocks.tables.items():
+            assert len(table.blocks) == blocks.blocks_for(lengths[s])
+
+
+# -- packing steps on the wire -------------------------------------------------------------------
+def test_a_batch_packs_hidden_states_row_after_row() -> None:
+    rows = [np.full((n, 4), i, dtype=np.float32) for i, n in enumerate([3, 1, 2])]
+    steps = [pb.Step(session_id=f"s{i}", step_id=i) for i in range(4)]
+    items = [(steps[0], rows[0]), (steps[1], rows[1]), (steps[2], None), (steps[3], rows[2])]
+    batch = pack(items, np.dtype("float16"))
+    assert [s.num_tokens for s in batch.steps] == [3, 1, 0, 2]
+    assert list(batch.hidden.shape) == [6, 4]
+    back = unpack(pb.StepBatch.FromString(batch.SerializeToString()), first=False)
+    assert [s.session_id for s, _ in back] == ["s0", "s1", "s2", "s3"]
+    for (_, data), expected in zip(back, [rows[0], rows[1], rows[0][:0], rows[2]], strict=True):
+        assert isinstance(data, np.ndarray) and data.dtype == np.float16
+        np.testing.assert_array_equal(data, expected)
+    # rows that do not add up fail every step of the batch, and nothing else
+    batch.steps[0].num_tokens = 4
+    assert all(isinstance(d, Exception) for _, d in unpack(batch, first=False))
+    tokens = unpack(pb.StepBatch(steps=[pb.Step(token_ids=[4, 5])]), first=True)
+    assert tokens[0][1].tolist() == [4, 5]  # type: ignore[union-attr]
+
+
+# -- one inference call for many sessions == each session alone ----------------------------------
+def _steps(session: str, data: np.ndarray, start: int, **kw: object) -> StepInput:
+    return StepInput(session_id=session, step_id=0, data=data, start_position=start, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_batched_call_equals_each_session_alone(tiny_export: ExportFn, stage: int) -> None:
+    export = tiny_export("qwen2", 2)
+    paged = PagedRunner(export, stage, EXACT, kv_cache_bytes=1 << 22)
+    stateful = ShardRunner(export, stage, EXACT)
+    batched = PagedBackend(paged, StageMetrics())
+    alone = StatefulBackend(stateful, StageMetrics())
+    rng = np.random.default_rng(stage)
+
+    def chunk(n: int) -> np.ndarray:
+        if stage == 0:
+            return rng.integers(3, 250, n)
+        return rng.standard_normal((n, paged.hidden_size)).astype(np.float32)
+
+    lengths = {f"s{i}": 0 for i in range(5)}
+    # rounds mixing prefill chunks, decode tokens, rollbacks and sessions joining late
+    plan = [
+        {"s0": 40, "s1": 7},
+        {"s0": 1, "s1": 33, "s2": 5},
+        {"s0": 1, "s1": 1, "s2": 1, "s3": 70},
+        {"s0": (3, 2), "s2": 1, "s3": 1, "s4": 1},  # s0 rolls back 2 and feeds 3
+        {"s0": 1, "s1": 1, "s2": 1, "s3": 1, "s4": 1},
+    ]
+    for round_ in plan:
+        batch = []
+        for sid, spec in round_.items():
+            count, rollback = spec if isinstance(spec, tuple) else (spec, 0)
+            lengths[sid] -= rollback
+            num_logits = min(count, 2)
+            batch.append(
+                _steps(sid, chunk(count), lengths[sid], rollback=rollback, num_logits=num_logits)
+            )
+            lengths[sid] += count
+        got = batched.compute(batch)
+        want = alone.compute(batch)
+        for g, w in zip(got, want, strict=True):
+            assert not isinstance(g, Exception), g
+            if stage == 0:
+                np.testing.assert_allclose(g, w, atol=2e-5)  # type: ignore[arg-type]
+            else:  # the last stage sampled greedily: the same tokens
+                assert [t.token_id for t in g] == [t.token_id for t in w]  # type: ignore[union-attr]
+                assert all(isinstance(t, SampledToken) for t in g)  # type: ignore[union-attr]
+        for sid, length in lengths.items():
+            if paged.has_session(sid):
+                assert paged.session_length(sid) == stateful.session_length(sid) == length
+    used = paged.blocks.used
+    assert used == sum(paged.blocks.blocks_for(n) for n in lengths.values())
+    for sid in lengths:
+        paged.release(sid)
+    assert paged.blocks.free == paged.blocks.num_blocks
+
+
+def test_a_step_that_does_not_fit_fails_alone(tiny_export: ExportFn) -> None:
+    export = tiny_export("qwen2", 2)
+    paged = PagedRunner(export, 0, EXACT, kv_cache_bytes=1)  # the smallest pool: one block
+    backend = PagedBackend(paged, StageMetrics())
+    size = paged.blocks.block_size
+    out = backend.compute([_steps("a", np.arange(3, 3 + size), 0), _steps("b", np.arange(3, 5), 0)])
+    assert isinstance(out[0], np.ndarray) and isinstance(out[1], BlocksExhausted)
+    assert not paged.has_session("b")  # the failed step left nothing behind
+    again = backend.compute([_steps("a", np.array([7]), size)])  # a needs a second block
+    assert isinstance(again[0], BlocksExhausted) and paged.session_length("a") == size
+    paged.rollback("a", 1)
+    assert isinstance(backend.compute([_steps("a", np.array([7]), size - 1)])[0], np.ndarray)
+
+
+# -- real stage processes ---------------------------------------------------------------------
+@pytest.mark.parametrize("stages", [2, 3])
+def test_eight_concurrent_sessions_on_paged_stages_equal_transformers(
+    tiny_model: object, tiny_export: ExportFn, stages: int, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    export = tiny_export("qwen2", stages)
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("qwen2"))).eval()  # type: ignore[operator]
+    expected = [reference_greedy(reference, p, 12)[0] for p in PROMPTS]
+    chain = LocalChain(export, EXACT)  # the stateful backend, each request alone
+    assert [chain.greedy(f"p{i}", p, 12)[0] for i, p in enumerate(PROMPTS)] == expected
+    procs, addresses = start_stages(export, tmp_path, ["--kv-backend", "paged"])
+
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            out = await client.step(f"s{i}", prompt, 0)
+            tokens = [out.tokens[0].token_id]
+            while len(tokens) < 12:
+                out = await client.step(f"s{i}", tokens[-1:], len(prompt) + len(tokens) - 1)
+                tokens.append(out.tokens[0].token_id)
+            return tokens
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+        finally:
+            await client.release(*(f"s{i}" for i in range(len(PROMPTS))))
+            infos = await client.stage_infos()
+            await client.close()
+            assert all(i is not None and i.kv_backend == "paged" for i in infos)
+            assert [i.sessions_in_use for i in infos if i] == [0] * stages
+            assert [i.kv_blocks_free for i in infos if i] == [i.kv_blocks for i in infos if i]
+
+    try:
+        assert asyncio.run(run()) == expected
+    finally:
+        for proc in procs:
+            proc.stop()
