@@ -260,7 +260,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-timeout", type=float, help="seconds a choice may wait (120)")
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step (256)")
     p.add_argument(
-        "--max-prefill-in-flight", type=int, help="prefill chunks in the ring at once (1)"
+        "--max-prefill-in-flight",
+        type=int,
+        help="prefill chunks in the ring at once (1; paged rings: the token budget decides)",
+    )
+    p.add_argument(
+        "--prefill-chunk-busy",
+        type=int,
+        help="paged rings: prompt tokens of a micro-batch group in the ring while it decodes "
+        "(32)",
     )
     p.add_argument(
         "--resume-grace",

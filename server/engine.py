@@ -191,6 +191,7 @@ class Engine:
                 history=list(seq.generated) if penalised and item.samples else (),
                 draft_tokens=plan.draft,
                 draft_dists=plan.dists,
+                group=item.group,
             )
             if plan.draft:
                 self._learn(seq.seq_id, plan, out.tokens, time.perf_counter() - started)

@@ -328,6 +328,11 @@ class PipelineClient:
             await self._release_on(state, sorted(state.unreleased))
 
     @property
+    def paged(self) -> bool:
+        """Whether every stage runs the paged KV backend (batched inference)."""
+        return all(s.info is not None and s.info.kv_backend == "paged" for s in self.stages)
+
+    @property
     def ready(self) -> bool:
         return all(s.up and s.link_ok for s in self.stages)
 
@@ -383,6 +388,7 @@ class PipelineClient:
         timeout: float | None = None,
         draft_tokens: Sequence[int] = (),
         draft_dists: Sequence[DraftDistribution] = (),
+        group: int = 0,
     ) -> StepOutput:
         """Feed ``tokens`` at ``start_position`` through the ring; sample ``num_logits`` rows.
 
@@ -405,6 +411,7 @@ class PipelineClient:
                 timeout,
                 draft_tokens,
                 draft_dists,
+                group,
             )
         except PipelineError as exc:
             if exc.retryable:
@@ -423,6 +430,7 @@ class PipelineClient:
         timeout: float | None,
         draft_tokens: Sequence[int] = (),
         draft_dists: Sequence[DraftDistribution] = (),
+        group: int = 0,
     ) -> StepOutput:
         self.check_ready()
         timeout = self.step_timeout if timeout is None else timeout
@@ -436,6 +444,7 @@ class PipelineClient:
                 client_id=self.client_id,
                 token_ids=list(tokens),
                 num_tokens=len(tokens),
+                group=group,
                 start_position=start_position,
                 rollback=rollback,
                 num_logits=num_logits,

@@ -26,6 +26,13 @@ Policy
   compute steps in arrival order, so a decode step waits behind at most that many chunks per
   stage: a 2,000-token prompt delays the others by about one chunk's compute per token they
   generate, never by the whole prompt, and it still advances by one chunk per round.
+* **Micro-batch groups.** Running sequences are spread over ``groups`` groups (the gateway
+  uses one per stage), each joining the smallest at admission. Every step carries its group;
+  a paged stage computes the ready steps of one group in one inference call and the groups
+  one after another, so while stage 1 computes one group's batch, stage 0 computes the next
+  group's. Prompt chunks join their group's batch under a token budget: at most
+  ``prefill_chunk`` prompt tokens of a group in the ring (several prompts may share them), or
+  ``busy_prefill_chunk`` while the group has decoding sequences, so their steps stay short.
 * **Surviving a stage restart.** A step lost to the ring (a stage went down or stalled) does
   not end its sequence: :meth:`on_lost` suspends it, keeping its prompt and every token it has
   generated, and queues its session for release. Once the ring is whole again (``next_work``
@@ -71,11 +78,17 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # prompt tokens per prefill step
     max_prefill_in_flight: int = 1  # prefill chunks in the ring at once
     resume_grace: float = 30.0  # seconds a sequence lost to the ring waits for it to heal
+    groups: int = 1  # micro-batch groups the running sequences are spread over (the stages)
+    # prompt tokens per chunk while sequences of the same group decode (None: prefill_chunk):
+    # a batched step then stays short, so the decoding sequences barely notice the prompt
+    busy_prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "prefill_chunk", "max_prefill_in_flight"):
+        for name in ("max_running", "prefill_chunk", "max_prefill_in_flight", "groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.busy_prefill_chunk is not None and self.busy_prefill_chunk < 1:
+            raise ValueError("busy_prefill_chunk must be at least 1")
         if self.max_queued < 0 or self.queue_timeout <= 0 or self.resume_grace < 0:
             raise ValueError("max_queued and resume_grace must be >= 0 and queue_timeout > 0")
 
@@ -99,6 +112,7 @@ class Work:
     samples: bool  # the sampled token is the sequence's next token (last chunk or decode)
     rollback: int = 0  # positions the stages forget first (rejected speculative tokens)
     session_id: str = ""  # the stages' session (default: seq_id)
+    group: int = 0  # micro-batch group (see SchedulerConfig.groups)
 
     @property
     def session(self) -> str:
@@ -135,6 +149,7 @@ class Sequence:
     incarnation: int = 0  # sessions lost to ring failures so far
     lost_since: float | None = None
     resumes: int = 0  # times the sequence re-prefilled after a loss
+    group: int = 0  # micro-batch group, fixed at admission
 
     @property
     def opened(self) -> bool:
@@ -233,6 +248,10 @@ class Scheduler:
     def _admit(self, now: float) -> None:
         while self.queue and len(self.running) < self.config.max_running:
             seq = self.sequences[self.queue.popleft()]
+            sizes = [0] * self.config.groups
+            for sid in self.running:
+                sizes[self.sequences[sid].group] += 1
+            seq.group = sizes.index(min(sizes))  # the smallest group
             seq.phase = Phase.PREFILL
             seq.admitted = now
             seq.last_served = now
@@ -270,17 +289,30 @@ class Scheduler:
                     rollback=seq.session_length - position,
                 )
             )
-        chunks = sum(
-            1
-            for sid in self.running
-            if (w := self.sequences[sid].in_flight) is not None and w.prefill
-        )
+        # With busy_prefill_chunk (batched stages), a group's prompts share a token budget in
+        # the ring: prefill_chunk, or busy_prefill_chunk while the group decodes. Without it,
+        # each chunk is prefill_chunk tokens.
+        shared = self.config.busy_prefill_chunk is not None
+        budget = [self.config.prefill_chunk] * self.config.groups
+        chunks = 0
+        for sid in self.running:
+            seq = self.sequences[sid]
+            if shared and seq.phase is Phase.DECODE:
+                budget[seq.group] = min(budget[seq.group], self.config.busy_prefill_chunk or 0)
+        for sid in self.running:
+            w = self.sequences[sid].in_flight
+            if w is not None and w.prefill:
+                chunks += 1
+                budget[w.group] -= len(w.tokens) if shared else 0
         for seq in (s for s in ready if s.phase is Phase.PREFILL):  # admission order
             if chunks >= self.config.max_prefill_in_flight:
                 break
+            if budget[seq.group] <= 0:
+                continue
             prefix = seq.prefix
-            end = min(len(prefix), seq.fed + self.config.prefill_chunk)
+            end = min(len(prefix), seq.fed + budget[seq.group])
             work.append(self._issue(seq, tuple(prefix[seq.fed : end]), seq.fed, prefill=True))
+            budget[seq.group] -= end - seq.fed if shared else 0
             chunks += 1
         return work
 
@@ -301,6 +333,7 @@ class Scheduler:
             samples=samples,
             rollback=rollback,
             session_id=seq.session_id if seq.incarnation else "",
+            group=seq.group,
         )
         seq.in_flight = item
         if prefill:

@@ -46,6 +46,7 @@ class StepInput:
     deadline_unix_ms: int = 0
     draft_tokens: Sequence[int] = ()  # speculative decoding: verify these (last stage)
     draft_dists: Sequence[DraftDistribution] = ()
+    group: int = 0  # micro-batch group: steps of one group are computed together
 
 
 # Hidden states for the next stage, sampled tokens on the last stage, None for a pure

@@ -396,6 +396,7 @@ class StageService(pb_grpc.StageServicer):
                 deadline_unix_ms=step.deadline_unix_ms,
                 draft_tokens=step.draft_tokens,
                 draft_dists=[(d.ids, d.probs) for d in step.draft_dists],
+                group=step.group,
             )
         except Exception as exc:
             return exc
@@ -417,10 +418,7 @@ class StageService(pb_grpc.StageServicer):
         loop = asyncio.get_running_loop()
         try:
             while self._ready:
-                batch = [
-                    self._ready.popleft()
-                    for _ in range(min(len(self._ready), self.backend.max_batch))
-                ]
+                batch = self._take_group()
                 try:
                     outcomes = await loop.run_in_executor(
                         self.pool, self._compute_batch, [item for item, _ in batch]
@@ -432,6 +430,21 @@ class StageService(pb_grpc.StageServicer):
                         future.set_result(outcome)
         finally:
             self._workers -= 1
+
+    def _take_group(self) -> list[tuple[StepInput, asyncio.Future[StepOutcome]]]:
+        """The oldest ready step and every ready step of its micro-batch group (up to
+        max_batch); other groups wait for the next call, so the stages pipeline groups."""
+        group = self._ready[0][0].group
+        batch: list[tuple[StepInput, asyncio.Future[StepOutcome]]] = []
+        rest: deque[tuple[StepInput, asyncio.Future[StepOutcome]]] = deque()
+        while self._ready:
+            entry = self._ready.popleft()
+            if entry[0].group == group and len(batch) < self.backend.max_batch:
+                batch.append(entry)
+            else:
+                rest.append(entry)
+        self._ready = rest
+        return batch
 
     def _compute_batch(self, batch: list[StepInput]) -> list[StepOutcome]:
         """Runs in the inference pool."""
