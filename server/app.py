@@ -144,7 +144,9 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             gateway.pipeline,
             codec.eos_ids,
             manifest.model.max_context,
-            settings.ring_scheduler_config(manifest.num_stages, gateway.pipeline.paged),
+            settings.ring_scheduler_config(
+                manifest.num_stages, gateway.pipeline.paged, gateway.pipeline.kv_pools
+            ),
             gateway.metrics,
             proposer=make_proposer(settings, manifest.model.vocab_size),
             spec_k=settings.spec_k,

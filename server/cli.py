@@ -190,9 +190,10 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv-backend",
-        choices=["stateful", "paged"],
-        help="KV cache: an infer request per session (stateful, default) or a shared block "
-        "pool, every ready session in one inference call (paged)",
+        choices=["auto", "stateful", "paged"],
+        help="KV cache: an infer request per session (stateful) or a shared block pool, every "
+        "ready session in one inference call (paged); auto (default): paged unless "
+        "--max-sessions 1",
     )
     p.add_argument("--kv-cache-size", type=float, help="paged: GiB of KV blocks (default 1)")
     p.add_argument("--max-batch", type=int, help="paged: sessions per inference call (default 64)")
@@ -267,8 +268,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefill-chunk-busy",
         type=int,
-        help="paged rings: prompt tokens of a micro-batch group in the ring while it decodes "
-        "(32)",
+        help="paged rings: prompt tokens of a micro-batch group in the ring while it decodes (32)",
     )
     p.add_argument(
         "--resume-grace",
@@ -323,6 +323,12 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--stage-port", type=int, default=50051, help="first stage's port")
     p.add_argument("--threads", type=int, default=0, help="inference threads per stage")
+    p.add_argument(
+        "--kv-backend",
+        choices=["auto", "stateful", "paged"],
+        default="auto",
+        help="the stages' KV backend (see `pipeshard stage --help`)",
+    )
     p.add_argument("--api-key", dest="api_keys", action="append", default=[])
     p.add_argument("--log-dir", type=Path, help="stage logs go here (default: this terminal)")
     p.add_argument(
@@ -345,6 +351,7 @@ def _run_up(args: argparse.Namespace) -> int:
         port=args.port,
         stage_port=args.stage_port,
         threads=args.threads,
+        kv_backend=args.kv_backend,
         api_keys=args.api_keys,
         log_dir=args.log_dir,
         draft=None if args.no_draft else args.draft,

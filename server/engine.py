@@ -20,6 +20,8 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+import grpc
+
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient, PipelineError
 from server.scheduler import (
@@ -82,7 +84,12 @@ class Engine:
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.config = config or SchedulerConfig()
+        if proposer is not None and self.config.kv_pools:
+            # a speculative step feeds up to K draft tokens beside the last token
+            headroom = 1 + (spec_k or spec_max_k)
+            self.config = replace(self.config, kv_headroom=headroom)
         self.scheduler = Scheduler(self.config, eos_ids)
+        self._counted = (0, 0)  # the scheduler's resumes and preemptions already in metrics
         self.metrics = metrics
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -152,8 +159,6 @@ class Engine:
             for seq_id in self.scheduler.expire(now):
                 self._end(seq_id)
             for item in self.scheduler.next_work(now, ring_ready=self.pipeline.ready):
-                if item.session_id and item.start_position == 0 and self.metrics is not None:
-                    self.metrics.resumed.inc()
                 task = asyncio.create_task(self._run_step(item))
                 self._steps.add(task)
                 task.add_done_callback(self._steps.discard)
@@ -198,7 +203,12 @@ class Engine:
             elif not item.prefill and self.proposer is not None:
                 self._adaptive.update_plain(time.perf_counter() - started)
         except PipelineError as exc:
-            if exc.retryable:
+            if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # a stage had no KV blocks (or sessions) left for it: retry after others
+                log.info("sequence %s preempted: %s", item.seq_id, exc)
+                if self.scheduler.on_preempted(item.seq_id, exc):
+                    return
+            elif exc.retryable:
                 log.warning("sequence %s lost its step: %s", item.seq_id, exc)
                 if self.scheduler.on_lost(item.seq_id, exc, time.monotonic()):
                     return  # it re-prefills when the ring is whole again
@@ -295,6 +305,10 @@ class Engine:
             return
         for seq in admitted:
             self.metrics.queue_seconds.observe((seq.admitted or seq.arrival) - seq.arrival)
+        resumes, preemptions = self.scheduler.resumes, self.scheduler.preemptions
+        self.metrics.resumed.inc(resumes - self._counted[0])
+        self.metrics.preemptions.inc(preemptions - self._counted[1])
+        self._counted = (resumes, preemptions)
         self.metrics.queued.set(self.scheduler.queued)
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.steps_in_flight.set(self.scheduler.in_flight)

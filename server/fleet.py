@@ -37,6 +37,7 @@ class FleetOptions:
     port: int = 8000
     stage_port: int = 50051
     threads: int = 0
+    kv_backend: str = "auto"  # the stages' --kv-backend
     api_keys: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     # The draft for speculative decoding, exported beside the target; "auto": the built-in
@@ -99,6 +100,8 @@ def start_stages(export: Path, options: FleetOptions, count: int) -> list[subpro
             f"127.0.0.1:{options.stage_port + index}",
             "--threads",
             str(options.threads),
+            "--kv-backend",
+            options.kv_backend,
         ]
         out = None
         if options.log_dir is not None:

@@ -71,6 +71,12 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.preemptions = Counter(
+            "pipeshard_gateway_preemptions",
+            "Choices that gave up their KV blocks on paged stages to let others decode, and "
+            "re-prefilled later to go on",
+            registry=self.registry,
+        )
         self.resumed = Counter(
             "pipeshard_gateway_resumed",
             "Choices that lost their sessions to a stage failure and re-prefilled to go on",

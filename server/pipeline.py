@@ -333,6 +333,15 @@ class PipelineClient:
         return all(s.info is not None and s.info.kv_backend == "paged" for s in self.stages)
 
     @property
+    def kv_pools(self) -> tuple[tuple[int, int], ...]:
+        """(block size, blocks) of each paged stage's KV pool."""
+        return tuple(
+            (s.info.kv_block_size, s.info.kv_blocks)
+            for s in self.stages
+            if s.info is not None and s.info.kv_backend == "paged"
+        )
+
+    @property
     def ready(self) -> bool:
         return all(s.up and s.link_ok for s in self.stages)
 

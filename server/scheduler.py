@@ -66,6 +66,9 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+MAX_REFUSALS = 16  # a sequence whose steps stages refused this often ends with their error
+
+
 class QueueTimeout(Exception):
     """A request waited in the queue longer than the configured limit."""
 
@@ -82,6 +85,11 @@ class SchedulerConfig:
     # prompt tokens per chunk while sequences of the same group decode (None: prefill_chunk):
     # a batched step then stays short, so the decoding sequences barely notice the prompt
     busy_prefill_chunk: int | None = None
+    # KV block pools of paged stages, (block size, blocks) each: admission, prompt chunks and
+    # decode steps then wait for room, and the newest sequence is preempted when decoding
+    # sequences would outgrow a pool (empty: no accounting, stateful stages)
+    kv_pools: tuple[tuple[int, int], ...] = ()
+    kv_headroom: int = 1  # positions a decode step may add (1 + speculative draft tokens)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_prefill_in_flight", "groups"):
@@ -89,6 +97,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.busy_prefill_chunk is not None and self.busy_prefill_chunk < 1:
             raise ValueError("busy_prefill_chunk must be at least 1")
+        if self.kv_headroom < 1 or any(b < 1 or n < 1 for b, n in self.kv_pools):
+            raise ValueError("kv_headroom and the pools' block sizes and counts must be >= 1")
         if self.max_queued < 0 or self.queue_timeout <= 0 or self.resume_grace < 0:
             raise ValueError("max_queued and resume_grace must be >= 0 and queue_timeout > 0")
 
@@ -150,6 +160,9 @@ class Sequence:
     lost_since: float | None = None
     resumes: int = 0  # times the sequence re-prefilled after a loss
     group: int = 0  # micro-batch group, fixed at admission
+    preempted: bool = False  # suspended to free KV blocks (not by a failure); no expiry
+    preemptions: int = 0
+    refusals: int = 0  # steps a stage refused for want of KV blocks or sessions
 
     @property
     def opened(self) -> bool:
@@ -177,6 +190,8 @@ class Scheduler:
         self._releases: list[Release] = []
         self._admitted: list[Sequence] = []
         self._clock = 0.0  # the latest `now` seen, orders round-robin service
+        self.preemptions = 0  # sequences preempted for KV blocks so far
+        self.resumes = 0  # sequences re-prefilled after a ring failure so far
 
     # -- admission --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -244,10 +259,15 @@ class Scheduler:
         if seq is not None and seq.phase is Phase.DONE and seq.in_flight is None:
             del self.sequences[seq_id]
 
-    # -- deciding the next steps ------------------------------------------------------------
     def _admit(self, now: float) -> None:
         while self.queue and len(self.running) < self.config.max_running:
-            seq = self.sequences[self.queue.popleft()]
+            seq = self.sequences[self.queue[0]]
+            if self.config.kv_pools and (
+                any(self.sequences[sid].preempted for sid in self.running)
+                or not self._room({seq.seq_id: self._first_chunk(seq)})
+            ):
+                return  # preempted sequences go first; then wait for KV blocks
+            self.queue.popleft()
             sizes = [0] * self.config.groups
             for sid in self.running:
                 sizes[self.sequences[sid].group] += 1
@@ -258,19 +278,88 @@ class Scheduler:
             self.running.append(seq.seq_id)
             self._admitted.append(seq)
 
+    # -- KV blocks of paged stages ------------------------------------------------------------
+    def _first_chunk(self, seq: Sequence) -> int:
+        return min(len(seq.prefix), self.config.prefill_chunk)
+
+    def _claim(self, seq: Sequence) -> int:
+        """Positions a sequence may hold on the stages after its next (or current) step."""
+        if seq.phase is Phase.DECODE:
+            return len(seq.prompt) + len(seq.generated) - 1 + self.config.kv_headroom
+        if seq.phase is Phase.PREFILL:  # from admission on, it holds its first chunk's room
+            return max(seq.fed, self._first_chunk(seq))
+        return 0
+
+    def _room(self, claims: dict[str, int]) -> bool:
+        """Whether every pool holds the running sequences' claims (``claims`` overriding or
+        adding some)."""
+        for block_size, blocks in self.config.kv_pools:
+            lengths = {sid: self._claim(self.sequences[sid]) for sid in self.running}
+            lengths.update(claims)
+            if sum(-(-n // block_size) for n in lengths.values()) > blocks:
+                return False
+        return True
+
+    def _make_room(self) -> None:
+        """Preempt the newest sequences until the decoding ones fit the pools: each frees its
+        sessions and re-prefills later (prompt + generated tokens, on a fresh session)."""
+        while not self._room({}):
+            holders = [
+                self.sequences[sid]
+                for sid in self.running
+                if self.sequences[sid].phase in (Phase.PREFILL, Phase.DECODE)
+            ]
+            idle = [s for s in holders if s.in_flight is None]
+            if len(holders) <= 1 or not idle:
+                return  # nothing to preempt (or one sequence alone): the stages decide
+            self._preempt(idle[-1])
+
+    def _preempt(self, seq: Sequence) -> None:
+        if seq.opened:
+            self._releases.append(Release(seq.seq_id, seq.session_id, final=False))
+        seq.incarnation += 1
+        seq.fed = seq.session_length = 0
+        seq.phase, seq.preempted = Phase.SUSPENDED, True
+        seq.preemptions += 1
+        self.preemptions += 1
+
+    def on_preempted(self, seq_id: str, error: BaseException) -> bool:
+        """A stage ran out of KV blocks (or sessions) for the sequence's step: free its
+        sessions and re-prefill it when there is room; False when it ends instead (preempted
+        too often, or nobody waits for it)."""
+        seq = self.sequences[seq_id]
+        seq.in_flight = None
+        seq.refusals += 1
+        if seq.cancelled or seq.refusals > MAX_REFUSALS:
+            self.on_error(seq_id, error)
+            return False
+        self._preempt(seq)
+        return True
+
+    # -- deciding the next steps ------------------------------------------------------------
     def next_work(self, now: float, ring_ready: bool = True) -> list[Work]:
         """Steps to send now: decode steps of every ready sequence, then prefill chunks.
 
-        Suspended sequences re-prefill once ``ring_ready`` (every stage is up again).
+        Suspended sequences re-prefill once ``ring_ready`` (every stage is up again);
+        preempted ones once their first chunk fits the KV pools, before new ones are admitted.
         """
         self._clock = max(self._clock, now)
+        if self.config.kv_pools:
+            self._make_room()
+        blocked = False  # preempted sequences resume oldest first
+        for sid in self.running:
+            seq = self.sequences[sid]
+            if seq.phase is not Phase.SUSPENDED:
+                continue
+            if seq.preempted:
+                blocked = blocked or not self._room({sid: self._first_chunk(seq)})
+                if not blocked:
+                    seq.phase, seq.preempted = Phase.PREFILL, False
+            elif ring_ready:
+                seq.phase, seq.lost_since = Phase.PREFILL, None
+                seq.resumes += 1
+                self.resumes += 1
         self._admit(now)
-        if ring_ready:
-            for sid in self.running:
-                seq = self.sequences[sid]
-                if seq.phase is Phase.SUSPENDED:
-                    seq.phase, seq.lost_since = Phase.PREFILL, None
-                    seq.resumes += 1
         ready = [
             self.sequences[sid] for sid in self.running if self.sequences[sid].in_flight is None
         ]
@@ -311,8 +400,10 @@ class Scheduler:
                 continue
             prefix = seq.prefix
             end = min(len(prefix), seq.fed + budget[seq.group])
-            work.append(self._issue(seq, tuple(prefix[seq.fed : end]), seq.fed, prefill=True))
+            if self.config.kv_pools and not self._room({seq.seq_id: end}):
+                continue  # waits for KV blocks
             budget[seq.group] -= end - seq.fed if shared else 0
+            work.append(self._issue(seq, tuple(prefix[seq.fed : end]), seq.fed, prefill=True))
             chunks += 1
         return work
 

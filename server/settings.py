@@ -111,12 +111,15 @@ class GatewaySettings(BaseSettings):
             busy_prefill_chunk=self.prefill_chunk_busy,
         )
 
-    def ring_scheduler_config(self, stages: int, paged: bool) -> SchedulerConfig:
+    def ring_scheduler_config(
+        self, stages: int, paged: bool, kv_pools: tuple[tuple[int, int], ...] = ()
+    ) -> SchedulerConfig:
         """The scheduler for a ring of ``stages`` stages: one micro-batch group per stage.
         On paged stages (batched inference) a group's prompts share a token budget per step
         (prefill_chunk, or prefill_chunk_busy while the group decodes) instead of going one
-        chunk at a time."""
-        config = dataclasses.replace(self.scheduler_config(), groups=stages)
+        chunk at a time. ``kv_pools``: the paged stages' block pools, which admission,
+        prompt chunks and decode steps must fit (the newest sequence is preempted if not)."""
+        config = dataclasses.replace(self.scheduler_config(), groups=stages, kv_pools=kv_pools)
         if paged:
             config = dataclasses.replace(
                 config,

@@ -182,14 +182,16 @@ class PagedRunner(ShardBase):
         self.request = self.compiled.create_infer_request()
         caches = [p for p in self.compiled.inputs if "_cache." in p.get_any_name()]
         # Cache shapes come from the compiled model ([blocks, kv heads, block size, head dim]
-        # on CPU; other devices choose their own layout and block size).
+        # on CPU; other devices choose their own layout, precision and block size).
         shapes = {
             p.get_any_name(): [d.get_length() for d in p.get_partial_shape()[1:]] for p in caches
         }
         block_bytes = sum(
             int(np.prod(shapes[p.get_any_name()])) * p.get_element_type().size for p in caches
         )
-        block_size = shapes[caches[0].get_any_name()][1]
+        # the block size is the value cache's third axis on CPU and GPU alike (GPU lays the
+        # key cache out transposed)
+        block_size = next(v for k, v in shapes.items() if k.startswith("value_cache."))[1]
         num_blocks = max(1, kv_cache_bytes // max(1, block_bytes))
         for port in caches:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[port.get_any_name()]])

@@ -99,7 +99,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     if settings.ov_cache_dir is not None:
         settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)
     runner: ShardRunner | PagedRunner
-    if settings.kv_backend == "paged":
+    if settings.resolved_kv_backend() == "paged":
         runner = PagedRunner(
             settings.shards,
             settings.stage,

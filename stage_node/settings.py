@@ -25,10 +25,11 @@ class StageSettings(BaseSettings):
     streams: int = Field(
         default=1, ge=1, description="stateful backend: sessions computed at the same time"
     )
-    kv_backend: Literal["stateful", "paged"] = Field(
-        default="stateful",
+    kv_backend: Literal["auto", "stateful", "paged"] = Field(
+        default="auto",
         description="KV cache: an infer request per session (stateful), or a shared block pool "
-        "with every ready session in one inference call (paged)",
+        "with every ready session in one inference call (paged); auto: paged unless "
+        "max_sessions is 1",
     )
     kv_cache_size: float = Field(
         default=1.0, gt=0, description="paged backend: GiB of KV blocks this stage holds"
@@ -74,6 +75,13 @@ class StageSettings(BaseSettings):
         if not host or not port.isdigit():
             raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
         return value
+
+    def resolved_kv_backend(self) -> Literal["stateful", "paged"]:
+        """``auto``: paged, which the benchmark shows faster from 2 concurrent users on
+        (benchmarks/results/paged-*.md), unless the stage serves one session at a time."""
+        if self.kv_backend != "auto":
+            return self.kv_backend
+        return "paged" if self.max_sessions > 1 else "stateful"
 
     def cpu_list(self) -> set[int] | None:
         if not self.cpus:

@@ -223,3 +223,102 @@ def test_eight_concurrent_sessions_on_paged_stages_equal_transformers(
     finally:
         for proc in procs:
             proc.stop()
+
+
+# -- the gateway over paged stages: batching, preemption, speculation -----------------------------
+def _block_bytes(export: Path, stage: int) -> int:
+    return PagedRunner(export, stage, EXACT, kv_cache_bytes=1).kv_cache_bytes  # one block
+
+
+def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
+    tmp_path: Path,
+) -> None:
+    """8 concurrent streams (greedy and seeded sampling) on stages whose pools hold about two
+    of them: the gateway preempts and resumes, and every text equals the request alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.processes import start_gateway
+    from tests.test_gateway import export_chat_model
+    from tests.test_microbatch import Fleet, request, stream_text
+
+    _, export = export_chat_model(tmp_path)
+    size = 8 * max(_block_bytes(export, 0), _block_bytes(export, 1)) / (1 << 30)  # 8 blocks
+    procs, addresses = start_stages(
+        export, tmp_path, ["--kv-backend", "paged", "--kv-cache-size", f"{size:.12f}"]
+    )
+    gateway, url = start_gateway(addresses, tmp_path / "gateway.log", ["--prefill-chunk", "16"])
+    fleet = Fleet(url, addresses)
+    try:
+        bodies = [request(i) for i in range(8)]
+        alone = [stream_text(fleet, body) for body in bodies]
+        assert len(set(alone)) > 4 and all(alone)
+        assert fleet.metric("pipeshard_gateway_preemptions_total") == 0
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda b: stream_text(fleet, b), bodies))
+        assert together == alone
+        assert fleet.metric("pipeshard_gateway_preemptions_total") > 0
+        fleet.wait_metric("pipeshard_gateway_requests_running", 0)
+
+        async def pools() -> list[tuple[int, int, int]]:
+            client = PipelineClient(addresses)
+            await client.start()
+            infos = await client.stage_infos()
+            await client.close()
+            return [(i.sessions_in_use, i.kv_blocks_free, i.kv_blocks) for i in infos if i]
+
+        deadline = 50
+        while (state := asyncio.run(pools())) and any(s[0] for s in state) and deadline:
+            deadline -= 1  # releases are sent after the streams end
+        assert all(used == 0 and free == total == 8 for used, free, total in state), state
+    finally:
+        gateway.stop()
+        for proc in procs:
+            proc.stop()
+
+
+def test_a_gateway_unaware_of_the_pools_retries_refused_steps(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """Without pool accounting (as with a second gateway on the same stages) the stages
+    refuse steps that do not fit; each refused sequence is preempted and resumed, and every
+    output equals the same request alone on stateful stages."""
+    from server.engine import Engine, GenerationRequest
+    from server.metrics import GatewayMetrics
+    from server.scheduler import SchedulerConfig
+
+    export = tiny_export("qwen2", 2)
+    chain = LocalChain(export, EXACT)
+    prompts = PROMPTS[:6]
+    expected = [chain.greedy(f"p{i}", p, 40)[0] for i, p in enumerate(prompts)]
+    size = 6 * _block_bytes(export, 0) / (1 << 30)  # 6 blocks of 32: about 3 sequences
+    procs, addresses = start_stages(
+        export, tmp_path, ["--kv-backend", "paged", "--kv-cache-size", f"{size:.12f}"]
+    )
+
+    metrics = GatewayMetrics()
+
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        config = SchedulerConfig(groups=2, prefill_chunk=16)  # no kv_pools: no accounting
+        engine = Engine(client, frozenset(), 256, config, metrics)
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            request = GenerationRequest(f"r{i}", prompt, 40)
+            return [t.token_id async for t in engine.generate(request)]
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        finally:
+            await engine.close()
+            infos = await client.stage_infos()
+            await client.close()
+            assert [(i.sessions_in_use, i.kv_blocks_free) for i in infos if i] == [(0, 6)] * 2
+
+    try:
+        assert asyncio.run(run()) == expected
+        # the only preemptions without accounting are the stages' refusals
+        assert metrics.registry.get_sample_value("pipeshard_gateway_preemptions_total")
+    finally:
+        for proc in procs:
+            proc.stop()

@@ -331,3 +331,90 @@ def test_without_grace_a_lost_step_ends_the_sequence() -> None:
     assert s.on_lost("a", error, now=0.0) is False
     assert s.sequences["a"].phase is Phase.DONE and s.sequences["a"].error is error
     assert freed(s) == ["a"]
+
+
+# -- micro-batch groups and paged KV pools --------------------------------------------------------
+def run_until_done(s: Scheduler, limit: int = 500) -> dict[str, list[int]]:
+    """Drive the scheduler with fabricated results (all steps of a tick return together)."""
+    for _ in range(limit):
+        work = s.next_work(0.0)
+        if not work and not s.in_flight:
+            break
+        complete(s, work)
+    return {sid: q.generated for sid, q in s.sequences.items()}
+
+
+def test_sequences_spread_over_groups_and_steps_carry_their_group() -> None:
+    s = Scheduler(SchedulerConfig(groups=2, max_prefill_in_flight=8))
+    for name in "abcde":
+        s.add(seq(name))
+    work = s.next_work(0.0)
+    assert {w.seq_id: w.group for w in work} == {"a": 0, "b": 1, "c": 0, "d": 1, "e": 0}
+    complete(s, work)
+    assert {w.seq_id: w.group for w in s.next_work(0.0)} == {"a": 0, "b": 1, "c": 0, "d": 1, "e": 0}
+
+
+def test_a_groups_prompts_share_a_token_budget_that_shrinks_while_it_decodes() -> None:
+    config = SchedulerConfig(prefill_chunk=10, busy_prefill_chunk=3, max_prefill_in_flight=9)
+    s = Scheduler(config)
+    s.add(seq("a", prompt=4))
+    s.add(seq("b", prompt=5))
+    s.add(seq("c", prompt=30))
+    # nobody decodes: 10 prompt tokens in the ring, shared in admission order
+    assert [(w.seq_id, len(w.tokens)) for w in s.next_work(0.0)] == [("a", 4), ("b", 5), ("c", 1)]
+    complete(s, [w for w in [s.sequences[x].in_flight for x in "abc"] if w])
+    # a and b decode now: c's prompt advances 3 tokens per step beside them
+    work = s.next_work(0.0)
+    assert [(w.seq_id, len(w.tokens), w.prefill) for w in work] == [
+        ("a", 1, False),
+        ("b", 1, False),
+        ("c", 3, True),
+    ]
+
+
+def test_kv_pool_admission_waits_for_blocks() -> None:
+    # one pool of 4 blocks of 4 positions; each sequence needs 2 blocks for its prompt
+    config = SchedulerConfig(prefill_chunk=8, max_prefill_in_flight=8, kv_pools=((4, 4),))
+    s = Scheduler(config)
+    for name in "abc":
+        s.add(seq(name, prompt=7, max_tokens=1))
+    work = s.next_work(0.0)
+    assert [w.seq_id for w in work] == ["a", "b"]  # c waits in the queue for blocks
+    assert s.queued == 1
+    complete(s, work)  # both finish (max_tokens 1) and give their blocks back
+    assert [w.seq_id for w in s.next_work(0.0)] == ["c"]
+
+
+def test_decoding_beyond_the_pool_preempts_the_newest_which_resumes_and_ends_the_same() -> None:
+    def make(pools: tuple[tuple[int, int], ...]) -> Scheduler:
+        s = Scheduler(SchedulerConfig(prefill_chunk=8, max_prefill_in_flight=8, kv_pools=pools))
+        for name in "abc":
+            s.add(seq(name, prompt=6, max_tokens=10))
+        return s
+
+    alone = run_until_done(make(()))
+    tight = make(((4, 9),))  # 36 positions for 3 sequences that grow to 16 each
+    result = run_until_done(tight)
+    assert result == alone  # preemption changes timing, never tokens
+    assert tight.preemptions >= 1
+    assert all(q.phase is Phase.DONE for q in tight.sequences.values())
+    released = [r for r in tight.take_releases() if not r.final and r.session_id]
+    assert released and released[0].seq_id == "c"  # the newest went first
+    assert tight.sequences["c"].incarnation >= 1  # it re-prefilled on a fresh session
+
+
+def test_a_stage_refusal_preempts_the_sequence_and_it_resumes() -> None:
+    s = Scheduler(SchedulerConfig(prefill_chunk=8))
+    s.add(seq("a", prompt=3))
+    complete(s, s.next_work(0.0))
+    (_decode,) = s.next_work(0.0)
+    assert s.on_preempted("a", RuntimeError("KV blocks exhausted"))
+    assert freed(s) == ["a"]
+    (again,) = s.next_work(0.0)
+    assert again.prefill and again.session_id == "a.r1" and again.start_position == 0
+    assert list(again.tokens) == s.sequences["a"].prefix
+    for _ in range(16):
+        s.sequences["a"].in_flight = again
+        if not s.on_preempted("a", RuntimeError("still no blocks")):
+            break
+    assert s.sequences["a"].phase is Phase.DONE  # refused too often: ends with the error

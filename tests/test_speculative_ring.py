@@ -132,6 +132,34 @@ def test_greedy_with_the_draft_equals_greedy_without(
             proc.stop()
 
 
+def test_speculation_on_paged_stages_equals_plain_decoding(
+    exports: dict[int, Path], tmp_path: Path
+) -> None:
+    """Rollback of rejected draft tokens is bookkeeping on paged stages; output is unchanged."""
+    expected = plain_greedy(exports[2])
+    procs, addresses = start_stages(exports[2], tmp_path, ["--kv-backend", "paged"])
+    try:
+        proposer = make_draft_proposer(exports)
+        metrics = GatewayMetrics()
+        assert generate(addresses, proposer, 4, metrics=metrics) == expected
+        accepted = metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
+        proposed = metrics.registry.get_sample_value("pipeshard_gateway_spec_proposed_tokens_total")
+        assert proposed and accepted is not None and 0 < accepted < proposed  # rollbacks too
+        assert generate(addresses, proposer, 0, concurrent=True) == expected
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+        stateful_procs, stateful = start_stages(exports[2], tmp_path / "stateful")
+        try:
+            assert generate(addresses, proposer, 0, seeded) == generate(
+                stateful, proposer, 0, seeded
+            )
+        finally:
+            for proc in stateful_procs:
+                proc.stop()
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_k(
     exports: dict[int, Path], tmp_path: Path
 ) -> None:
