@@ -163,6 +163,7 @@ class Sequence:
     preempted: bool = False  # suspended to free KV blocks (not by a failure); no expiry
     preemptions: int = 0
     refusals: int = 0  # steps a stage refused for want of KV blocks or sessions
+    waits_for: int = -1  # refused: resume once more than this many sequences have finished
 
     @property
     def opened(self) -> bool:
@@ -192,6 +193,7 @@ class Scheduler:
         self._clock = 0.0  # the latest `now` seen, orders round-robin service
         self.preemptions = 0  # sequences preempted for KV blocks so far
         self.resumes = 0  # sequences re-prefilled after a ring failure so far
+        self.finished = 0  # sequences that ended so far (and so gave their KV back)
 
     # -- admission --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -262,9 +264,8 @@ class Scheduler:
     def _admit(self, now: float) -> None:
         while self.queue and len(self.running) < self.config.max_running:
             seq = self.sequences[self.queue[0]]
-            if self.config.kv_pools and (
-                any(self.sequences[sid].preempted for sid in self.running)
-                or not self._room({seq.seq_id: self._first_chunk(seq)})
+            if any(self.sequences[sid].preempted for sid in self.running) or (
+                self.config.kv_pools and not self._room({seq.seq_id: self._first_chunk(seq)})
             ):
                 return  # preempted sequences go first; then wait for KV blocks
             self.queue.popleft()
@@ -334,7 +335,17 @@ class Scheduler:
             self.on_error(seq_id, error)
             return False
         self._preempt(seq)
+        # Back off: resume only once another sequence has ended (or none holds KV), else
+        # refused sequences would keep taking each other's blocks.
+        seq.waits_for = self.finished
         return True
+
+    def _may_resume(self, seq: Sequence) -> bool:
+        if seq.waits_for >= 0 and self.finished <= seq.waits_for:
+            others = (self.sequences[sid] for sid in self.running if sid != seq.seq_id)
+            if any(o.phase in (Phase.PREFILL, Phase.DECODE) for o in others):
+                return False
+        return self._room({seq.seq_id: self._first_chunk(seq)})
 
     # -- deciding the next steps ------------------------------------------------------------
     def next_work(self, now: float, ring_ready: bool = True) -> list[Work]:
@@ -352,9 +363,9 @@ class Scheduler:
             if seq.phase is not Phase.SUSPENDED:
                 continue
             if seq.preempted:
-                blocked = blocked or not self._room({sid: self._first_chunk(seq)})
+                blocked = blocked or not self._may_resume(seq)
                 if not blocked:
-                    seq.phase, seq.preempted = Phase.PREFILL, False
+                    seq.phase, seq.preempted, seq.waits_for = Phase.PREFILL, False, -1
             elif ring_ready:
                 seq.phase, seq.lost_since = Phase.PREFILL, None
                 seq.resumes += 1
@@ -499,6 +510,7 @@ class Scheduler:
         if seq.phase is Phase.DONE:
             return
         seq.phase = Phase.DONE
+        self.finished += 1
         if seq.seq_id in self.running:
             self.running.remove(seq.seq_id)
         if seq.opened or seq.incarnation:

@@ -42,6 +42,8 @@ from stage_node.runner import (
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+PAGED_OP = "PagedAttentionExtension"
+SLIDING_WINDOW_INPUT = 10  # of PagedAttentionExtension: q, k, v, caches, lengths, ..., scale
 
 
 class BlocksExhausted(CapacityExceeded):
@@ -113,11 +115,27 @@ class BlockManager:
         return True
 
 
-def paged_model(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
-    """Turn a stateful stage IR into a PagedAttention one (in place; returns it)."""
+def paged_model(
+    model: ov.Model, is_first: bool, is_last: bool, windows: list[int] | None = None
+) -> ov.Model:
+    """Turn a stateful stage IR into a PagedAttention one (in place; returns it).
+
+    ``windows``: per layer of the stage, its sliding window (0: full attention); the stage's
+    own masks carried it, and the transformation drops masks."""
     from openvino._offline_transformations import paged_attention_transformation
 
     paged_attention_transformation(model, False, False)
+    attention = [op for op in model.get_ordered_ops() if op.get_type_name() == PAGED_OP]
+    if windows is not None and any(windows):
+        if len(attention) != len(windows):
+            raise ValueError(
+                f"expected {len(windows)} attention layers in the stage, found {len(attention)}"
+            )
+        for op, window in zip(attention, windows, strict=True):
+            if window:
+                op.input(SLIDING_WINDOW_INPUT).replace_source_output(
+                    ops.constant(np.int32(window)).output(0)
+                )
     main = "input_ids" if is_first else "inputs_embeds"
     for param in list(model.get_parameters()):
         names = param.output(0).get_names()
@@ -175,7 +193,13 @@ class PagedRunner(ShardBase):
     ) -> None:
         super().__init__(export_dir, stage_index, options, manifest=manifest)
         core = core or ov.Core()
-        model = paged_model(core.read_model(self.model_xml), self.is_first, self.is_last)
+        facts = self.manifest.model
+        layer_types = facts.layer_types[self.stage.layer_start : self.stage.layer_end]
+        windows = [
+            (facts.sliding_window or 0) if kind == "sliding_attention" else 0
+            for kind in layer_types
+        ]
+        model = paged_model(core.read_model(self.model_xml), self.is_first, self.is_last, windows)
         self.compiled = core.compile_model(
             model, self.options.device, self.options.compile_properties()
         )

@@ -418,3 +418,17 @@ def test_a_stage_refusal_preempts_the_sequence_and_it_resumes() -> None:
         if not s.on_preempted("a", RuntimeError("still no blocks")):
             break
     assert s.sequences["a"].phase is Phase.DONE  # refused too often: ends with the error
+
+
+def test_a_refused_sequence_backs_off_until_another_ends() -> None:
+    s = Scheduler(SchedulerConfig(prefill_chunk=8, max_prefill_in_flight=4))
+    s.add(seq("a", prompt=3, max_tokens=2))
+    s.add(seq("b", prompt=3, max_tokens=8))
+    complete(s, s.next_work(0.0))  # both prefilled, each sampled its first token
+    work = {w.seq_id: w for w in s.next_work(0.0)}
+    assert s.on_preempted("b", RuntimeError("KV blocks exhausted"))
+    s.take_releases()
+    assert s.next_work(0.0) == []  # a is still decoding: b waits instead of taking its blocks
+    s.on_result("a", token_for(work["a"]))  # a reaches max_tokens and ends
+    (resumed,) = s.next_work(0.0)
+    assert resumed.seq_id == "b" and resumed.prefill and resumed.start_position == 0

@@ -147,7 +147,10 @@ def test_speculation_on_paged_stages_equals_plain_decoding(
         assert proposed and accepted is not None and 0 < accepted < proposed  # rollbacks too
         assert generate(addresses, proposer, 0, concurrent=True) == expected
         seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
-        stateful_procs, stateful = start_stages(exports[2], tmp_path / "stateful")
+        (tmp_path / "stateful").mkdir()
+        stateful_procs, stateful = start_stages(
+            exports[2], tmp_path / "stateful", ["--kv-backend", "stateful"]
+        )
         try:
             assert generate(addresses, proposer, 0, seeded) == generate(
                 stateful, proposer, 0, seeded
