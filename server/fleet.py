@@ -185,7 +185,9 @@ def run_fleet(options: FleetOptions) -> int:
     manifest = load_manifest(export)
     procs = start_stages(export, options, manifest.num_stages)
     addresses = [f"127.0.0.1:{options.stage_port + i}" for i in range(manifest.num_stages)]
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Our own handler for both signals: asyncio.run's SIGINT handler would cancel the main
+    # task while the app's lifespan is still shutting down (a traceback on every Ctrl-C).
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         # uvicorn turns SIGTERM and SIGINT into a graceful shutdown and raises them again
         # afterwards; both end up here as KeyboardInterrupt, and the stages are stopped.
@@ -194,7 +196,8 @@ def run_fleet(options: FleetOptions) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         stop_all(procs)
     return 0
 
