@@ -24,6 +24,7 @@ Writes benchmarks/results/microbatch-<date>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -107,22 +108,27 @@ def run_users(url: str, model: str, users: int, tokens: int, eos: list[int]) -> 
         t.start()
     for t in threads:
         t.join()
-    counts = [sum(n for _, n in r["arrivals"]) for r in results]
+    return summarize([r["start"] for r in results], [r["arrivals"] for r in results], tokens)
+
+
+def summarize(
+    starts: list[float], arrivals: list[list[tuple[float, int]]], tokens: int
+) -> dict[str, Any]:
+    """The figures of one round from each user's start and (time, tokens) arrivals: decode
+    tok/s while every user decodes, end-to-end tok/s, TTFT, inter-token p50/p95."""
+    users = len(arrivals)
+    counts = [sum(n for _, n in a) for a in arrivals]
     if any(c != tokens for c in counts):
         raise RuntimeError(f"expected {tokens} tokens per user, got {counts}")
-    first = [r["arrivals"][0][0] for r in results]
-    last = [r["arrivals"][-1][0] for r in results]
+    first = [a[0][0] for a in arrivals]
+    last = [a[-1][0] for a in arrivals]
     window = (max(first), min(last))
-    in_window = sum(n for r in results for t, n in r["arrivals"][1:] if window[0] < t <= window[1])
-    gaps = [
-        b[0] - a[0] for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)
-    ]
-    ttft = [f - r["start"] for f, r in zip(first, results, strict=True)]
-    begin = min(r["start"] for r in results)
+    in_window = sum(n for a in arrivals for t, n in a[1:] if window[0] < t <= window[1])
+    gaps = [b[0] - a[0] for arr in arrivals for a, b in itertools.pairwise(arr)]
     return {
         "decode_tok_s": in_window / (window[1] - window[0]) if window[1] > window[0] else 0.0,
-        "e2e_tok_s": users * tokens / (max(last) - begin),
-        "ttft_ms": [t * 1000 for t in ttft],
+        "e2e_tok_s": users * tokens / (max(last) - min(starts)),
+        "ttft_ms": [(f - s) * 1000 for f, s in zip(first, starts, strict=True)],
         "itl_p50_ms": percentile(gaps, 0.5) * 1000,
         "itl_p95_ms": percentile(gaps, 0.95) * 1000,
     }

@@ -40,7 +40,6 @@ Writes benchmarks/results/paged-<date>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import subprocess
@@ -57,7 +56,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.microbatch import busy_seconds, percentile, run_users  # noqa: E402
+from benchmarks.microbatch import busy_seconds, percentile, run_users, summarize  # noqa: E402
 from benchmarks.processes import PIPESHARD, Proc, start_gateway, start_pinned_stages  # noqa: E402
 from benchmarks.report import describe, machine, save  # noqa: E402
 from benchmarks.workers import PIPESHARD_CPU, measure  # noqa: E402
@@ -94,29 +93,6 @@ def stage_infos(addresses: list[str]) -> list[dict[str, Any]]:
             }
         )
     return infos
-
-
-def summarize(
-    starts: list[float], arrivals: list[list[tuple[float, int]]], tokens: int
-) -> dict[str, Any]:
-    """run_users' figures from raw arrivals (the genai CB worker's): per request its start and
-    (time, tokens) arrivals."""
-    users = len(arrivals)
-    counts = [sum(n for _, n in a) for a in arrivals]
-    if any(c != tokens for c in counts):
-        raise RuntimeError(f"expected {tokens} tokens per request, got {counts}")
-    first = [a[0][0] for a in arrivals]
-    last = [a[-1][0] for a in arrivals]
-    window = (max(first), min(last))
-    in_window = sum(n for a in arrivals for t, n in a[1:] if window[0] < t <= window[1])
-    gaps = [b[0] - a[0] for arr in arrivals for a, b in itertools.pairwise(arr)]
-    return {
-        "decode_tok_s": in_window / (window[1] - window[0]) if window[1] > window[0] else 0.0,
-        "e2e_tok_s": users * tokens / (max(last) - min(starts)),
-        "ttft_ms": [(f - s) * 1000 for f, s in zip(first, starts, strict=True)],
-        "itl_p50_ms": percentile(gaps, 0.5) * 1000,
-        "itl_p95_ms": percentile(gaps, 0.95) * 1000,
-    }
 
 
 def run_cb(

@@ -328,11 +328,6 @@ class PipelineClient:
             await self._release_on(state, sorted(state.unreleased))
 
     @property
-    def paged(self) -> bool:
-        """Whether every stage runs the paged KV backend (batched inference)."""
-        return all(s.info is not None and s.info.kv_backend == "paged" for s in self.stages)
-
-    @property
     def kv_pools(self) -> tuple[tuple[int, int], ...]:
         """(block size, blocks) of each paged stage's KV pool."""
         return tuple(
@@ -340,6 +335,11 @@ class PipelineClient:
             for s in self.stages
             if s.info is not None and s.info.kv_backend == "paged"
         )
+
+    @property
+    def paged(self) -> bool:
+        """Whether every stage runs the paged KV backend (batched inference)."""
+        return len(self.kv_pools) == len(self.stages)
 
     @property
     def ready(self) -> bool:

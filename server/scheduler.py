@@ -294,12 +294,14 @@ class Scheduler:
     def _room(self, claims: dict[str, int]) -> bool:
         """Whether every pool holds the running sequences' claims (``claims`` overriding or
         adding some)."""
-        for block_size, blocks in self.config.kv_pools:
-            lengths = {sid: self._claim(self.sequences[sid]) for sid in self.running}
-            lengths.update(claims)
-            if sum(-(-n // block_size) for n in lengths.values()) > blocks:
-                return False
-        return True
+        if not self.config.kv_pools:
+            return True
+        lengths = {sid: self._claim(self.sequences[sid]) for sid in self.running}
+        lengths.update(claims)
+        return all(
+            sum(-(-n // block_size) for n in lengths.values()) <= blocks
+            for block_size, blocks in self.config.kv_pools
+        )
 
     def _make_room(self) -> None:
         """Preempt the newest sequences until the decoding ones fit the pools: each frees its

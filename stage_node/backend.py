@@ -170,8 +170,9 @@ class PagedBackend(_Backend):
             except Exception as exc:
                 outcomes[i] = exc
         if placed:
-            phases = {self.phase(batch[i]) for i, _ in placed}
-            phase = phases.pop() if len(phases) == 1 else "mixed"
+            phases = {i: self.phase(batch[i]) for i, _ in placed}
+            kinds = set(phases.values())
+            phase = kinds.pop() if len(kinds) == 1 else "mixed"
             tokens = sum(len(item.data) for _, item in placed)
             started = time.perf_counter()
             try:
@@ -184,7 +185,7 @@ class PagedBackend(_Backend):
                 self.metrics.batch_size.observe(len(placed))
                 self.metrics.batch_tokens.observe(tokens)
                 for (i, _), out in zip(placed, outs, strict=True):
-                    self.metrics.tokens.labels(self.phase(batch[i])).inc(len(batch[i].data))
+                    self.metrics.tokens.labels(phases[i]).inc(len(batch[i].data))
                     try:
                         outcomes[i] = self._emit(batch[i], out)
                     except Exception as exc:

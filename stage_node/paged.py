@@ -242,7 +242,7 @@ class PagedRunner(ShardBase):
     def session_length(self, session_id: str) -> int:
         return self._table(session_id).length
 
-    def _table(self, session_id: str) -> Any:
+    def _table(self, session_id: str) -> BlockTable:
         table = self.blocks.tables.get(session_id)
         if table is None:
             raise SessionNotFound(f"session {session_id!r} is not open on stage {self.stage.index}")

@@ -167,16 +167,15 @@ class Downstream:
                 # The call ends only when the stream breaks: notice that at once, not at the
                 # next write, so health checks never report a dead link as connected. The
                 # call itself goes into the queue as the marker of its end.
-                ended = asyncio.ensure_future(call)
-                ended.add_done_callback(functools.partial(self._ended, call))
+                watch = asyncio.ensure_future(call)
+                watch.add_done_callback(functools.partial(self._ended, call))
                 ended = False
                 while not ended:
                     if batch is None:
                         item = await self.queue.get()
                         if not isinstance(item, tuple):
-                            if item is call:
-                                raise ConnectionError("the stream to the next stage ended")
-                            continue  # an earlier stream's end
+                            ended = item is call  # else an earlier stream's end
+                            continue
                         batch, ended = self._take(item, call)
                     await call.write(batch)
                     self.metrics.bytes.labels("out").inc(batch.ByteSize())
