@@ -271,6 +271,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="paged rings: prompt tokens of a micro-batch group in the ring while it decodes (32)",
     )
     p.add_argument(
+        "--micro-batch-groups",
+        type=int,
+        help="groups the running requests are spread over (default: one per stage)",
+    )
+    p.add_argument(
         "--resume-grace",
         type=float,
         help="seconds in-flight requests wait for a failed stage to return, then go on (30)",

@@ -27,10 +27,15 @@ Policy
   stage: a 2,000-token prompt delays the others by about one chunk's compute per token they
   generate, never by the whole prompt, and it still advances by one chunk per round.
 * **Micro-batch groups.** Running sequences are spread over ``groups`` groups (the gateway
-  uses one per stage), each joining the smallest at admission. Every step carries its group;
-  a paged stage computes the ready steps of one group in one inference call and the groups
-  one after another, so while stage 1 computes one group's batch, stage 0 computes the next
-  group's. Prompt chunks join their group's batch under a token budget: at most
+  uses up to one per stage), each joining the smallest at admission. Every step carries its
+  group; a paged stage computes the ready steps of one group in one inference call and the
+  groups one after another, so while stage 1 computes one group's batch, stage 0 computes the
+  next group's. With ``lockstep`` (batched stages) a group's decode steps go out together
+  once all of its previous ones are back, so its sequences stay in one batch (prompt chunks go
+  on their own); with ``group_size`` a group
+  opens per that many running sequences (two sequences decode faster in one batch than
+  pipelined one per group), and sequences of idle groups move to keep the groups balanced.
+  Prompt chunks join their group's batch under a token budget: at most
   ``prefill_chunk`` prompt tokens of a group in the ring (several prompts may share them), or
   ``busy_prefill_chunk`` while the group has decoding sequences, so their steps stay short.
 * **Surviving a stage restart.** A step lost to the ring (a stage went down or stalled) does
@@ -90,6 +95,13 @@ class SchedulerConfig:
     # sequences would outgrow a pool (empty: no accounting, stateful stages)
     kv_pools: tuple[tuple[int, int], ...] = ()
     kv_headroom: int = 1  # positions a decode step may add (1 + speculative draft tokens)
+    # a group's decode steps go out together, once all of its previous ones are back
+    # (batched stages): its sequences then share every inference call instead of drifting apart
+    lockstep: bool = False
+    # with lockstep: one group per this many running sequences, up to ``groups`` (0: always
+    # ``groups``). A batched step of a few sequences costs about what one sequence's does, so
+    # two sequences go faster in one batch through the stages in turn than pipelined in two
+    group_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_prefill_in_flight", "groups"):
@@ -99,6 +111,8 @@ class SchedulerConfig:
             raise ValueError("busy_prefill_chunk must be at least 1")
         if self.kv_headroom < 1 or any(b < 1 or n < 1 for b, n in self.kv_pools):
             raise ValueError("kv_headroom and the pools' block sizes and counts must be >= 1")
+        if self.group_size < 0:
+            raise ValueError("group_size must be >= 0")
         if self.max_queued < 0 or self.queue_timeout <= 0 or self.resume_grace < 0:
             raise ValueError("max_queued and resume_grace must be >= 0 and queue_timeout > 0")
 
@@ -159,7 +173,7 @@ class Sequence:
     incarnation: int = 0  # sessions lost to ring failures so far
     lost_since: float | None = None
     resumes: int = 0  # times the sequence re-prefilled after a loss
-    group: int = 0  # micro-batch group, fixed at admission
+    group: int = 0  # micro-batch group (set at admission; lockstep groups rebalance)
     preempted: bool = False  # suspended to free KV blocks (not by a failure); no expiry
     preemptions: int = 0
     refusals: int = 0  # steps a stage refused for want of KV blocks or sessions
@@ -269,15 +283,51 @@ class Scheduler:
             ):
                 return  # preempted sequences go first; then wait for KV blocks
             self.queue.popleft()
-            sizes = [0] * self.config.groups
-            for sid in self.running:
-                sizes[self.sequences[sid].group] += 1
+            self.running.append(seq.seq_id)
+            sizes = [0] * self.active_groups()
+            for sid in self.running[:-1]:
+                group = self.sequences[sid].group
+                if group < len(sizes):
+                    sizes[group] += 1
             seq.group = sizes.index(min(sizes))  # the smallest group
             seq.phase = Phase.PREFILL
             seq.admitted = now
             seq.last_served = now
-            self.running.append(seq.seq_id)
             self._admitted.append(seq)
+
+    # -- micro-batch groups -------------------------------------------------------------------
+    def active_groups(self) -> int:
+        """Groups in use now: ``groups``, or one per ``group_size`` running sequences."""
+        if not self.config.group_size:
+            return self.config.groups
+        return max(1, min(self.config.groups, len(self.running) // self.config.group_size))
+
+    def _regroup(self, busy: set[int]) -> None:
+        """Balance the active groups (lockstep): sequences of groups no longer in use, then
+        of the largest group, move to the smallest. Only groups with no decode step in flight
+        give sequences up, so a group's decode steps never split over two batches."""
+        count = self.active_groups()
+        members: list[list[Sequence]] = [[] for _ in range(self.config.groups)]
+        for sid in self.running:
+            seq = self.sequences[sid]
+            members[seq.group].append(seq)
+
+        def move(seq: Sequence) -> None:
+            target = min(range(count), key=lambda g: (len(members[g]), g in busy))
+            members[seq.group].remove(seq)
+            members[target].append(seq)
+            seq.group = target
+
+        for group in range(count, self.config.groups):
+            if group not in busy:
+                for seq in list(members[group]):
+                    move(seq)
+        while True:
+            sizes = [len(members[g]) for g in range(count)]
+            large = max(range(count), key=lambda g: (sizes[g], g not in busy))
+            if large in busy or sizes[large] - min(sizes) < 2:
+                return
+            move(members[large][-1])  # the newest
 
     # -- KV blocks of paged stages ------------------------------------------------------------
     def _first_chunk(self, seq: Sequence) -> int:
@@ -376,6 +426,16 @@ class Scheduler:
         ready = [
             self.sequences[sid] for sid in self.running if self.sequences[sid].in_flight is None
         ]
+        if self.config.lockstep:
+            # decode steps wait for their group's decode steps in flight; prompt chunks go on
+            # their own (a chunk in every call would slow each of the group's tokens)
+            busy = set()
+            for sid in self.running:
+                w = self.sequences[sid].in_flight
+                if w is not None and not w.prefill:
+                    busy.add(w.group)
+            self._regroup(busy)
+            ready = [s for s in ready if s.phase is not Phase.DECODE or s.group not in busy]
         work: list[Work] = []
         decoding = sorted(
             (s for s in ready if s.phase is Phase.DECODE), key=lambda s: s.last_served

@@ -21,6 +21,10 @@ from stage_node.settings import default_ov_cache
 # Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
 # 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.
 PAGED_BUSY_PREFILL_CHUNK = 32
+# Running requests per micro-batch group on a paged ring before another group opens (up to one
+# per stage): two requests decode faster batched together than pipelined one per group
+# (benchmarks/results/paged-lockstep-2026-11-30.md).
+PAGED_GROUP_SIZE = 2
 
 
 class GatewaySettings(BaseSettings):
@@ -76,6 +80,12 @@ class GatewaySettings(BaseSettings):
         description="prompt tokens a micro-batch group may have in the ring while it decodes "
         "(default: off, chunks of prefill_chunk; paged rings: 32)",
     )
+    micro_batch_groups: int | None = Field(
+        default=None,
+        ge=1,
+        description="micro-batch groups the running requests are spread over (default: one "
+        "per stage; paged rings: one per 2 running requests, up to one per stage)",
+    )
     resume_grace: float = Field(
         default=30.0,
         ge=0,
@@ -114,17 +124,22 @@ class GatewaySettings(BaseSettings):
     def ring_scheduler_config(
         self, stages: int, paged: bool, kv_pools: tuple[tuple[int, int], ...] = ()
     ) -> SchedulerConfig:
-        """The scheduler for a ring of ``stages`` stages: one micro-batch group per stage.
-        On paged stages (batched inference) a group's prompts share a token budget per step
+        """The scheduler for a ring of ``stages`` stages: one micro-batch group per stage, or
+        ``micro_batch_groups``. On paged stages (batched inference) the groups move in
+        lockstep, one opens per PAGED_GROUP_SIZE running sequences (unless the count is
+        fixed), and a group's prompts share a token budget per step
         (prefill_chunk, or prefill_chunk_busy while the group decodes) instead of going one
         chunk at a time. ``kv_pools``: the paged stages' block pools, which admission,
         prompt chunks and decode steps must fit (the newest sequence is preempted if not)."""
-        config = dataclasses.replace(self.scheduler_config(), groups=stages, kv_pools=kv_pools)
+        groups = self.micro_batch_groups or stages
+        config = dataclasses.replace(self.scheduler_config(), groups=groups, kv_pools=kv_pools)
         if paged:
             config = dataclasses.replace(
                 config,
                 max_prefill_in_flight=self.max_prefill_in_flight or self.max_concurrent,
                 busy_prefill_chunk=self.prefill_chunk_busy or PAGED_BUSY_PREFILL_CHUNK,
+                lockstep=True,
+                group_size=0 if self.micro_batch_groups else PAGED_GROUP_SIZE,
             )
         return config
 

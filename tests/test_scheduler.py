@@ -372,6 +372,63 @@ def test_a_groups_prompts_share_a_token_budget_that_shrinks_while_it_decodes() -
     ]
 
 
+def test_lockstep_decode_steps_of_a_group_go_out_together() -> None:
+    s = Scheduler(SchedulerConfig(groups=1, lockstep=True, max_prefill_in_flight=8))
+    for name in "ab":
+        s.add(seq(name, prompt=3))
+    complete(s, s.next_work(0.0))  # both prompts in one step
+    work = s.next_work(0.0)
+    assert [(w.seq_id, w.prefill) for w in work] == [("a", False), ("b", False)]
+    s.on_result("a", token_for(work[0]))
+    assert s.next_work(0.0) == []  # a is back, b is not: a waits for its group
+    # a prompt chunk goes on its own: a late arrival does not wait for the group
+    s.add(seq("c", prompt=2))
+    (chunk,) = s.next_work(0.0)
+    assert chunk.seq_id == "c" and chunk.prefill
+    s.on_result("b", token_for(work[1]))
+    assert [w.seq_id for w in s.next_work(0.0)] == ["a", "b"]
+    # without lockstep a would have gone on alone
+    free = Scheduler(SchedulerConfig(groups=1, max_prefill_in_flight=8))
+    for name in "ab":
+        free.add(seq(name, prompt=3))
+    complete(free, free.next_work(0.0))
+    work = free.next_work(0.0)
+    free.on_result("a", token_for(work[0]))
+    assert [w.seq_id for w in free.next_work(0.0)] == ["a"]
+
+
+def test_groups_open_one_per_group_size_sequences_and_stay_balanced() -> None:
+    config = SchedulerConfig(groups=2, group_size=2, lockstep=True, max_prefill_in_flight=8)
+    s = Scheduler(config)
+    for name in "ab":
+        s.add(seq(name, max_tokens=20))
+    work = s.next_work(0.0)
+    assert s.active_groups() == 1 and {w.group for w in work} == {0}  # two: one batch
+    complete(s, work)
+    for name in "cd":
+        s.add(seq(name, max_tokens=4))
+    work = s.next_work(0.0)
+    assert s.active_groups() == 2
+    assert sorted(w.group for w in work) == [0, 0, 1, 1]  # the second group opened
+    # c and d end: a and b share one group again
+    for _ in range(30):
+        complete(s, work)
+        work = s.next_work(0.0)
+        if len(s.running) == 2:
+            break
+    assert s.active_groups() == 1
+    complete(s, work)
+    assert {w.group for w in s.next_work(0.0)} == {0}
+    # every sequence's tokens are what it gets alone
+    alone = Scheduler(SchedulerConfig(max_prefill_in_flight=8))
+    for name, tokens in zip("abcd", (20, 20, 4, 4), strict=True):
+        alone.add(seq(name, max_tokens=tokens))
+    grouped = Scheduler(config)
+    for name, tokens in zip("abcd", (20, 20, 4, 4), strict=True):
+        grouped.add(seq(name, max_tokens=tokens))
+    assert run_until_done(grouped) == run_until_done(alone)
+
+
 def test_kv_pool_admission_waits_for_blocks() -> None:
     # one pool of 4 blocks of 4 positions; each sequence needs 2 blocks for its prompt
     config = SchedulerConfig(prefill_chunk=8, max_prefill_in_flight=8, kv_pools=((4, 4),))
