@@ -27,6 +27,9 @@ time to first token p50/p95, inter-token latency p50/p95 (gaps between arrivals)
 ratio, and the ratio to the monolithic single-user decode tok/s. Figures are medians over
 ``--rounds`` rounds (TTFT percentiles over all users of all rounds).
 
+A system ``paged:gN`` (or ``stateful:gN``) is that backend with the gateway's
+``--micro-batch-groups N`` instead of its default.
+
 Targets (issue): 8 users >= 4x the monolithic single user; paged single user within 5% of
 stateful; inter-token p95 at 8 users within 2x of p50.
 
@@ -143,8 +146,10 @@ def start_fleet(
 ) -> Fleet:
     """Start and warm up a fleet on ``backend``. Fleets of all backends stay up together (on
     the same cores, idle while another is measured) so their rounds interleave."""
-    extra: list[str] = ["--kv-backend", backend] if flag else []
-    if backend == "paged" and opts.kv_cache_size is not None:
+    kind, _, groups = backend.partition(":g")
+    extra: list[str] = ["--kv-backend", kind] if flag else []
+    gateway_extra = ["--micro-batch-groups", groups] if groups else []
+    if kind == "paged" and opts.kv_cache_size is not None:
         extra += ["--kv-cache-size", str(opts.kv_cache_size)]
     fleet = Fleet(backend)
     (logs / backend).mkdir(parents=True, exist_ok=True)
@@ -154,11 +159,13 @@ def start_fleet(
         )
         fleet.infos = stage_infos(addresses)
         reported = {i["kv_backend"] for i in fleet.infos} - {""}
-        if reported and reported != {backend}:
+        if reported and reported != {kind}:
             raise RuntimeError(f"asked for --kv-backend {backend}, stages report {reported}")
         running = str(max(16, *users))
         fleet.gateway, fleet.url = start_gateway(
-            addresses, logs / f"gateway-{backend}.log", ["--max-concurrent", running]
+            addresses,
+            logs / f"gateway-{backend}.log",
+            ["--max-concurrent", running, *gateway_extra],
         )
         fleet.model = httpx.get(f"{fleet.url}/v1/models").json()["data"][0]["id"]
         run_users(fleet.url, fleet.model, 1, 8, eos)  # warm-up
@@ -253,7 +260,7 @@ def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    systems = [s for s in (*BACKENDS, CB) if any(r["system"] == s for r in rows)]
+    systems = list(dict.fromkeys(r["system"] for r in rows if r["system"] != MONO))
     labels = {
         "stateful": "2 stages, stateful KV",
         "paged": "2 stages, paged KV",
@@ -261,10 +268,11 @@ def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
     }
     users = sorted({r["users"] for r in rows if r["system"] != MONO})
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system, marker in zip(systems, "osd", strict=False):
+    for system, marker in zip(systems, "osd^v", strict=False):
         mine = [r for r in rows if r["system"] == system]
         xs = [r["users"] for r in mine]
-        left.plot(xs, [r["decode_tok_s"] for r in mine], marker + "-", label=labels[system])
+        label = labels.get(system, f"2 stages, {system}")
+        left.plot(xs, [r["decode_tok_s"] for r in mine], marker + "-", label=label)
         line = right.plot(xs, [r["itl_p50_ms"] for r in mine], marker + "-", label=system + " p50")
         right.plot(
             xs,
@@ -313,7 +321,7 @@ def main() -> int:
     opts = p.parse_args()
     users = [int(u) for u in opts.users.split(",")]
     backends = [b for b in opts.backends.split(",") if b]
-    unknown = set(backends) - set(BACKENDS)
+    unknown = {b.partition(":g")[0] for b in backends} - set(BACKENDS)
     if unknown:
         p.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
     at_start = machine()
