@@ -69,6 +69,13 @@ CB = "genai CB"
 MONO = "genai mono"
 
 
+def split_system(name: str) -> tuple[str, str]:
+    """``paged:g2`` -> (``paged``, ``2``): the stage KV backend and the gateway's
+    ``--micro-batch-groups`` ("" for its default)."""
+    kind, _, groups = name.partition(":g")
+    return kind, groups
+
+
 def stage_has_kv_backend() -> bool:
     """Whether this `pipeshard stage` knows ``--kv-backend`` (older ones only run stateful)."""
     out = subprocess.run([PIPESHARD, "stage", "--help"], capture_output=True, text=True)
@@ -146,7 +153,7 @@ def start_fleet(
 ) -> Fleet:
     """Start and warm up a fleet on ``backend``. Fleets of all backends stay up together (on
     the same cores, idle while another is measured) so their rounds interleave."""
-    kind, _, groups = backend.partition(":g")
+    kind, groups = split_system(backend)
     extra: list[str] = ["--kv-backend", kind] if flag else []
     gateway_extra = ["--micro-batch-groups", groups] if groups else []
     if kind == "paged" and opts.kv_cache_size is not None:
@@ -321,7 +328,7 @@ def main() -> int:
     opts = p.parse_args()
     users = [int(u) for u in opts.users.split(",")]
     backends = [b for b in opts.backends.split(",") if b]
-    unknown = {b.partition(":g")[0] for b in backends} - set(BACKENDS)
+    unknown = {split_system(b)[0] for b in backends} - set(BACKENDS)
     if unknown:
         p.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
     at_start = machine()

@@ -273,7 +273,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--micro-batch-groups",
         type=int,
-        help="groups the running requests are spread over (default: one per stage)",
+        help="groups the running requests are spread over (default: one per stage; paged "
+        "rings: one per 2 running requests, up to one per stage)",
     )
     p.add_argument(
         "--resume-grace",

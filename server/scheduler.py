@@ -32,10 +32,10 @@ Policy
   groups one after another, so while stage 1 computes one group's batch, stage 0 computes the
   next group's. With ``lockstep`` (batched stages) a group's decode steps go out together
   once all of its previous ones are back, so its sequences stay in one batch (prompt chunks go
-  on their own); with ``group_size`` a group
-  opens per that many running sequences (two sequences decode faster in one batch than
-  pipelined one per group), and sequences of idle groups move to keep the groups balanced.
-  Prompt chunks join their group's batch under a token budget: at most
+  on their own); with ``group_size`` a group opens per that many running sequences (two
+  sequences decode faster in one batch than pipelined one per group), and sequences of idle
+  groups move to keep the groups balanced. Prompt chunks join their group's batch under a
+  token budget: at most
   ``prefill_chunk`` prompt tokens of a group in the ring (several prompts may share them), or
   ``busy_prefill_chunk`` while the group has decoding sequences, so their steps stay short.
 * **Surviving a stage restart.** A step lost to the ring (a stage went down or stalled) does
@@ -283,13 +283,9 @@ class Scheduler:
             ):
                 return  # preempted sequences go first; then wait for KV blocks
             self.queue.popleft()
+            members = self._members()
             self.running.append(seq.seq_id)
-            sizes = [0] * self.active_groups()
-            for sid in self.running[:-1]:
-                group = self.sequences[sid].group
-                if group < len(sizes):
-                    sizes[group] += 1
-            seq.group = sizes.index(min(sizes))  # the smallest group
+            seq.group = min(range(self.active_groups()), key=lambda g: len(members[g]))
             seq.phase = Phase.PREFILL
             seq.admitted = now
             seq.last_served = now
@@ -302,15 +298,20 @@ class Scheduler:
             return self.config.groups
         return max(1, min(self.config.groups, len(self.running) // self.config.group_size))
 
+    def _members(self) -> list[list[Sequence]]:
+        """The running sequences of each group."""
+        members: list[list[Sequence]] = [[] for _ in range(self.config.groups)]
+        for sid in self.running:
+            seq = self.sequences[sid]
+            members[seq.group].append(seq)
+        return members
+
     def _regroup(self, busy: set[int]) -> None:
         """Balance the active groups (lockstep): sequences of groups no longer in use, then
         of the largest group, move to the smallest. Only groups with no decode step in flight
         give sequences up, so a group's decode steps never split over two batches."""
         count = self.active_groups()
-        members: list[list[Sequence]] = [[] for _ in range(self.config.groups)]
-        for sid in self.running:
-            seq = self.sequences[sid]
-            members[seq.group].append(seq)
+        members = self._members()
 
         def move(seq: Sequence) -> None:
             target = min(range(count), key=lambda g: (len(members[g]), g in busy))
