@@ -34,7 +34,7 @@ from server.scheduler import (
     Sequence,
     Work,
 )
-from server.speculative import AdaptiveK, Proposer
+from server.speculative import Acceptance, AdaptiveK, Proposer
 from stage_node.sampling import SampledToken, SamplingParams
 from stage_node.speculative import DraftDistribution
 
@@ -101,7 +101,7 @@ class Engine:
         self.fixed_k = spec_k or None
         self.max_k = spec_max_k
         self._adaptive = AdaptiveK(spec_max_k, self.fixed_k)  # server-wide costs
-        self._acceptance: dict[str, float] = {}  # each request's own acceptance rate
+        self._acceptance: dict[str, Acceptance] = {}  # each request's own acceptance rate
         self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
 
     def choice_sampling(self, request: GenerationRequest, choice: int) -> SamplingParams:
@@ -235,7 +235,8 @@ class Engine:
         if item.prefill or self.proposer is None:
             return _Plan(item.tokens)
         greedy = sampling.temperature == 0.0
-        k = self._adaptive.choose(greedy, self._acceptance.get(seq.seq_id))
+        own = self._acceptance.get(seq.seq_id)
+        k = self._adaptive.choose(greedy, own.rate if own is not None else None)
         # no proposals beyond max_tokens or the context (greedy also gets a bonus token)
         k = min(k, seq.max_tokens - len(seq.generated) - int(greedy))
         k = min(k, self.max_context - item.start_position - 2)
@@ -262,9 +263,11 @@ class Engine:
             if token.token_id != proposed:
                 break
             accepted += 1
-        self._adaptive.update(len(plan.draft), accepted, len(emitted), pass_s, plan.draft_s)
-        previous = self._acceptance.get(seq_id, self._adaptive.acceptance)
-        self._acceptance[seq_id] = 0.7 * previous + 0.3 * accepted / len(plan.draft)
+        self._adaptive.update(len(plan.draft), accepted, len(plan.tokens), pass_s, plan.draft_s)
+        own = self._acceptance.get(seq_id)
+        if own is None:  # a new request starts from the server-wide rate
+            own = self._acceptance[seq_id] = Acceptance(self._adaptive.acceptance)
+        own.update(len(plan.draft), accepted)
         if self.metrics is not None:
             self.metrics.spec_proposed.inc(len(plan.draft))
             self.metrics.spec_accepted.inc(accepted)

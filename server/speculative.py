@@ -152,70 +152,148 @@ class NgramProposer:
         pass
 
 
-@dataclass
+class Acceptance:
+    """A running estimate of P(a draft token is accepted), per position.
+
+    A verification accepts proposals up to the first rejection, so a step with ``accepted``
+    of ``proposed`` gives ``accepted`` successes and one failure (none when all were kept);
+    the estimate is successes / (successes + failures), with older steps decaying. (Accepted /
+    proposed undercounts: the positions after a rejection are never tried.)
+    """
+
+    def __init__(self, prior: float = 0.6, weight: float = 2.0, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.successes = prior * weight
+        self.failures = (1 - prior) * weight
+
+    @property
+    def rate(self) -> float:
+        return self.successes / max(self.successes + self.failures, 1e-9)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.successes = self.decay * self.successes + accepted
+        self.failures = self.decay * self.failures + (1 if accepted < proposed else 0)
+
+
+class StepCost:
+    """The measured wall time of a pipeline pass as a line in the positions it verifies:
+    ``t(n) = base + per_position * (n - 1)``, fitted by exponentially weighted least squares
+    over plain (n = 1) and speculative steps. Until both kinds are seen, an extra position
+    costs ``PRIOR_SLOPE`` of a pass (the stop-13 measurement on one core: about 13%)."""
+
+    PRIOR_SLOPE = 0.13
+
+    def __init__(self, pass_s: float = 0.05, decay: float = 0.95) -> None:
+        self.decay = decay
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._prior = pass_s
+
+    def update(self, positions: int, seconds: float) -> None:
+        d = self.decay
+        n = float(positions)
+        self._w = d * self._w + 1
+        self._n = d * self._n + n
+        self._t = d * self._t + seconds
+        self._nn = d * self._nn + n * n
+        self._nt = d * self._nt + n * seconds
+
+    def line(self) -> tuple[float, float]:
+        """(base, per_position) in seconds."""
+        if self._w < 1e-9:
+            return self._prior, self.PRIOR_SLOPE * self._prior
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var = self._nn / self._w - mean_n * mean_n
+        if var > 0.25:  # positions vary enough to fit a slope
+            slope = (self._nt / self._w - mean_n * mean_t) / var
+        else:
+            slope = self.PRIOR_SLOPE * mean_t / (1 + self.PRIOR_SLOPE * (mean_n - 1))
+        base = mean_t - slope * (mean_n - 1)
+        if base <= 0:  # noise: keep the mean and the prior's shape
+            slope = self.PRIOR_SLOPE * mean_t / (1 + self.PRIOR_SLOPE * (mean_n - 1))
+            base = mean_t - slope * (mean_n - 1)
+        return base, max(0.0, slope)
+
+    def seconds(self, positions: int) -> float:
+        base, slope = self.line()
+        return base + slope * (positions - 1)
+
+
 class AdaptiveK:
     """The choice of k (draft tokens per step); 0 = a plain step without a proposal.
 
-    The model: with acceptance rate ``a`` a step emits ``(1 - a^n) / (1 - a)`` tokens for ``n``
-    verified positions and costs a pipeline pass (a little more per extra position) plus ``k``
-    draft tokens; ``k`` maximises tokens per second. Costs are the server's (one instance for
-    all requests: network latency and load are shared), the acceptance rate is each request's
-    own (passed in; the instance keeps the server-wide one as the prior). Greedy steps also
-    measure what plain steps give (one in ``EXPLORE`` steps goes the other way) and stop
-    proposing while plain steps are faster, e.g. when the draft competes with the stages for
-    the same cores. Sampling always proposes, so that its output does not depend on the choice.
+    The model: with per-position acceptance ``a`` a greedy step emits ``(1 - a^n) / (1 - a)``
+    tokens for ``n = k + 1`` verified positions and costs a pipeline pass of ``n`` positions
+    (:class:`StepCost`, measured) plus ``k`` draft tokens (measured); ``k`` maximises tokens per
+    second, and greedy steps choose 0 when a plain step is expected to give more. Costs are the
+    server's (one instance for all requests: network latency and load are shared), the
+    acceptance rate is each request's own (passed in; the instance keeps the server-wide one as
+    the prior). One in ``EXPLORE`` greedy steps goes the other way (plain instead of
+    speculative, or back), so both kinds of pass stay measured. Sampling always proposes, so
+    that its output does not depend on the choice.
     """
 
     EXPLORE = 16
 
-    max_k: int = 8
-    fixed: int | None = None
-    acceptance: float = 0.6  # prior; running estimate of P(a draft token is accepted)
-    pass_s: float = 0.05  # running cost of one pipeline pass (seconds)
-    draft_s: float = 0.005  # running cost of one draft token
-    spec_rate: float | None = None  # tokens per second on speculative steps
-    plain_rate: float | None = None  # tokens per second on plain steps
-    steps: int = 0
+    def __init__(
+        self,
+        max_k: int = 8,
+        fixed: int | None = None,
+        acceptance: float = 0.6,
+        pass_s: float = 0.05,
+        draft_s: float = 0.005,
+    ) -> None:
+        self.max_k = max_k
+        self.fixed = fixed
+        self._acceptance = Acceptance(acceptance, weight=4.0, decay=0.95)
+        self.cost = StepCost(pass_s)
+        self.draft_s = draft_s  # running cost of one draft token (seconds)
+        self.steps = 0
 
-    def model_k(self, greedy: bool, acceptance: float | None = None) -> int:
+    @property
+    def acceptance(self) -> float:
+        """The server-wide acceptance rate (the prior of new requests)."""
+        return self._acceptance.rate
+
+    def rates(self, greedy: bool, acceptance: float | None = None) -> list[float]:
+        """Expected tokens per second for k = 0 .. max_k (k = 0: a plain step)."""
         a = min(self.acceptance if acceptance is None else acceptance, 0.99)
-        best, best_rate = 1, 0.0
+        out = [1 / max(self.cost.seconds(1), 1e-9)]
         for k in range(1, self.max_k + 1):
             positions = k + 1 if greedy else k
             expected = (1 - a**positions) / (1 - a)  # tokens emitted per step
-            cost = self.pass_s * (1 + 0.02 * positions) + k * self.draft_s
-            if expected / cost > best_rate:
-                best, best_rate = k, expected / cost
-        return best
+            out.append(expected / max(self.cost.seconds(positions) + k * self.draft_s, 1e-9))
+        return out
+
+    def model_k(self, greedy: bool, acceptance: float | None = None) -> int:
+        """The best k >= 1 by the model."""
+        rates = self.rates(greedy, acceptance)
+        return max(range(1, len(rates)), key=lambda k: rates[k])
 
     def choose(self, greedy: bool, acceptance: float | None = None) -> int:
         self.steps += 1
         if self.fixed is not None:
             return self.fixed
-        k = self.model_k(greedy, acceptance)
+        rates = self.rates(greedy, acceptance)
+        k = max(range(1, len(rates)), key=lambda k: rates[k])
         if not greedy:
             return k
-        speculate = (
-            self.spec_rate is None or self.plain_rate is None or self.spec_rate >= self.plain_rate
-        )
+        speculate = rates[k] >= rates[0]
         if self.steps % self.EXPLORE == 0:  # now and then, try the other way
             speculate = not speculate
         return k if speculate else 0
 
     def update(
-        self, proposed: int, accepted: int, emitted: int, pass_s: float, draft_s: float
+        self, proposed: int, accepted: int, positions: int, pass_s: float, draft_s: float
     ) -> None:
-        """After a speculative step: ``accepted`` of ``proposed`` draft tokens were kept."""
-        self.acceptance = 0.8 * self.acceptance + 0.2 * (accepted / proposed)
+        """After a speculative step: ``accepted`` of ``proposed`` draft tokens were kept; the
+        pass verified ``positions`` and took ``pass_s``; drafting took ``draft_s``."""
+        self._acceptance.update(proposed, accepted)
         self.draft_s = 0.8 * self.draft_s + 0.2 * (draft_s / proposed)
-        self.pass_s = 0.8 * self.pass_s + 0.2 * pass_s
-        rate = emitted / max(pass_s + draft_s, 1e-6)
-        self.spec_rate = rate if self.spec_rate is None else 0.8 * self.spec_rate + 0.2 * rate
+        self.cost.update(positions, pass_s)
 
     def update_plain(self, seconds: float) -> None:
         """After a plain step (one token) that took ``seconds``."""
-        rate = 1 / max(seconds, 1e-6)
-        self.plain_rate = rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
+        self.cost.update(1, seconds)
 
 
 def _draw(

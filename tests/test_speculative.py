@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from server.speculative import AdaptiveK, NgramProposer
+from server.speculative import Acceptance, AdaptiveK, NgramProposer, StepCost
 from stage_node.sampling import SamplingParams, probabilities, sample
 from stage_node.speculative import verify
 
@@ -150,18 +150,55 @@ def test_adaptive_k_proposes_more_when_a_pass_costs_more() -> None:
 
 def test_adaptive_k_learns_acceptance_and_stops_when_plain_steps_are_faster() -> None:
     adapt = AdaptiveK(acceptance=0.6)
-    for _ in range(20):
-        adapt.update(proposed=4, accepted=4, emitted=5, pass_s=0.1, draft_s=0.04)
+    for _ in range(40):
+        adapt.update(proposed=4, accepted=4, positions=5, pass_s=0.1, draft_s=0.004)
     assert adapt.acceptance > 0.95
     choices = [adapt.choose(greedy=True) for _ in range(32)]
     assert all(k >= 1 for k in choices[:15])
     # plain steps measured much faster than speculative ones: greedy stops proposing,
     # except for an occasional look back
-    adapt.spec_rate, adapt.plain_rate = 10.0, 40.0
+    for _ in range(60):
+        adapt.update_plain(0.01)
     choices = [adapt.choose(greedy=True) for _ in range(32)]
     assert choices.count(0) == 30 and len([k for k in choices if k]) == 2
     # sampling always proposes (its output must not depend on the choice)
     assert all(adapt.choose(greedy=False) >= 1 for _ in range(32))
+
+
+def test_acceptance_is_per_position_not_accepted_over_proposed() -> None:
+    """Verification stops at the first rejection: with per-position acceptance 0.8 and k = 8,
+    accepted / proposed is about 0.47, the estimate stays near 0.8."""
+    rng = np.random.default_rng(0)
+    rate = Acceptance(prior=0.5, decay=0.99)
+    kept = 0
+    for _ in range(400):
+        accepted = 0
+        while accepted < 8 and rng.random() < 0.8:
+            accepted += 1
+        rate.update(8, accepted)
+        kept += accepted
+    assert kept / (400 * 8) < 0.55
+    assert 0.75 < rate.rate < 0.85
+
+
+def test_step_cost_fits_the_pass_and_each_extra_position() -> None:
+    """Plain and speculative passes of different lengths give the base cost and the slope;
+    the model then prefers fewer proposals when positions cost more."""
+    cheap, dear = StepCost(), StepCost()
+    for n in [1, 2, 3, 5, 9] * 20:
+        cheap.update(n, 0.070 + 0.002 * (n - 1))
+        dear.update(n, 0.070 + 0.020 * (n - 1))
+    assert cheap.line() == pytest.approx((0.070, 0.002), rel=1e-6)
+    assert dear.line() == pytest.approx((0.070, 0.020), rel=1e-6)
+    flat, steep = AdaptiveK(acceptance=0.8), AdaptiveK(acceptance=0.8)
+    flat.cost, steep.cost = cheap, dear
+    assert flat.model_k(greedy=True) > steep.model_k(greedy=True) >= 1
+    # one kind of pass only: the prior's slope, scaled to what was measured
+    only = StepCost()
+    for _ in range(10):
+        only.update(5, 0.1)
+    base, slope = only.line()
+    assert base + 4 * slope == pytest.approx(0.1) and slope == pytest.approx(0.13 * base)
 
 
 def test_prompt_lookup_continues_the_latest_match() -> None:
