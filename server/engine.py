@@ -212,6 +212,18 @@ class Engine:
                 log.warning("sequence %s lost its step: %s", item.seq_id, exc)
                 if self.scheduler.on_lost(item.seq_id, exc, time.monotonic()):
                     return  # it re-prefills when the ring is whole again
+            elif exc.code is grpc.StatusCode.NOT_FOUND:
+                # a stage no longer holds the session: it restarted between health checks or
+                # freed the session; the others may still hold it (they are told to free it)
+                log.warning(
+                    "sequence %s: step at position %d of session %s: %s; re-prefilling",
+                    item.seq_id,
+                    item.start_position,
+                    item.session,
+                    exc,
+                )
+                if self.scheduler.on_session_lost(item.seq_id, exc, time.monotonic()):
+                    return
             else:
                 self.scheduler.on_error(item.seq_id, exc)
             self._end(item.seq_id)

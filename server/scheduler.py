@@ -44,7 +44,9 @@ Policy
   with ``ring_ready``) the sequence gets a fresh session (``seq_id.rN``) and re-prefills prompt
   and generated tokens in chunks; the last chunk samples its next token, and decoding goes on.
   A sequence still suspended after ``resume_grace`` seconds ends with the ring's error;
-  ``resume_grace=0`` ends it at once.
+  ``resume_grace=0`` ends it at once. A stage that answers that it no longer holds the session
+  (restarted between health checks, or freed it) gets the same treatment through
+  :meth:`on_session_lost`, at most ``MAX_SESSION_LOSSES`` times per sequence.
 * **Independence from load.** A sequence's tokens depend only on its own steps (each has its
   own session on every stage, and sampling draws from ``(seed, position)``), so its output is
   the same whether it runs alone or beside others; only its timing changes.
@@ -72,6 +74,7 @@ class QueueFull(Exception):
 
 
 MAX_REFUSALS = 16  # a sequence whose steps stages refused this often ends with their error
+MAX_SESSION_LOSSES = 3  # a sequence whose session stages lost this often ends with the error
 
 
 class QueueTimeout(Exception):
@@ -177,6 +180,7 @@ class Sequence:
     preempted: bool = False  # suspended to free KV blocks (not by a failure); no expiry
     preemptions: int = 0
     refusals: int = 0  # steps a stage refused for want of KV blocks or sessions
+    session_losses: int = 0  # steps a stage refused because it no longer held the session
     waits_for: int = -1  # refused: resume once more than this many sequences have finished
 
     @property
@@ -561,6 +565,17 @@ class Scheduler:
         seq.fed = seq.session_length = 0
         seq.phase, seq.lost_since = Phase.SUSPENDED, now
         return True
+
+    def on_session_lost(self, seq_id: str, error: BaseException, now: float) -> bool:
+        """A stage no longer holds the sequence's session (it restarted between health
+        checks, or freed the session): re-prefill on a fresh one, like a step lost with the
+        ring; False when it ends instead (lost too often, or as :meth:`on_lost`)."""
+        seq = self.sequences[seq_id]
+        seq.session_losses += 1
+        if seq.session_losses > MAX_SESSION_LOSSES:
+            self.on_error(seq_id, error)
+            return False
+        return self.on_lost(seq_id, error, now)
 
     def on_error(self, seq_id: str, error: BaseException) -> None:
         """The step failed: the sequence ends with ``error``; stages may hold its session."""

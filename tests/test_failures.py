@@ -49,6 +49,24 @@ class Ring:
 
         return asyncio.run(ask())
 
+    def release(self, index: int, session_id: str) -> int:
+        """Free a session on one stage behind the gateway's back; returns how many it freed."""
+
+        async def ask() -> int:
+            async with grpc.aio.insecure_channel(self.addresses[index]) as channel:
+                stub = pb_grpc.StageStub(channel)
+                info = await stub.Info(
+                    pb.InfoRequest(), metadata=call_metadata(None, None), timeout=5
+                )
+                reply = await stub.Release(
+                    pb.ReleaseRequest(session_ids=[session_id]),
+                    metadata=call_metadata(None, info.manifest_sha256),
+                    timeout=5,
+                )
+                return int(reply.released)
+
+        return asyncio.run(ask())
+
     def wait_sessions_freed(self, timeout: float = 3.0, stages: int | None = None) -> list[int]:
         """Sessions in use on the first ``stages`` stages (all) once they reach 0 or time out."""
         deadline = time.monotonic() + timeout
@@ -244,6 +262,41 @@ def test_requests_survive_a_stage_restart(ring: Ring) -> None:
         metrics = httpx.get(f"{url}/metrics").text
         assert "pipeshard_gateway_resumed_total 3.0" in metrics
         assert ring.wait_sessions_freed() == [0, 0]
+    finally:
+        gateway.stop()
+
+
+def test_a_session_a_stage_no_longer_holds_is_prefilled_again(ring: Ring) -> None:
+    """Stage 0 frees a session mid-stream (as after a restart the health checks missed): its
+    next step there fails with NOT_FOUND, and the gateway re-prefills the request on a fresh
+    session instead of failing it; the text equals the uninterrupted run."""
+    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log")
+    try:
+        body = chat_body(80, stream=True)
+        expected = StreamInBackground(url, body).result()
+        freed: list[int] = []
+
+        def free_on_stage_0(events: list[str]) -> None:
+            seq_id = json.loads(events[0].removeprefix("data: "))["id"] + "-0"
+            ring.procs[1].signal(signal.SIGSTOP)  # hold the stream between two steps
+            try:
+                freed.append(ring.release(0, seq_id))
+            finally:
+                ring.procs[1].signal(signal.SIGCONT)
+
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 4:
+                        free_on_stage_0(events)
+        assert freed == [1]
+        assert not [e for e in events if '"error"' in e]
+        assert stream_text(events) == expected and events[-1] == "data: [DONE]"
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "pipeshard_gateway_resumed_total 1.0" in metrics
+        assert ring.wait_sessions_freed() == [0, 0]  # the session stage 1 still held too
     finally:
         gateway.stop()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server.scheduler import (
+    MAX_SESSION_LOSSES,
     Phase,
     QueueFull,
     QueueTimeout,
@@ -331,6 +332,30 @@ def test_without_grace_a_lost_step_ends_the_sequence() -> None:
     assert s.on_lost("a", error, now=0.0) is False
     assert s.sequences["a"].phase is Phase.DONE and s.sequences["a"].error is error
     assert freed(s) == ["a"]
+
+
+def test_a_session_a_stage_lost_is_prefilled_again_a_few_times_then_the_error_ends_it() -> None:
+    """A stage answering that it no longer holds the session (NOT_FOUND: it restarted between
+    health checks, or freed the session): re-prefill on a fresh session, at once; the fourth
+    time in one sequence ends it with the stage's error."""
+    s = Scheduler(SchedulerConfig(), eos_ids=[EOS])
+    s.add(seq("a", max_tokens=40))
+    complete(s, s.next_work(0.0))
+    gone = RuntimeError("session 'a' is not open on stage 0")
+    for loss in range(1, MAX_SESSION_LOSSES + 1):
+        [_decode] = s.next_work(1.0)  # the step that meets the loss
+        assert s.on_session_lost("a", gone, now=1.0) is True
+        [resume] = s.next_work(1.0)  # the ring is up: no wait
+        assert resume.prefill and resume.start_position == 0
+        assert resume.session_id == f"a.r{loss}"
+        complete(s, [resume])
+    a = s.sequences["a"]
+    assert a.resumes == MAX_SESSION_LOSSES and a.error is None
+    s.take_releases()
+    s.next_work(2.0)
+    assert s.on_session_lost("a", gone, now=2.0) is False
+    assert a.phase is Phase.DONE and a.error is gone
+    assert s.take_releases() == [Release("a", f"a.r{MAX_SESSION_LOSSES}", final=True)]
 
 
 # -- micro-batch groups and paged KV pools --------------------------------------------------------
