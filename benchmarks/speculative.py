@@ -17,6 +17,7 @@ without speculation, with fixed K and with adaptive K; acceptance rate; speedup 
 speculation at the same latency and user count. Ratios compare runs of the same invocation.
 
 Usage: python benchmarks/speculative.py [--export DIR] [--delays 0,10,50,100] [--ks 1,2,4,8]
+                                       [--users 1,2] [--rounds N]
 Writes benchmarks/results/speculative-<date>.{json,md,png}.
 """
 
@@ -143,14 +144,23 @@ async def run_config(
     accepted = metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
     steps = metrics.registry.get_sample_value("pipeshard_gateway_spec_k_count") or 0.0
     k_sum = metrics.registry.get_sample_value("pipeshard_gateway_spec_k_sum") or 0.0
+    draft_s = metrics.registry.get_sample_value("pipeshard_gateway_draft_seconds_sum") or 0.0
     return {
         "tok_s": len(prompts) * tokens / elapsed,
         "seconds": elapsed,
         "prompt_seconds": [seconds[i] for i in range(len(prompts))],
         "acceptance": (accepted or 0.0) / proposed if proposed else None,
         "mean_k": k_sum / steps if steps else None,
+        "draft_ms_per_token": 1000 * draft_s / proposed if proposed else None,
         "outputs": [outputs[i] for i in range(len(prompts))],
     }
+
+
+def median(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median tok/s (the lower middle one for an even count), with every
+    round's tok/s beside it."""
+    ranked = sorted(outs, key=lambda o: o["tok_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds_tok_s": [o["tok_s"] for o in outs]}
 
 
 def stage_costs(port: int) -> dict[str, float]:
@@ -188,6 +198,13 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32, help="tokens per prompt in the sweep")
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--draft-threads", type=int, default=1)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of every configuration, interleaved (each round runs them all in turn, "
+        "in reverse order every other round); the report takes the median tok/s",
+    )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     opts = p.parse_args()
 
@@ -218,7 +235,8 @@ def main() -> int:
         print(
             f"  {name:9s} users {users}: {out['tok_s']:.2f} tok/s"
             + (
-                f", acceptance {out['acceptance']:.2f}, mean K {out['mean_k']:.1f}"
+                f", acceptance {out['acceptance']:.2f}, mean K {out['mean_k']:.1f}, "
+                f"draft {out['draft_ms_per_token']:.1f} ms/token"
                 if out["acceptance"] is not None
                 else ""
             ),
@@ -244,11 +262,15 @@ def main() -> int:
             print(f"+{delay:g} ms per hop", flush=True)
             try:
                 for users in [int(u) for u in opts.users.split(",")]:
-                    for name, prop, k in configs:
-                        out = run(addresses, opts.tokens, users, name, prop, k)
-                        out.pop("outputs")
+                    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+                    for i in range(opts.rounds):
+                        for name, prop, k in configs if i % 2 == 0 else configs[::-1]:
+                            out = run(addresses, opts.tokens, users, name, prop, k)
+                            out.pop("outputs")
+                            rounds[name].append(out)
+                    for name, outs in rounds.items():
                         results["runs"].append(
-                            {"delay_ms": delay, "users": users, "config": name, **out}
+                            {"delay_ms": delay, "users": users, "config": name, **median(outs)}
                         )
             finally:
                 stop_proxies()
@@ -258,6 +280,10 @@ def main() -> int:
             proc.stop()
     report(results, opts, manifest)
     return 0
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> None:
@@ -277,7 +303,13 @@ def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> 
         f"{manifest.draft.model_id} int4 with {opts.draft_threads} thread in the gateway's "
         f"process (unpinned, sharing the {os.cpu_count()} cores); {len(PROMPTS)} prompts "
         f"(code, prose, translation, lists), {opts.tokens} greedy tokens each; 1 user = prompts "
-        "one after another, 2 users = two concurrent streams.",
+        "one after another, 2 users = two concurrent streams. "
+        + (
+            f"Every configuration ran {opts.rounds} times, interleaved (in reverse order every "
+            "other round); tok/s is the median run's."
+            if opts.rounds > 1
+            else "One run per configuration, one after another."
+        ),
         "",
         f"Greedy output with speculation (adaptive K) identical to without it, "
         f"{check['tokens']} tokens: {sum(check['identical'])}/{len(check['identical'])} prompts.",
@@ -300,8 +332,8 @@ def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> 
             ada = find(delay, users, "adaptive")
             lines.append(
                 f"| {delay:g} ms | {users} | {off['tok_s']:.2f} | {best['config']}: "
-                f"{best['tok_s']:.2f} | {ada['tok_s']:.2f} ({ada['mean_k']:.1f}, "
-                f"{ada['acceptance']:.2f}) | {ada['tok_s'] / off['tok_s']:.2f}x | "
+                f"{best['tok_s']:.2f} | {ada['tok_s']:.2f} ({_fmt(ada['mean_k'], '.1f')}, "
+                f"{_fmt(ada['acceptance'], '.2f')}) | {ada['tok_s'] / off['tok_s']:.2f}x | "
                 f"{ada['tok_s'] / best['tok_s']:.2f} |"
             )
     costs = results.get("stage_costs_ms", [])
