@@ -199,6 +199,14 @@ def main() -> int:
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--draft-threads", type=int, default=1)
     p.add_argument(
+        "--kv-backend",
+        default="stateful",
+        choices=["stateful", "paged"],
+        help="the stages' KV backend (default stateful: with the paged backend's f16 cache, a "
+        "verification pass computes attention on another kernel path than a one-token decode, "
+        "and greedy output with speculation can differ from plain greedy at near-ties)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -223,7 +231,9 @@ def main() -> int:
         manifest.model.vocab_size,
     )
     logs = Path(tempfile.mkdtemp(prefix="spec-bench-"))
-    procs, direct, metric_ports = start_pinned_stages(opts.export, logs, metrics=True)
+    procs, direct, metric_ports = start_pinned_stages(
+        opts.export, logs, metrics=True, extra=["--kv-backend", opts.kv_backend]
+    )
     ks = [int(k) for k in opts.ks.split(",")]
     configs: list[tuple[str, Any, int]] = [("off", None, 0), ("adaptive", proposer, 0)]
     configs += [(f"K={k}", proposer, k) for k in ks]
@@ -299,7 +309,7 @@ def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> 
     check = results["check"]
     lines = [
         f"Real pair: target {manifest.model.model_id} int4 in {manifest.num_stages} stages "
-        f"(stage k pinned to core k, 1 inference thread each), draft "
+        f"(stage k pinned to core k, 1 inference thread each, {opts.kv_backend} KV), draft "
         f"{manifest.draft.model_id} int4 with {opts.draft_threads} thread in the gateway's "
         f"process (unpinned, sharing the {os.cpu_count()} cores); {len(PROMPTS)} prompts "
         f"(code, prose, translation, lists), {opts.tokens} greedy tokens each; 1 user = prompts "

@@ -221,18 +221,20 @@ class StepCost:
 class AdaptiveK:
     """The choice of k (draft tokens per step); 0 = a plain step without a proposal.
 
-    The model: with per-position acceptance ``a`` a greedy step emits ``(1 - a^n) / (1 - a)``
-    tokens for ``n = k + 1`` verified positions and costs a pipeline pass of ``n`` positions
-    (:class:`StepCost`, measured) plus ``k`` draft tokens (measured); ``k`` maximises tokens per
-    second, and greedy steps choose 0 when a plain step is expected to give more. Costs are the
-    server's (one instance for all requests: network latency and load are shared), the
-    acceptance rate is each request's own (passed in; the instance keeps the server-wide one as
-    the prior). One in ``EXPLORE`` greedy steps goes the other way (plain instead of
-    speculative, or back), so both kinds of pass stay measured. Sampling always proposes, so
-    that its output does not depend on the choice.
+    With per-position acceptance ``a`` a greedy step emits ``(1 - a^n) / (1 - a)`` tokens for
+    ``n = k + 1`` verified positions (sampling: ``n = k``); ``k`` maximises tokens per second,
+    and greedy steps choose 0 when a plain step is expected to give more. A step's time (the
+    pass plus drafting) is what steps with that ``k`` measured; a ``k`` not measured yet is
+    estimated from a line fitted over every pass (:class:`StepCost`) plus ``k`` measured draft
+    tokens, so an optimistic estimate gets tried and corrected. Costs are the server's (one
+    instance for all requests: network latency and load are shared), the acceptance rate is
+    each request's own (passed in; the instance keeps the server-wide one as the prior). One
+    step in ``EXPLORE`` tries a neighbour of the best ``k`` (greedy: 0 included), so the
+    choices around it stay measured as load and latency change.
     """
 
     EXPLORE = 16
+    MEASURED = 2  # steps with a given k before its measured time replaces the estimate
 
     def __init__(
         self,
@@ -247,6 +249,8 @@ class AdaptiveK:
         self._acceptance = Acceptance(acceptance, weight=4.0, decay=0.95)
         self.cost = StepCost(pass_s)
         self.draft_s = draft_s  # running cost of one draft token (seconds)
+        # (k, positions) -> (running seconds of such a step, pass and drafting, steps seen)
+        self._measured: dict[tuple[int, int], tuple[float, int]] = {}
         self.steps = 0
 
     @property
@@ -254,18 +258,24 @@ class AdaptiveK:
         """The server-wide acceptance rate (the prior of new requests)."""
         return self._acceptance.rate
 
+    def step_seconds(self, k: int, positions: int) -> float:
+        seen = self._measured.get((k, positions))
+        if seen is not None and seen[1] >= self.MEASURED:
+            return seen[0]
+        return self.cost.seconds(positions) + k * self.draft_s
+
     def rates(self, greedy: bool, acceptance: float | None = None) -> list[float]:
         """Expected tokens per second for k = 0 .. max_k (k = 0: a plain step)."""
         a = min(self.acceptance if acceptance is None else acceptance, 0.99)
-        out = [1 / max(self.cost.seconds(1), 1e-9)]
+        out = [1 / max(self.step_seconds(0, 1), 1e-9)]
         for k in range(1, self.max_k + 1):
             positions = k + 1 if greedy else k
             expected = (1 - a**positions) / (1 - a)  # tokens emitted per step
-            out.append(expected / max(self.cost.seconds(positions) + k * self.draft_s, 1e-9))
+            out.append(expected / max(self.step_seconds(k, positions), 1e-9))
         return out
 
     def model_k(self, greedy: bool, acceptance: float | None = None) -> int:
-        """The best k >= 1 by the model."""
+        """The best k >= 1."""
         rates = self.rates(greedy, acceptance)
         return max(range(1, len(rates)), key=lambda k: rates[k])
 
@@ -274,13 +284,17 @@ class AdaptiveK:
         if self.fixed is not None:
             return self.fixed
         rates = self.rates(greedy, acceptance)
-        k = max(range(1, len(rates)), key=lambda k: rates[k])
-        if not greedy:
-            return k
-        speculate = rates[k] >= rates[0]
-        if self.steps % self.EXPLORE == 0:  # now and then, try the other way
-            speculate = not speculate
-        return k if speculate else 0
+        lowest = 0 if greedy else 1
+        best = max(range(lowest, len(rates)), key=lambda k: rates[k])
+        if self.steps % self.EXPLORE == 0:  # now and then, a neighbour (alternating sides)
+            up = (self.steps // self.EXPLORE) % 2 == 0
+            step = 1 if (up and best < self.max_k) or best == lowest else -1
+            return best + step
+        return best
+
+    def _measure(self, k: int, positions: int, seconds: float) -> None:
+        old, count = self._measured.get((k, positions), (seconds, 0))
+        self._measured[(k, positions)] = (0.7 * old + 0.3 * seconds, count + 1)
 
     def update(
         self, proposed: int, accepted: int, positions: int, pass_s: float, draft_s: float
@@ -290,10 +304,12 @@ class AdaptiveK:
         self._acceptance.update(proposed, accepted)
         self.draft_s = 0.8 * self.draft_s + 0.2 * (draft_s / proposed)
         self.cost.update(positions, pass_s)
+        self._measure(proposed, positions, pass_s + draft_s)
 
     def update_plain(self, seconds: float) -> None:
         """After a plain step (one token) that took ``seconds``."""
         self.cost.update(1, seconds)
+        self._measure(0, 1, seconds)
 
 
 def _draw(

@@ -201,6 +201,29 @@ def test_step_cost_fits_the_pass_and_each_extra_position() -> None:
     assert base + 4 * slope == pytest.approx(0.1) and slope == pytest.approx(0.13 * base)
 
 
+def test_adaptive_k_goes_by_what_steps_with_each_k_measured() -> None:
+    """The linear cost line says two proposals pay; when steps with k = 2 measure slower than
+    that (drafting, rollbacks, the gateway's own time), one proposal wins, and the other way."""
+
+    def trained(two_s: float) -> AdaptiveK:
+        adapt = AdaptiveK()
+        for _ in range(5):
+            adapt.update_plain(0.085)
+            adapt.update(1, 1, positions=2, pass_s=0.100, draft_s=0.030)
+            adapt.update(2, 1, positions=3, pass_s=two_s - 0.060, draft_s=0.060)
+        return adapt
+
+    slow, fast = trained(two_s=0.210), trained(two_s=0.150)
+    assert slow.step_seconds(2, 3) == pytest.approx(0.210)
+    assert slow.model_k(greedy=True, acceptance=0.84) == 1
+    assert fast.model_k(greedy=True, acceptance=0.84) >= 2  # k = 3 is untried: optimistic
+    rates = slow.rates(greedy=True, acceptance=0.84)
+    assert rates[1] > rates[0] and rates[1] > rates[2]
+    # k = 3 was never tried: its time is the line's estimate plus three draft tokens
+    base, slope = slow.cost.line()
+    assert slow.step_seconds(3, 4) == pytest.approx(base + 3 * slope + 3 * slow.draft_s)
+
+
 def test_prompt_lookup_continues_the_latest_match() -> None:
     ngram = NgramProposer(max_ngram=3)
     context = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
