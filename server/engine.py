@@ -184,6 +184,7 @@ class Engine:
             # the draft takes in the prompt while the stages prefill it (once: not on resumes)
             self._in_draft_pool(self.proposer.warm, item.seq_id, seq.prompt)
         try:
+            began = time.perf_counter()  # the step's time includes waiting for the draft
             plan = await self._speculate(seq, item, sampling)
             started = time.perf_counter()
             out = await self.pipeline.step(
@@ -199,9 +200,10 @@ class Engine:
                 group=item.group,
             )
             if plan.draft:
-                self._learn(seq.seq_id, plan, out.tokens, time.perf_counter() - started)
+                ended = time.perf_counter()
+                self._learn(seq.seq_id, plan, out.tokens, ended - started, ended - began)
             elif not item.prefill and self.proposer is not None:
-                self._adaptive.update_plain(time.perf_counter() - started)
+                self._adaptive.update_plain(time.perf_counter() - began)
         except PipelineError as exc:
             if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 # a stage had no KV blocks (or sessions) left for it: retry after others
@@ -269,13 +271,17 @@ class Engine:
             self.metrics.draft_seconds.observe(proposal.seconds)
         return _Plan(fed, tuple(draft), proposal.dists, proposal.seconds)
 
-    def _learn(self, seq_id: str, plan: _Plan, emitted: list[SampledToken], pass_s: float) -> None:
+    def _learn(
+        self, seq_id: str, plan: _Plan, emitted: list[SampledToken], pass_s: float, step_s: float
+    ) -> None:
         accepted = 0
         for token, proposed in zip(emitted, plan.draft, strict=False):
             if token.token_id != proposed:
                 break
             accepted += 1
-        self._adaptive.update(len(plan.draft), accepted, len(plan.tokens), pass_s, plan.draft_s)
+        self._adaptive.update(
+            len(plan.draft), accepted, len(plan.tokens), pass_s, plan.draft_s, step_s
+        )
         own = self._acceptance.get(seq_id)
         if own is None:  # a new request starts from the server-wide rate
             own = self._acceptance[seq_id] = Acceptance(self._adaptive.acceptance)

@@ -297,17 +297,25 @@ class AdaptiveK:
         self._measured[(k, positions)] = (0.7 * old + 0.3 * seconds, count + 1)
 
     def update(
-        self, proposed: int, accepted: int, positions: int, pass_s: float, draft_s: float
+        self,
+        proposed: int,
+        accepted: int,
+        positions: int,
+        pass_s: float,
+        draft_s: float,
+        step_s: float | None = None,
     ) -> None:
         """After a speculative step: ``accepted`` of ``proposed`` draft tokens were kept; the
-        pass verified ``positions`` and took ``pass_s``; drafting took ``draft_s``."""
+        pass verified ``positions`` and took ``pass_s``; drafting took ``draft_s``; the whole
+        step took ``step_s`` (default: both; more when it waited for the draft's thread,
+        which other requests share)."""
         self._acceptance.update(proposed, accepted)
         self.draft_s = 0.8 * self.draft_s + 0.2 * (draft_s / proposed)
         self.cost.update(positions, pass_s)
-        self._measure(proposed, positions, pass_s + draft_s)
+        self._measure(proposed, positions, pass_s + draft_s if step_s is None else step_s)
 
     def update_plain(self, seconds: float) -> None:
-        """After a plain step (one token) that took ``seconds``."""
+        """After a plain step (one token) that took ``seconds`` from its decision on."""
         self.cost.update(1, seconds)
         self._measure(0, 1, seconds)
 

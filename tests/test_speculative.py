@@ -219,6 +219,10 @@ def test_adaptive_k_goes_by_what_steps_with_each_k_measured() -> None:
     assert fast.model_k(greedy=True, acceptance=0.84) >= 2  # k = 3 is untried: optimistic
     rates = slow.rates(greedy=True, acceptance=0.84)
     assert rates[1] > rates[0] and rates[1] > rates[2]
+    # a step that waited for the draft's thread (shared by every request) counts that wait
+    slow.update(4, 4, positions=5, pass_s=0.1, draft_s=0.1, step_s=0.3)
+    slow.update(4, 4, positions=5, pass_s=0.1, draft_s=0.1, step_s=0.3)
+    assert slow.step_seconds(4, 5) == pytest.approx(0.3)
     # k = 3 was never tried: its time is the line's estimate plus three draft tokens
     base, slope = slow.cost.line()
     assert slow.step_seconds(3, 4) == pytest.approx(base + 3 * slope + 3 * slow.draft_s)
