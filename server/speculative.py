@@ -223,10 +223,11 @@ class AdaptiveK:
 
     With per-position acceptance ``a`` a greedy step emits ``(1 - a^n) / (1 - a)`` tokens for
     ``n = k + 1`` verified positions (sampling: ``n = k``); ``k`` maximises tokens per second,
-    and greedy steps choose 0 when a plain step is expected to give more. A step's time (the
-    pass plus drafting) is what steps with that ``k`` measured; a ``k`` not measured yet is
-    estimated from a line fitted over every pass (:class:`StepCost`) plus ``k`` measured draft
-    tokens, so an optimistic estimate gets tried and corrected. Costs are the server's (one
+    and greedy steps choose 0 when a plain step is expected to give more. A step's time (from
+    the decision to the result) is what steps with that ``k`` measured; a ``k`` not measured
+    yet is estimated from a line fitted over every pass (:class:`StepCost`) plus ``k`` draft
+    tokens, scaled as the nearest measured ``k``'s estimate was. Only measured choices and
+    their neighbours are chosen, so ``k`` climbs one step at a time. Costs are the server's (one
     instance for all requests: network latency and load are shared), the acceptance rate is
     each request's own (passed in; the instance keeps the server-wide one as the prior). One
     step in ``EXPLORE`` tries a neighbour of the best ``k`` (greedy: 0 included), so the
@@ -258,11 +259,23 @@ class AdaptiveK:
         """The server-wide acceptance rate (the prior of new requests)."""
         return self._acceptance.rate
 
-    def step_seconds(self, k: int, positions: int) -> float:
-        seen = self._measured.get((k, positions))
-        if seen is not None and seen[1] >= self.MEASURED:
-            return seen[0]
+    def _estimate(self, k: int, positions: int) -> float:
         return self.cost.seconds(positions) + k * self.draft_s
+
+    def _known(self) -> dict[tuple[int, int], float]:
+        return {key: t for key, (t, n) in self._measured.items() if n >= self.MEASURED}
+
+    def step_seconds(self, k: int, positions: int) -> float:
+        """Measured, or the line's estimate scaled as the nearest measured k's estimate was
+        (steps take longer than the passes and draft tokens they add up: waiting, overheads)."""
+        known = self._known()
+        if (k, positions) in known:
+            return known[(k, positions)]
+        estimate = self._estimate(k, positions)
+        if known:
+            near = min(known, key=lambda key: (abs(key[0] - k), key[0]))
+            estimate *= known[near] / max(self._estimate(*near), 1e-9)
+        return estimate
 
     def rates(self, greedy: bool, acceptance: float | None = None) -> list[float]:
         """Expected tokens per second for k = 0 .. max_k (k = 0: a plain step)."""
@@ -285,7 +298,11 @@ class AdaptiveK:
             return self.fixed
         rates = self.rates(greedy, acceptance)
         lowest = 0 if greedy else 1
-        best = max(range(lowest, len(rates)), key=lambda k: rates[k])
+        # measured choices and their neighbours (hill climbing: an untried k far from any
+        # measured one rests on an extrapolation)
+        tried = {k for k, _ in self._known() if k >= lowest}
+        allowed = {j for k in tried for j in (k - 1, k, k + 1) if lowest <= j <= self.max_k}
+        best = max(allowed or range(lowest, len(rates)), key=lambda k: rates[k])
         if self.steps % self.EXPLORE == 0:  # now and then, a neighbour (alternating sides)
             up = (self.steps // self.EXPLORE) % 2 == 0
             step = 1 if (up and best < self.max_k) or best == lowest else -1

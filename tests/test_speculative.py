@@ -223,9 +223,17 @@ def test_adaptive_k_goes_by_what_steps_with_each_k_measured() -> None:
     slow.update(4, 4, positions=5, pass_s=0.1, draft_s=0.1, step_s=0.3)
     slow.update(4, 4, positions=5, pass_s=0.1, draft_s=0.1, step_s=0.3)
     assert slow.step_seconds(4, 5) == pytest.approx(0.3)
-    # k = 3 was never tried: its time is the line's estimate plus three draft tokens
+    # k = 3 was never tried: the line's estimate plus three draft tokens, scaled as the
+    # nearest measured k's (2) estimate was
     base, slope = slow.cost.line()
-    assert slow.step_seconds(3, 4) == pytest.approx(base + 3 * slope + 3 * slow.draft_s)
+    line = base + 3 * slope + 3 * slow.draft_s
+    scale = 0.210 / (base + 2 * slope + 2 * slow.draft_s)
+    assert slow.step_seconds(3, 4) == pytest.approx(line * scale)
+    # it climbs one k at a time: an untried k next to a measured one may be chosen, not 6 to 8
+    slow._measured.clear()
+    for _ in range(2):
+        slow.update(1, 1, positions=2, pass_s=0.05, draft_s=0.01)
+    assert {slow.choose(greedy=False, acceptance=0.99) for _ in range(15)} <= {1, 2}
 
 
 def test_prompt_lookup_continues_the_latest_match() -> None:
