@@ -203,19 +203,13 @@ class StepCost:
             return self._prior, self.PRIOR_SLOPE * self._prior
         mean_n, mean_t = self._n / self._w, self._t / self._w
         var = self._nn / self._w - mean_n * mean_n
+        # the prior's shape through the mean: when positions hardly vary, or the fit is noise
+        slope = self.PRIOR_SLOPE * mean_t / (1 + self.PRIOR_SLOPE * (mean_n - 1))
         if var > 0.25:  # positions vary enough to fit a slope
-            slope = (self._nt / self._w - mean_n * mean_t) / var
-        else:
-            slope = self.PRIOR_SLOPE * mean_t / (1 + self.PRIOR_SLOPE * (mean_n - 1))
-        base = mean_t - slope * (mean_n - 1)
-        if base <= 0:  # noise: keep the mean and the prior's shape
-            slope = self.PRIOR_SLOPE * mean_t / (1 + self.PRIOR_SLOPE * (mean_n - 1))
-            base = mean_t - slope * (mean_n - 1)
-        return base, max(0.0, slope)
-
-    def seconds(self, positions: int) -> float:
-        base, slope = self.line()
-        return base + slope * (positions - 1)
+            fitted = (self._nt / self._w - mean_n * mean_t) / var
+            if mean_t - fitted * (mean_n - 1) > 0:
+                slope = fitted
+        return mean_t - slope * (mean_n - 1), max(0.0, slope)
 
 
 class AdaptiveK:
@@ -259,32 +253,46 @@ class AdaptiveK:
         """The server-wide acceptance rate (the prior of new requests)."""
         return self._acceptance.rate
 
-    def _estimate(self, k: int, positions: int) -> float:
-        return self.cost.seconds(positions) + k * self.draft_s
-
     def _known(self) -> dict[tuple[int, int], float]:
         return {key: t for key, (t, n) in self._measured.items() if n >= self.MEASURED}
 
     def step_seconds(self, k: int, positions: int) -> float:
         """Measured, or the line's estimate scaled as the nearest measured k's estimate was
         (steps take longer than the passes and draft tokens they add up: waiting, overheads)."""
-        known = self._known()
+        return self._seconds(k, positions, self._known(), self.cost.line())
+
+    def _seconds(
+        self,
+        k: int,
+        positions: int,
+        known: dict[tuple[int, int], float],
+        line: tuple[float, float],
+    ) -> float:
         if (k, positions) in known:
             return known[(k, positions)]
-        estimate = self._estimate(k, positions)
-        if known:
-            near = min(known, key=lambda key: (abs(key[0] - k), key[0]))
-            estimate *= known[near] / max(self._estimate(*near), 1e-9)
-        return estimate
+
+        def estimate(k: int, positions: int) -> float:
+            return line[0] + line[1] * (positions - 1) + k * self.draft_s
+
+        if not known:
+            return estimate(k, positions)
+        near = min(known, key=lambda key: (abs(key[0] - k), key[0]))
+        return estimate(k, positions) * known[near] / max(estimate(*near), 1e-9)
 
     def rates(self, greedy: bool, acceptance: float | None = None) -> list[float]:
         """Expected tokens per second for k = 0 .. max_k (k = 0: a plain step)."""
+        return self._rates(greedy, acceptance, self._known())
+
+    def _rates(
+        self, greedy: bool, acceptance: float | None, known: dict[tuple[int, int], float]
+    ) -> list[float]:
         a = min(self.acceptance if acceptance is None else acceptance, 0.99)
-        out = [1 / max(self.step_seconds(0, 1), 1e-9)]
+        line = self.cost.line()  # once per choice: the fit is the same for every k
+        out = [1 / max(self._seconds(0, 1, known, line), 1e-9)]
         for k in range(1, self.max_k + 1):
             positions = k + 1 if greedy else k
             expected = (1 - a**positions) / (1 - a)  # tokens emitted per step
-            out.append(expected / max(self.step_seconds(k, positions), 1e-9))
+            out.append(expected / max(self._seconds(k, positions, known, line), 1e-9))
         return out
 
     def model_k(self, greedy: bool, acceptance: float | None = None) -> int:
@@ -296,11 +304,12 @@ class AdaptiveK:
         self.steps += 1
         if self.fixed is not None:
             return self.fixed
-        rates = self.rates(greedy, acceptance)
+        known = self._known()
+        rates = self._rates(greedy, acceptance, known)
         lowest = 0 if greedy else 1
         # measured choices and their neighbours (hill climbing: an untried k far from any
         # measured one rests on an extrapolation)
-        tried = {k for k, _ in self._known() if k >= lowest}
+        tried = {k for k, _ in known if k >= lowest}
         allowed = {j for k in tried for j in (k - 1, k, k + 1) if lowest <= j <= self.max_k}
         best = max(allowed or range(lowest, len(rates)), key=lambda k: rates[k])
         if self.steps % self.EXPLORE == 0:  # now and then, a neighbour (alternating sides)
