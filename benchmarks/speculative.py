@@ -200,11 +200,20 @@ def main() -> int:
     p.add_argument("--draft-threads", type=int, default=1)
     p.add_argument(
         "--kv-backend",
-        default="stateful",
+        default="paged",
         choices=["stateful", "paged"],
-        help="the stages' KV backend (default stateful: with the paged backend's f16 cache, a "
-        "verification pass computes attention on another kernel path than a one-token decode, "
-        "and greedy output with speculation can differ from plain greedy at near-ties)",
+        help="the stages' KV backend (default paged, the stages' default)",
+    )
+    p.add_argument("--stage-threads", type=int, default=1, help="inference threads per stage")
+    p.add_argument(
+        "--stage-cores",
+        help="CPUs per stage, comma-separated, stage k takes the k-th (default: core k); "
+        "e.g. 0-1 puts every stage on cores 0 and 1",
+    )
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only check greedy output with speculation equals without it (no sweep)",
     )
     p.add_argument(
         "--rounds",
@@ -232,7 +241,12 @@ def main() -> int:
     )
     logs = Path(tempfile.mkdtemp(prefix="spec-bench-"))
     procs, direct, metric_ports = start_pinned_stages(
-        opts.export, logs, metrics=True, extra=["--kv-backend", opts.kv_backend]
+        opts.export,
+        logs,
+        metrics=True,
+        cores=opts.stage_cores.split(",") if opts.stage_cores else None,
+        threads=opts.stage_threads,
+        extra=["--kv-backend", opts.kv_backend],
     )
     ks = [int(k) for k in opts.ks.split(",")]
     configs: list[tuple[str, Any, int]] = [("off", None, 0), ("adaptive", proposer, 0)]
@@ -265,6 +279,8 @@ def main() -> int:
             "adaptive_tok_s": spec["tok_s"],
         }
         print(f"greedy identical with and without speculation: {results['check']['identical']}")
+        if opts.check_only:
+            return 0 if all(results["check"]["identical"]) else 1
         for delay in [float(d) for d in opts.delays.split(",")]:
             addresses, stop_proxies = (
                 delay_stages(direct, delay / 1000) if delay > 0 else (direct, lambda: None)
@@ -292,6 +308,10 @@ def main() -> int:
     return 0
 
 
+def _cores(opts: argparse.Namespace) -> str:
+    return f"cores {opts.stage_cores.split(',')}[k]" if opts.stage_cores else "core k"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -309,7 +329,8 @@ def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> 
     check = results["check"]
     lines = [
         f"Real pair: target {manifest.model.model_id} int4 in {manifest.num_stages} stages "
-        f"(stage k pinned to core k, 1 inference thread each, {opts.kv_backend} KV), draft "
+        f"(stage k pinned to {_cores(opts)}, {opts.stage_threads} inference thread(s) each, "
+        f"{opts.kv_backend} KV), draft "
         f"{manifest.draft.model_id} int4 with {opts.draft_threads} thread in the gateway's "
         f"process (unpinned, sharing the {os.cpu_count()} cores); {len(PROMPTS)} prompts "
         f"(code, prose, translation, lists), {opts.tokens} greedy tokens each; 1 user = prompts "

@@ -220,7 +220,14 @@ class PagedRunner(ShardBase):
         for port in caches:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[port.get_any_name()]])
             self.request.set_tensor(port.get_any_name(), tensor)
-        self.blocks = BlockManager(num_blocks, block_size)
+        # With several inference threads on CPU, a batch-invariant pool keeps one block aside
+        # to pad one-row calls (see forward).
+        cpu = self.options.device.upper().startswith("CPU")
+        threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS")) if cpu else 0
+        self._scratch_block: int | None = None
+        if self.options.batch_invariant and threads > 1 and num_blocks > 1:
+            self._scratch_block = num_blocks - 1
+        self.blocks = BlockManager(num_blocks - (self._scratch_block is not None), block_size)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
         log.info(
@@ -304,38 +311,67 @@ class PagedRunner(ShardBase):
 
         Returns per step its hidden states ``[T, H]``, or on the last stage the logits
         ``[num_logits, V]`` of its last rows. On failure every step's session is left as it
-        was before the call (its reserved blocks are given back)."""
+        was before the call (its reserved blocks are given back).
+
+        Batch invariance (``RunnerOptions.batch_invariant``, on by default): a row's numbers
+        do not depend on what else is in the call, so greedy output is the same alone, with
+        other users and with speculation. Two CPU kernel choices would break that (measured
+        on the 1.5B model, where either flips near-ties):
+
+        - A several-token query takes another attention path than a one-token decode. A step
+          whose every position is sampled (a speculative verification) is therefore fed as
+          one-position subsequences over the same block table; all KV is written before
+          attention, so each position attends to the ones before it as a decode would.
+        - With more than one inference thread, a matrix product of one row takes another
+          path than one of several rows. A call of one row is padded to two (a scratch
+          block for the body, the last row gathered twice for the head).
+        """
         counts = [len(s.data) for s in steps]
         begins = np.zeros(len(steps) + 1, dtype=np.int32)
         np.cumsum(counts, out=begins[1:])
+        subs: list[tuple[int, int, list[int]]] = []  # (past length, tokens, block table)
         with self._lock:
-            tables = [self.blocks.tables[s.session_id].blocks for s in steps]
-            block_begins = np.zeros(len(steps) + 1, dtype=np.int32)
-            np.cumsum([len(t) for t in tables], out=block_begins[1:])
-            block_indices = np.fromiter(
-                (b for t in tables for b in t), dtype=np.int32, count=int(block_begins[-1])
-            )
-        data = np.concatenate([s.data for s in steps])
+            for s, c in zip(steps, counts, strict=True):
+                held = self.blocks.tables[s.session_id].blocks
+                if self.options.batch_invariant and 1 < c <= s.num_logits:
+                    subs.extend(
+                        (s.start + i, 1, held[: self.blocks.blocks_for(s.start + i + 1)])
+                        for i in range(c)
+                    )
+                else:
+                    subs.append((s.start, c, held))
+        data = [s.data for s in steps]
+        positions = [
+            np.arange(s.start, s.start + c, dtype=np.int64)
+            for s, c in zip(steps, counts, strict=True)
+        ]
+        scratch = self._scratch_block
+        if scratch is not None and int(begins[-1]) == 1:
+            subs.append((0, 1, [scratch]))
+            data.append(np.zeros_like(steps[0].data))
+            positions.append(np.zeros(1, dtype=np.int64))
+        sub_begins = np.zeros(len(subs) + 1, dtype=np.int32)
+        np.cumsum([n for _, n, _ in subs], out=sub_begins[1:])
+        block_begins = np.zeros(len(subs) + 1, dtype=np.int32)
+        np.cumsum([len(t) for _, _, t in subs], out=block_begins[1:])
         inputs: dict[str, Any] = {
-            "input_ids" if self.is_first else "inputs_embeds": data,
-            "position_ids": np.concatenate(
-                [
-                    np.arange(s.start, s.start + c, dtype=np.int64)
-                    for s, c in zip(steps, counts, strict=True)
-                ]
-            ),
-            "past_lens": np.array([s.start for s in steps], dtype=np.int32),
-            "subsequence_begins": begins,
+            "input_ids" if self.is_first else "inputs_embeds": np.concatenate(data),
+            "position_ids": np.concatenate(positions),
+            "past_lens": np.array([start for start, _, _ in subs], dtype=np.int32),
+            "subsequence_begins": sub_begins,
             "block_indices_begins": block_begins,
-            "block_indices": block_indices,
+            "block_indices": np.fromiter(
+                (b for _, _, t in subs for b in t), dtype=np.int32, count=int(block_begins[-1])
+            ),
             "max_context_len": np.array(
                 max(s.start + c for s, c in zip(steps, counts, strict=True)), np.int32
             ),
         }
         if self.is_last:
-            inputs["logits_indices"] = np.concatenate(
-                [np.arange(e - s.num_logits, e) for s, e in zip(steps, begins[1:], strict=True)]
-            ).astype(np.int64)
+            picks = [np.arange(e - s.num_logits, e) for s, e in zip(steps, begins[1:], strict=True)]
+            if scratch is not None and sum(s.num_logits for s in steps) == 1:
+                picks.append(picks[-1])  # the head's product of one row, padded to two
+            inputs["logits_indices"] = np.concatenate(picks).astype(np.int64)
         try:
             result = np.asarray(self.request.infer(inputs)[0])
         except Exception:
@@ -350,7 +386,7 @@ class PagedRunner(ShardBase):
                 table = self.blocks.tables.get(s.session_id)
                 if table is not None:  # released while computing: its blocks are gone
                     table.length, table.last_used = s.start + c, now
-        rows = result.reshape(result.shape[0], result.shape[-1])
+        rows = result.reshape(result.shape[0], result.shape[-1])  # padded rows come last
         if self.is_last:
             ends = np.cumsum([s.num_logits for s in steps])
             return [rows[e - s.num_logits : e] for s, e in zip(steps, ends, strict=True)]

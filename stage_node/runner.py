@@ -58,6 +58,9 @@ class RunnerOptions:
     max_sessions: int = 64
     streams: int = 1  # sessions computed at the same time (NUM_STREAMS on CPU)
     properties: dict[str, Any] = field(default_factory=dict)  # passed through verbatim
+    # paged backend: a row's numbers do not depend on the rest of its inference call
+    # (PagedRunner.forward says how and what it costs)
+    batch_invariant: bool = True
 
     def compile_properties(self) -> dict[str, Any]:
         props: dict[str, Any] = {}

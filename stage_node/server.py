@@ -122,6 +122,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
         cache_dir=settings.ov_cache_dir,
         max_sessions=settings.max_sessions,
         streams=settings.streams,
+        batch_invariant=settings.batch_invariant,
     )
     if settings.ov_cache_dir is not None:
         settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,11 @@ class StageSettings(BaseSettings):
     max_batch: int = Field(
         default=64, ge=1, description="paged backend: sessions in one inference call at most"
     )
+    batch_invariant: bool = Field(
+        default=True,
+        description="paged backend: a row's result does not depend on the rest of its "
+        "inference call, so greedy output is the same alone, batched and speculative",
+    )
     kv_cache_precision: str | None = Field(
         default=None, description="KV_CACHE_PRECISION (default f16 on CPU; 'default': the device's)"
     )

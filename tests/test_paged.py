@@ -15,8 +15,8 @@ from server.pipeline import PipelineClient
 from stage_node.backend import PagedBackend, StatefulBackend, StepInput
 from stage_node.chain import LocalChain
 from stage_node.metrics import StageMetrics
-from stage_node.paged import BlockManager, BlocksExhausted, PagedRunner
-from stage_node.runner import CapacityExceeded, ShardRunner
+from stage_node.paged import BlockManager, BlocksExhausted, PagedRunner, PagedStep
+from stage_node.runner import CapacityExceeded, RunnerOptions, ShardRunner
 from stage_node.sampling import SampledToken
 from stage_node.service import pack, unpack
 from tests.conftest import EXACT, ExportFn
@@ -180,6 +180,51 @@ def test_a_step_that_does_not_fit_fails_alone(tiny_export: ExportFn) -> None:
     assert isinstance(again[0], BlocksExhausted) and paged.session_length("a") == size
     paged.rollback("a", 1)
     assert isinstance(backend.compute([_steps("a", np.array([7]), size - 1)])[0], np.ndarray)
+
+
+# -- batch invariance: a row's numbers do not depend on the rest of its call ---------------------
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_are_bit_identical_whatever_else_shares_the_call(
+    tiny_export: ExportFn, threads: int
+) -> None:
+    """A verification of k positions equals k decodes, and a decode batched with another
+    session's prefill equals the decode alone, bit for bit, with the default (noisy) CPU
+    options on int4 weights: dynamic activation quantization, f16 KV cache."""
+    export = tiny_export("qwen2", 2, "int4")
+    options = RunnerOptions(threads=threads)
+    runners = [PagedRunner(export, k, options, kv_cache_bytes=1 << 22) for k in (0, 1)]
+    rng = np.random.default_rng(threads)
+    prompt, cont = rng.integers(3, 250, 37), rng.integers(3, 250, 6)
+
+    def feed(steps: list[PagedStep]) -> list[np.ndarray]:
+        outs = []
+        for runner in runners:
+            for step in steps:
+                runner.place(step)
+            outs = runner.forward(steps)
+            steps = [
+                PagedStep(s.session_id, o.astype(np.float32), s.start, s.num_logits)
+                for s, o in zip(steps, outs, strict=True)
+            ]
+        return outs  # the last stage's logits
+
+    feed([PagedStep("decoded", prompt, 0)])
+    decoded = np.concatenate(
+        [feed([PagedStep("decoded", cont[i : i + 1], 37 + i)])[0] for i in range(len(cont))]
+    )
+    feed([PagedStep("verified", prompt, 0)])
+    verified = feed([PagedStep("verified", cont, 37, num_logits=len(cont))])[0]
+    assert np.array_equal(verified, decoded)
+
+    feed([PagedStep("batched", prompt, 0)])
+    batched = feed(
+        [PagedStep("batched", cont[:1], 37), PagedStep("other", rng.integers(3, 250, 9), 0)]
+    )[0]
+    assert np.array_equal(batched, decoded[:1])
+    for runner in runners:
+        for sid in ("decoded", "verified", "batched", "other"):
+            runner.release(sid)
+        assert runner.blocks.free == runner.blocks.num_blocks
 
 
 # -- real stage processes ---------------------------------------------------------------------
