@@ -34,7 +34,7 @@ from server.scheduler import (
     Sequence,
     Work,
 )
-from server.speculative import Acceptance, AdaptiveK, Proposer
+from server.speculative import Acceptance, Proposer, SharedK
 from stage_node.sampling import SampledToken, SamplingParams
 from stage_node.speculative import DraftDistribution
 
@@ -100,7 +100,7 @@ class Engine:
         self.proposer = proposer
         self.fixed_k = spec_k or None
         self.max_k = spec_max_k
-        self._adaptive = AdaptiveK(spec_max_k, self.fixed_k)  # server-wide costs
+        self._adaptive = SharedK(spec_max_k, self.fixed_k)  # server-wide costs, by concurrency
         self._acceptance: dict[str, Acceptance] = {}  # each request's own acceptance rate
         self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
 
@@ -203,7 +203,7 @@ class Engine:
                 ended = time.perf_counter()
                 self._learn(seq.seq_id, plan, out.tokens, ended - started, ended - began)
             elif not item.prefill and self.proposer is not None:
-                self._adaptive.update_plain(time.perf_counter() - began)
+                self._adaptive.level(plan.level).update_plain(time.perf_counter() - began)
         except PipelineError as exc:
             if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 # a stage had no KV blocks (or sessions) left for it: retry after others
@@ -250,26 +250,27 @@ class Engine:
             return _Plan(item.tokens)
         greedy = sampling.temperature == 0.0
         own = self._acceptance.get(seq.seq_id)
-        k = self._adaptive.choose(greedy, own.rate if own is not None else None)
+        level = sum(1 for s in self.scheduler.sequences.values() if s.phase is Phase.DECODE)
+        k = self._adaptive.choose(level, greedy, own.rate if own is not None else None)
         # no proposals beyond max_tokens or the context (greedy also gets a bonus token)
         k = min(k, seq.max_tokens - len(seq.generated) - int(greedy))
         k = min(k, self.max_context - item.start_position - 2)
         if k < 1:
-            return _Plan(item.tokens)
+            return _Plan(item.tokens, level=level)
         context = [*seq.prompt, *seq.generated]
         proposal = await asyncio.get_running_loop().run_in_executor(
             self._draft_pool, self.proposer.propose, seq.seq_id, context, k, sampling
         )
         draft = proposal.tokens
         if not draft:
-            return _Plan(item.tokens)
+            return _Plan(item.tokens, level=level)
         # Greedy: feed every proposal and verify one more position (the bonus). Sampling: every
         # position tests a proposal, so the output does not depend on k.
         fed = (*item.tokens, *(draft if greedy else draft[:-1]))
         if self.metrics is not None:
             self.metrics.spec_k.observe(len(draft))
             self.metrics.draft_seconds.observe(proposal.seconds)
-        return _Plan(fed, tuple(draft), proposal.dists, proposal.seconds)
+        return _Plan(fed, tuple(draft), proposal.dists, proposal.seconds, level)
 
     def _learn(
         self, seq_id: str, plan: _Plan, emitted: list[SampledToken], pass_s: float, step_s: float
@@ -279,7 +280,7 @@ class Engine:
             if token.token_id != proposed:
                 break
             accepted += 1
-        self._adaptive.update(
+        self._adaptive.level(plan.level).update(
             len(plan.draft), accepted, len(plan.tokens), pass_s, plan.draft_s, step_s
         )
         own = self._acceptance.get(seq_id)
@@ -363,6 +364,7 @@ class _Plan:
     draft: tuple[int, ...] = ()
     dists: list[DraftDistribution] = field(default_factory=list)
     draft_s: float = 0.0
+    level: int = 1  # requests decoding at once when k was chosen (SharedK)
 
     @property
     def num_logits(self) -> int:

@@ -235,23 +235,35 @@ class AdaptiveK:
         self,
         max_k: int = 8,
         fixed: int | None = None,
-        acceptance: float = 0.6,
+        acceptance: float | Acceptance = 0.6,
         pass_s: float = 0.05,
         draft_s: float = 0.005,
+        explore: int | None = None,
+        start: int | None = None,
     ) -> None:
         self.max_k = max_k
         self.fixed = fixed
-        self._acceptance = Acceptance(acceptance, weight=4.0, decay=0.95)
+        self._acceptance = (
+            acceptance
+            if isinstance(acceptance, Acceptance)
+            else Acceptance(acceptance, weight=4.0, decay=0.95)
+        )
         self.cost = StepCost(pass_s)
         self.draft_s = draft_s  # running cost of one draft token (seconds)
         # (k, positions) -> (running seconds of such a step, pass and drafting, steps seen)
         self._measured: dict[tuple[int, int], tuple[float, int]] = {}
         self.steps = 0
+        self.explore = explore or self.EXPLORE
+        self.start = start  # the first choice, until a k is measured (None: the model's best)
 
     @property
     def acceptance(self) -> float:
         """The server-wide acceptance rate (the prior of new requests)."""
         return self._acceptance.rate
+
+    @property
+    def acceptance_model(self) -> Acceptance:
+        return self._acceptance
 
     def _known(self) -> dict[tuple[int, int], float]:
         return {key: t for key, (t, n) in self._measured.items() if n >= self.MEASURED}
@@ -305,15 +317,17 @@ class AdaptiveK:
         if self.fixed is not None:
             return self.fixed
         known = self._known()
-        rates = self._rates(greedy, acceptance, known)
         lowest = 0 if greedy else 1
+        if not known and self.start is not None:
+            return max(lowest, min(self.start, self.max_k))
+        rates = self._rates(greedy, acceptance, known)
         # measured choices and their neighbours (hill climbing: an untried k far from any
         # measured one rests on an extrapolation)
         tried = {k for k, _ in known if k >= lowest}
         allowed = {j for k in tried for j in (k - 1, k, k + 1) if lowest <= j <= self.max_k}
         best = max(allowed or range(lowest, len(rates)), key=lambda k: rates[k])
-        if self.steps % self.EXPLORE == 0:  # now and then, a neighbour (alternating sides)
-            up = (self.steps // self.EXPLORE) % 2 == 0
+        if self.steps % self.explore == 0:  # now and then, a neighbour (alternating sides)
+            up = (self.steps // self.explore) % 2 == 0
             step = 1 if (up and best < self.max_k) or best == lowest else -1
             return best + step
         return best
@@ -344,6 +358,68 @@ class AdaptiveK:
         """After a plain step (one token) that took ``seconds`` from its decision on."""
         self.cost.update(1, seconds)
         self._measure(0, 1, seconds)
+
+
+class SharedK:
+    """k for every step, by the number of requests decoding at once (``c``).
+
+    Alone (``c`` = 1) a request chooses its own k from its own acceptance rate
+    (:class:`AdaptiveK`). With others, each request maximising its own tokens per second
+    is not the server's best: a large k slows every other request's steps too (the draft
+    thread and the stages are shared), and a request's own step times cannot tell that
+    apart from load, so each drifts to a large k (measured: 2 users at 0 ms per hop settled
+    at k = 3, 0.85 of the best fixed k, with plain decoding faster still). So from
+    ``c`` = 2 on, every request takes one k, held for ``EPOCH`` steps per request, and an
+    :class:`AdaptiveK` per ``c`` learns from those steps only: with one k for all, a step's
+    measured time is what the server gets at that k, and the k that maximises one request's
+    tokens per second maximises the server's. Each epoch moves k at most one step from the
+    measured ones (every ``EXPLORE``-th epoch tries a neighbour), starting from the k of one
+    request fewer. The acceptance rate is the server's, shared by every level.
+    """
+
+    EPOCH = 6  # steps per request before k is chosen again
+    EXPLORE = 3  # epochs
+    MAX_LEVEL = 8  # concurrency levels above this share one model
+
+    def __init__(self, max_k: int = 8, fixed: int | None = None) -> None:
+        self.max_k = max_k
+        self.fixed = fixed
+        self.alone = AdaptiveK(max_k, fixed)
+        self._levels: dict[int, AdaptiveK] = {1: self.alone}
+        self._epoch: dict[int, tuple[int, int]] = {}  # level -> (k, steps left)
+
+    @property
+    def acceptance(self) -> float:
+        """The server-wide acceptance rate."""
+        return self.alone.acceptance
+
+    def level(self, concurrency: int) -> AdaptiveK:
+        c = max(1, min(concurrency, self.MAX_LEVEL))
+        model = self._levels.get(c)
+        if model is None:
+            below = self.level(c - 1)
+            start = self._epoch.get(c - 1, (None, 0))[0] if c > 2 else below.model_k(True)
+            model = self._levels[c] = AdaptiveK(
+                self.max_k,
+                self.fixed,
+                self.alone.acceptance_model,
+                explore=self.EXPLORE,
+                start=start,
+            )
+        return model
+
+    def choose(self, concurrency: int, greedy: bool, acceptance: float | None = None) -> int:
+        """k for a step of a request; ``acceptance``: the request's own rate (used alone)."""
+        if self.fixed is not None:
+            return self.fixed
+        if concurrency <= 1:
+            return self.alone.choose(greedy, acceptance)
+        c = min(concurrency, self.MAX_LEVEL)
+        k, left = self._epoch.get(c, (0, 0))
+        if left <= 0:
+            k, left = self.level(c).choose(greedy), self.EPOCH * c
+        self._epoch[c] = (k, left - 1)
+        return k
 
 
 def _draw(

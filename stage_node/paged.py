@@ -322,9 +322,9 @@ class PagedRunner(ShardBase):
           whose every position is sampled (a speculative verification) is therefore fed as
           one-position subsequences over the same block table; all KV is written before
           attention, so each position attends to the ones before it as a decode would.
-        - With more than one inference thread, a matrix product of one row takes another
-          path than one of several rows. A call of one row is padded to two (a scratch
-          block for the body, the last row gathered twice for the head).
+        - With more than one inference thread, a call of one row takes another path than a
+          call of several rows. A call of one row is padded to two (a scratch block for the
+          body, the last row gathered twice for the head).
         """
         counts = [len(s.data) for s in steps]
         begins = np.zeros(len(steps) + 1, dtype=np.int32)

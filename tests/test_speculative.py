@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from server.speculative import Acceptance, AdaptiveK, NgramProposer, StepCost
+from server.speculative import Acceptance, AdaptiveK, NgramProposer, SharedK, StepCost
 from stage_node.sampling import SamplingParams, probabilities, sample
 from stage_node.speculative import verify
 
@@ -234,6 +234,51 @@ def test_adaptive_k_goes_by_what_steps_with_each_k_measured() -> None:
     for _ in range(2):
         slow.update(1, 1, positions=2, pass_s=0.05, draft_s=0.01)
     assert {slow.choose(greedy=False, acceptance=0.99) for _ in range(15)} <= {1, 2}
+
+
+def _simulate(shared: SharedK, level: int, seconds: dict[int, float], steps: int) -> list[int]:
+    """Steps of ``level`` concurrent greedy requests whose step with k proposals takes
+    ``seconds[k]``; per-position acceptance 0.8 (seeded); returns the k chosen each step."""
+    rng = np.random.default_rng(level)
+    chosen = []
+    for _ in range(steps):
+        k = shared.choose(level, greedy=True, acceptance=0.8)
+        chosen.append(k)
+        model = shared.level(level)
+        if k == 0:
+            model.update_plain(seconds[0])
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < 0.8:
+            accepted += 1
+        model.update(k, accepted, k + 1, seconds[k] * 0.5, seconds[k] * 0.5, seconds[k])
+    return chosen
+
+
+def test_concurrent_requests_share_one_k_per_epoch_and_find_the_servers_best() -> None:
+    """Alone, a request takes its own k; with others, every request takes one k for an epoch,
+    learnt from steps at that concurrency only: it starts from the k of one request alone and
+    climbs to the best k for the server (here plain steps), without touching the k alone."""
+    shared = SharedK(max_k=8)
+    # alone: k = 3 is the best (a step costs 0.1 s plus 0.01 s per proposal)
+    alone = {k: 0.1 + 0.01 * k for k in range(9)}
+    chosen = _simulate(shared, 1, alone, 300)
+    best_alone = max(range(1, 9), key=lambda k: (1 - 0.8 ** (k + 1)) / 0.2 / alone[k])
+    assert chosen[-40:].count(best_alone) >= 30
+    # two at once: drafting for both waits in one thread, so proposals cost much more
+    together = {k: 0.1 + 0.12 * k for k in range(9)}
+    chosen = _simulate(shared, 2, together, 12 * 12)
+    epochs = [chosen[i : i + 12] for i in range(0, len(chosen), 12)]
+    assert all(len(set(e)) == 1 for e in epochs)  # one k per epoch of 6 steps per request
+    assert epochs[0][0] == shared.alone.model_k(greedy=True)  # where one request alone stood
+    assert [e[0] for e in epochs[-6:]].count(0) >= 4  # mostly plain, a neighbour now and then
+    # the level alone kept its own measurements and k
+    assert shared.choose(1, greedy=True, acceptance=0.8) in {
+        best_alone - 1,
+        best_alone,
+        best_alone + 1,
+    }
+    assert SharedK(fixed=2).choose(3, greedy=True) == 2
 
 
 def test_prompt_lookup_continues_the_latest_match() -> None:
