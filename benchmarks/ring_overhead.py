@@ -11,7 +11,8 @@ Also reports the bytes per token per hop (from the stages' own metrics) and chec
 hidden states give the same greedy tokens as fp32.
 
 Usage: python benchmarks/ring_overhead.py [--export DIR] [--tokens 64] [--delays 10,50]
-Writes benchmarks/results/ring_overhead-<date>.{json,md}.
+       [--kv-backend paged|stateful] [--keep-awake] [--no-pin]
+Writes benchmarks/results/ring_overhead[-stateful][-awake]-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import delay_stages  # noqa: E402
-from benchmarks.processes import free_port, start_stages  # noqa: E402
+from benchmarks.processes import free_port, keep_cores_awake, start_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
 from benchmarks.workers import PROMPT  # noqa: E402
 
@@ -51,25 +52,53 @@ def prompt_ids(export: Path) -> list[int]:
 
 
 class LocalChainRunner:
-    """Both stages chained in this process, 1 inference thread each (the reference)."""
+    """Both stages chained in this process, 1 inference thread each (the reference), on the
+    same KV backend as the ring's stages."""
 
-    def __init__(self, export: Path) -> None:
+    def __init__(self, export: Path, kv_backend: str = "stateful") -> None:
         from stage_node.chain import LocalChain
+        from stage_node.paged import PagedRunner
         from stage_node.runner import RunnerOptions
 
-        self.chain = LocalChain(export, RunnerOptions(threads=1))
+        options = RunnerOptions(threads=1)
+        self.kv_backend = kv_backend
+        if kv_backend == "paged":
+            self.paged = [PagedRunner(export, k, options) for k in (0, 1)]
+        else:
+            self.chain = LocalChain(export, options)
+
+    def forward(self, tokens: list[int], start: int) -> Any:
+        import numpy as np
+
+        if self.kv_backend != "paged":
+            return self.chain.forward("run", np.array(tokens))
+        from stage_node.paged import PagedStep
+
+        data: Any = np.array(tokens, dtype=np.int64)
+        for runner in self.paged:
+            step = PagedStep("run", data, start)
+            runner.place(step)
+            data = runner.forward([step])[0].astype(np.float32)
+        return data
+
+    def release(self) -> None:
+        if self.kv_backend == "paged":
+            for runner in self.paged:
+                runner.release("run")
+        else:
+            self.chain.release("run")
 
     def once(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
         import numpy as np
 
-        logits = self.chain.forward("run", np.array(prompt))
+        logits = self.forward(prompt, 0)
         out = [int(np.argmax(logits[-1]))]
         started = time.perf_counter()
         while len(out) < tokens:
-            logits = self.chain.forward("run", np.array(out[-1:]))
+            logits = self.forward(out[-1:], len(prompt) + len(out) - 1)
             out.append(int(np.argmax(logits[-1])))
         step = (time.perf_counter() - started) / (tokens - 1)
-        self.chain.release("run")
+        self.release()
         return step, out
 
 
@@ -154,6 +183,10 @@ def run_ring(
                 exact=False,
                 extra=[
                     *(["--cpus", str(index)] if PIN else []),
+                    "--threads",
+                    "1",
+                    "--kv-backend",
+                    local.kv_backend,
                     "--hidden-dtype",
                     hidden,
                     "--metrics-port",
@@ -216,6 +249,18 @@ def main() -> int:
     p.add_argument("--delays", default="10,50", help="added one-way ms per hop")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--no-pin", action="store_true", help="do not pin stage k to core k")
+    p.add_argument(
+        "--kv-backend",
+        default="paged",
+        choices=["paged", "stateful"],
+        help="the stages' KV backend, in the ring and in process alike (default paged)",
+    )
+    p.add_argument(
+        "--keep-awake",
+        action="store_true",
+        help="a SCHED_IDLE busy loop on each core for the whole run, so no core goes idle "
+        "between messages (measures what waking an idle core costs each hop)",
+    )
     opts = p.parse_args()
     global PIN
     PIN = not opts.no_pin
@@ -224,9 +269,13 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="ring-bench-"))
 
     os.sched_setaffinity(0, {0, 1})
-    local = LocalChainRunner(opts.export)
-    ring32 = run_ring(opts.export, prompt, opts.tokens, "fp32", delays, logs, local)
-    ring16 = run_ring(opts.export, prompt, opts.tokens, "fp16", [], logs, local)
+    local = LocalChainRunner(opts.export, opts.kv_backend)
+    stop_spinning = keep_cores_awake([0, 1]) if opts.keep_awake else (lambda: None)
+    try:
+        ring32 = run_ring(opts.export, prompt, opts.tokens, "fp32", delays, logs, local)
+        ring16 = run_ring(opts.export, prompt, opts.tokens, "fp16", [], logs, local)
+    finally:
+        stop_spinning()
 
     from protos.manifest import load_manifest
 
@@ -236,8 +285,14 @@ def main() -> int:
         f"Real 2-stage export {opts.export.name}, single stream, {opts.tokens} tokens, {ROUNDS} "
         "rounds alternating in-process and ring runs (medians; ratio = in-process ms / ring ms "
         f"per round); {'stage k pinned to core k' if PIN else 'stages not pinned'}, "
-        "1 inference thread each; the in-process chain "
-        "and the client ran on cores 0-1 with 1 thread per stage; u8 KV cache, f32 compute",
+        f"1 inference thread each, {opts.kv_backend} KV backend; the in-process chain "
+        f"({opts.kv_backend} too) and the client ran on cores 0-1 with 1 thread per stage; "
+        "f16 KV cache, f32 compute"
+        + (
+            "; a SCHED_IDLE busy loop on each core kept the cores from going idle"
+            if opts.keep_awake
+            else ""
+        ),
         "",
         "| configuration | ms/token | tok/s | ring vs in-process, median [min, max] |",
         "|---|---|---|---|",
@@ -287,7 +342,14 @@ def main() -> int:
         f"ring fp16 {ring16['tokens_identical']}"
     )
     report = "\n".join(lines)
-    save(opts.results, "ring_overhead", report, {"ring_fp32": ring32, "ring_fp16": ring16}, opts)
+    name = "ring_overhead" + ("-stateful" if opts.kv_backend == "stateful" else "")
+    save(
+        opts.results,
+        name + ("-awake" if opts.keep_awake else ""),
+        report,
+        {"ring_fp32": ring32, "ring_fp16": ring16},
+        opts,
+    )
     return 0
 
 
