@@ -255,6 +255,7 @@ class AdaptiveK:
         self.steps = 0
         self.explore = explore or self.EXPLORE
         self.start = start  # the first choice, until a k is measured (None: the model's best)
+        self.best = start  # the latest choice, explorations aside
 
     @property
     def acceptance(self) -> float:
@@ -319,13 +320,14 @@ class AdaptiveK:
         known = self._known()
         lowest = 0 if greedy else 1
         if not known and self.start is not None:
-            return max(lowest, min(self.start, self.max_k))
+            self.best = max(lowest, min(self.start, self.max_k))
+            return self.best
         rates = self._rates(greedy, acceptance, known)
         # measured choices and their neighbours (hill climbing: an untried k far from any
         # measured one rests on an extrapolation)
         tried = {k for k, _ in known if k >= lowest}
         allowed = {j for k in tried for j in (k - 1, k, k + 1) if lowest <= j <= self.max_k}
-        best = max(allowed or range(lowest, len(rates)), key=lambda k: rates[k])
+        best = self.best = max(allowed or range(lowest, len(rates)), key=lambda k: rates[k])
         if self.steps % self.explore == 0:  # now and then, a neighbour (alternating sides)
             up = (self.steps // self.explore) % 2 == 0
             step = 1 if (up and best < self.max_k) or best == lowest else -1
@@ -384,7 +386,9 @@ class SharedK:
     def __init__(self, max_k: int = 8, fixed: int | None = None) -> None:
         self.max_k = max_k
         self.fixed = fixed
-        self.alone = AdaptiveK(max_k, fixed)
+        # alone, k starts at 1 and climbs: the prior's costs (a 5 ms draft token) are far
+        # from any real draft's, and a short request would end before a high start came down
+        self.alone = AdaptiveK(max_k, fixed, start=1)
         self._levels: dict[int, AdaptiveK] = {1: self.alone}
         self._epoch: dict[int, tuple[int, int]] = {}  # level -> (k, steps left)
 
@@ -398,7 +402,7 @@ class SharedK:
         model = self._levels.get(c)
         if model is None:
             below = self.level(c - 1)
-            start = self._epoch.get(c - 1, (None, 0))[0] if c > 2 else below.model_k(True)
+            start = self._epoch[c - 1][0] if c - 1 in self._epoch else below.best
             model = self._levels[c] = AdaptiveK(
                 self.max_k,
                 self.fixed,

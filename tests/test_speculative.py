@@ -260,24 +260,26 @@ def test_concurrent_requests_share_one_k_per_epoch_and_find_the_servers_best() -
     learnt from steps at that concurrency only: it starts from the k of one request alone and
     climbs to the best k for the server (here plain steps), without touching the k alone."""
     shared = SharedK(max_k=8)
-    # alone: k = 3 is the best (a step costs 0.1 s plus 0.01 s per proposal)
+    # alone: a step costs 0.1 s plus 0.01 s per proposal (k = 5 or 6 is the best)
     alone = {k: 0.1 + 0.01 * k for k in range(9)}
+
+    def rate(k: int) -> float:
+        return (1 - 0.8 ** (k + 1)) / 0.2 / alone[k]
+
+    best = max(rate(k) for k in range(1, 9))
     chosen = _simulate(shared, 1, alone, 300)
-    best_alone = max(range(1, 9), key=lambda k: (1 - 0.8 ** (k + 1)) / 0.2 / alone[k])
-    assert chosen[-40:].count(best_alone) >= 30
+    assert chosen[0] == 1  # alone, k starts at 1 and climbs to (about) the best
+    assert sorted(rate(k) for k in chosen[-40:])[5] > 0.98 * best
     # two at once: drafting for both waits in one thread, so proposals cost much more
     together = {k: 0.1 + 0.12 * k for k in range(9)}
+    start = shared.alone.best
     chosen = _simulate(shared, 2, together, 12 * 12)
     epochs = [chosen[i : i + 12] for i in range(0, len(chosen), 12)]
     assert all(len(set(e)) == 1 for e in epochs)  # one k per epoch of 6 steps per request
-    assert epochs[0][0] == shared.alone.model_k(greedy=True)  # where one request alone stood
+    assert start is not None and epochs[0][0] == start and rate(start) > 0.98 * best
     assert [e[0] for e in epochs[-6:]].count(0) >= 4  # mostly plain, a neighbour now and then
     # the level alone kept its own measurements and k
-    assert shared.choose(1, greedy=True, acceptance=0.8) in {
-        best_alone - 1,
-        best_alone,
-        best_alone + 1,
-    }
+    assert rate(shared.choose(1, greedy=True, acceptance=0.8)) > 0.95 * best
     assert SharedK(fixed=2).choose(3, greedy=True) == 2
 
 
