@@ -200,7 +200,7 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
-        help="paged: each row's result independent of its batch, so greedy output is the same "
+        help="paged, CPU: each row's result independent of its batch, so greedy output is the same "
         "alone, batched and speculative (default on; off saves up to 5%% of a one-user decode "
         "step with several threads)",
     )

@@ -220,10 +220,12 @@ class PagedRunner(ShardBase):
         for port in caches:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[port.get_any_name()]])
             self.request.set_tensor(port.get_any_name(), tensor)
-        # With several inference threads on CPU, a batch-invariant pool keeps one block aside
-        # to pad one-row calls (see forward).
+        # Batch invariance (see forward) on CPU, whose kernels it was measured on (other
+        # devices compute as they do; untested here): verifications split into one-position
+        # subsequences, and with several threads one block kept aside to pad one-row calls.
         cpu = self.options.device.upper().startswith("CPU")
         threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS")) if cpu else 0
+        self._split_verification = self.options.batch_invariant and cpu
         self._scratch_block: int | None = None
         if self.options.batch_invariant and threads > 1 and num_blocks > 1:
             self._scratch_block = num_blocks - 1
@@ -333,7 +335,7 @@ class PagedRunner(ShardBase):
         with self._lock:
             for s, c in zip(steps, counts, strict=True):
                 held = self.blocks.tables[s.session_id].blocks
-                if self.options.batch_invariant and 1 < c <= s.num_logits:
+                if self._split_verification and 1 < c <= s.num_logits:
                     subs.extend(
                         (s.start + i, 1, held[: self.blocks.blocks_for(s.start + i + 1)])
                         for i in range(c)

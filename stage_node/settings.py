@@ -39,7 +39,7 @@ class StageSettings(BaseSettings):
     )
     batch_invariant: bool = Field(
         default=True,
-        description="paged backend: a row's result does not depend on the rest of its "
+        description="paged backend on CPU: a row's result does not depend on the rest of its "
         "inference call, so greedy output is the same alone, batched and speculative",
     )
     kv_cache_precision: str | None = Field(
