@@ -127,7 +127,8 @@ async def ring_once(
 
 
 def decode_step_bytes(hidden_size: int, dtype: str) -> list[int]:
-    """Payload of one decode step on each hop: gateway->stage 0, stage 0->1, stage 1->gateway."""
+    """Payload of one decode step on each hop: gateway->stage 0, stage 0->1, stage 1->gateway
+    (a batch of one step; hidden states travel beside the steps of a batch)."""
     import numpy as np
 
     from protos import pipeshard_v1_pb2 as pb
@@ -143,13 +144,14 @@ def decode_step_bytes(hidden_size: int, dtype: str) -> list[int]:
         deadline_unix_ms=int(time.time() * 1000),
     )
     step.sampling.temperature = 0.0
-    first = step.ByteSize()
+    first = pb.StepBatch(steps=[step]).ByteSize()
     step.ClearField("token_ids")
+    step.num_tokens = 1
     hidden = np.zeros((1, hidden_size), dtype=np.float32)
-    step.hidden.CopyFrom(numpy_to_tensor(hidden, HIDDEN_DTYPES[dtype]))
+    onward = pb.StepBatch(steps=[step], hidden=numpy_to_tensor(hidden, HIDDEN_DTYPES[dtype]))
     result = pb.StepResult(session_id=step.session_id, step_id=1000, session_length=1001)
     result.tokens.add(token_id=151000)
-    return [first, step.ByteSize(), result.ByteSize()]
+    return [first, onward.ByteSize(), result.ByteSize()]
 
 
 def scrape(port: int) -> dict[str, float]:
