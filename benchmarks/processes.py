@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,25 +174,3 @@ def start_gateway(
         time.sleep(0.1)
     gateway.stop()
     raise TimeoutError(f"gateway not ready:\n{log.read_text()[-3000:]}")
-
-
-def keep_cores_awake(cores: Sequence[int]) -> Callable[[], None]:
-    """One busy loop per core at SCHED_IDLE priority: it runs only when nothing else wants the
-    core, so it takes (almost) no time from the benchmark, but the core never goes idle. On a
-    virtual machine an idle vCPU halts, and waking it for the next message costs the
-    hypervisor's wake-up latency on every hop. Returns the function that stops them."""
-    spin = (
-        "import os\n"
-        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
-        "while True:\n    pass\n"
-    )
-    procs = [
-        subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", spin]) for core in cores
-    ]
-
-    def stop() -> None:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-
-    return stop

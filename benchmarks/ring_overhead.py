@@ -11,8 +11,8 @@ Also reports the bytes per token per hop (from the stages' own metrics) and chec
 hidden states give the same greedy tokens as fp32.
 
 Usage: python benchmarks/ring_overhead.py [--export DIR] [--tokens 64] [--delays 10,50]
-       [--kv-backend paged|stateful] [--keep-awake] [--no-pin]
-Writes benchmarks/results/ring_overhead[-stateful][-awake]-<date>.{json,md}.
+       [--kv-backend paged|stateful] [--no-pin]
+Writes benchmarks/results/ring_overhead[-stateful][-unpinned]-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import delay_stages  # noqa: E402
-from benchmarks.processes import free_port, keep_cores_awake, start_stages  # noqa: E402
+from benchmarks.processes import free_port, start_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
 from benchmarks.workers import PROMPT  # noqa: E402
 
@@ -257,12 +257,6 @@ def main() -> int:
         choices=["paged", "stateful"],
         help="the stages' KV backend, in the ring and in process alike (default paged)",
     )
-    p.add_argument(
-        "--keep-awake",
-        action="store_true",
-        help="a SCHED_IDLE busy loop on each core for the whole run, so no core goes idle "
-        "between messages (measures what waking an idle core costs each hop)",
-    )
     opts = p.parse_args()
     global PIN
     PIN = not opts.no_pin
@@ -272,12 +266,8 @@ def main() -> int:
 
     os.sched_setaffinity(0, {0, 1})
     local = LocalChainRunner(opts.export, opts.kv_backend)
-    stop_spinning = keep_cores_awake([0, 1]) if opts.keep_awake else (lambda: None)
-    try:
-        ring32 = run_ring(opts.export, prompt, opts.tokens, "fp32", delays, logs, local)
-        ring16 = run_ring(opts.export, prompt, opts.tokens, "fp16", [], logs, local)
-    finally:
-        stop_spinning()
+    ring32 = run_ring(opts.export, prompt, opts.tokens, "fp32", delays, logs, local)
+    ring16 = run_ring(opts.export, prompt, opts.tokens, "fp16", [], logs, local)
 
     from protos.manifest import load_manifest
 
@@ -289,12 +279,7 @@ def main() -> int:
         f"per round); {'stage k pinned to core k' if PIN else 'stages not pinned'}, "
         f"1 inference thread each, {opts.kv_backend} KV backend; the in-process chain "
         f"({opts.kv_backend} too) and the client ran on cores 0-1 with 1 thread per stage; "
-        "f16 KV cache, f32 compute"
-        + (
-            "; a SCHED_IDLE busy loop on each core kept the cores from going idle"
-            if opts.keep_awake
-            else ""
-        ),
+        "f16 KV cache, f32 compute",
         "",
         "| configuration | ms/token | tok/s | ring vs in-process, median [min, max] |",
         "|---|---|---|---|",
@@ -345,13 +330,8 @@ def main() -> int:
     )
     report = "\n".join(lines)
     name = "ring_overhead" + ("-stateful" if opts.kv_backend == "stateful" else "")
-    save(
-        opts.results,
-        name + ("-awake" if opts.keep_awake else ""),
-        report,
-        {"ring_fp32": ring32, "ring_fp16": ring16},
-        opts,
-    )
+    name += "" if PIN else "-unpinned"
+    save(opts.results, name, report, {"ring_fp32": ring32, "ring_fp16": ring16}, opts)
     return 0
 
 
