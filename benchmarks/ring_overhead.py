@@ -27,7 +27,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -55,50 +55,24 @@ class LocalChainRunner:
     """Both stages chained in this process, 1 inference thread each (the reference), on the
     same KV backend as the ring's stages."""
 
-    def __init__(self, export: Path, kv_backend: str = "stateful") -> None:
+    def __init__(self, export: Path, kv_backend: Literal["stateful", "paged"] = "stateful") -> None:
         from stage_node.chain import LocalChain
-        from stage_node.paged import PagedRunner
         from stage_node.runner import RunnerOptions
 
-        options = RunnerOptions(threads=1)
         self.kv_backend = kv_backend
-        if kv_backend == "paged":
-            self.paged = [PagedRunner(export, k, options) for k in (0, 1)]
-        else:
-            self.chain = LocalChain(export, options)
-
-    def forward(self, tokens: list[int], start: int) -> Any:
-        import numpy as np
-
-        if self.kv_backend != "paged":
-            return self.chain.forward("run", np.array(tokens))
-        from stage_node.paged import PagedStep
-
-        data: Any = np.array(tokens, dtype=np.int64)
-        for runner in self.paged:
-            step = PagedStep("run", data, start)
-            runner.place(step)
-            data = runner.forward([step])[0].astype(np.float32)
-        return data
-
-    def release(self) -> None:
-        if self.kv_backend == "paged":
-            for runner in self.paged:
-                runner.release("run")
-        else:
-            self.chain.release("run")
+        self.chain = LocalChain(export, RunnerOptions(threads=1), kv_backend)
 
     def once(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
         import numpy as np
 
-        logits = self.forward(prompt, 0)
+        logits = self.chain.forward("run", np.array(prompt))
         out = [int(np.argmax(logits[-1]))]
         started = time.perf_counter()
         while len(out) < tokens:
-            logits = self.forward(out[-1:], len(prompt) + len(out) - 1)
+            logits = self.chain.forward("run", np.array(out[-1:]))
             out.append(int(np.argmax(logits[-1])))
         step = (time.perf_counter() - started) / (tokens - 1)
-        self.release()
+        self.chain.release("run")
         return step, out
 
 

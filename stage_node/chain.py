@@ -6,22 +6,31 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import openvino as ov
 
 from protos.manifest import ShardManifest, load_manifest
+from stage_node.paged import PagedRunner, PagedStep
 from stage_node.runner import RunnerOptions, ShardRunner
 
 
 class LocalChain:
-    """Every stage of an export as in-process runners sharing one OpenVINO core."""
+    """Every stage of an export as in-process runners sharing one OpenVINO core, on either
+    KV backend."""
 
-    def __init__(self, export_dir: Path, options: RunnerOptions | None = None) -> None:
+    def __init__(
+        self,
+        export_dir: Path,
+        options: RunnerOptions | None = None,
+        kv_backend: Literal["stateful", "paged"] = "stateful",
+    ) -> None:
         self.manifest: ShardManifest = load_manifest(export_dir)
         core = ov.Core()
-        self.runners = [
-            ShardRunner(export_dir, i, options, core=core, manifest=self.manifest)
+        runner = PagedRunner if kv_backend == "paged" else ShardRunner
+        self.runners: list[ShardRunner | PagedRunner] = [
+            runner(export_dir, i, options, core=core, manifest=self.manifest)
             for i in range(self.manifest.num_stages)
         ]
 
@@ -32,7 +41,12 @@ class LocalChain:
         start = first.session_length(session_id) if first.has_session(session_id) else 0
         positions = np.arange(start, start + len(data), dtype=np.int64)
         for runner in self.runners:
-            data = runner.forward(session_id, data, positions, num_logits)
+            if isinstance(runner, PagedRunner):
+                step = PagedStep(session_id, data, start, num_logits)
+                runner.place(step)
+                data = runner.forward([step])[0]
+            else:
+                data = runner.forward(session_id, data, positions, num_logits)
         return data
 
     def rollback(self, session_id: str, count: int) -> None:
