@@ -225,12 +225,13 @@ class StageService(pb_grpc.StageServicer):
             else StatefulBackend(runner, metrics, settings.streams)
         )
         self.pool = ThreadPoolExecutor(self.backend.parallelism, thread_name_prefix="infer")
-        self._ready: deque[tuple[StepInput, asyncio.Future[StepOutcome]]] = deque()
+        self._ready: deque[tuple[StepInput, pb.Step]] = deque()
+        # steps waiting for their session's step in flight (an entry per session in flight)
+        self._waiting: dict[str, deque[tuple[pb.Step, np.ndarray | Exception]]] = {}
         self._workers = 0
         self._worker_tasks: set[asyncio.Task[None]] = set()
         self.downstream: Downstream | None = None
         self.results: dict[str, asyncio.Queue[pb.StepResult]] = {}
-        self._tails: dict[str, asyncio.Task[None]] = {}
 
     # -- control RPCs ---------------------------------------------------------------------
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.StageInfo:
@@ -325,6 +326,11 @@ class StageService(pb_grpc.StageServicer):
                 del self.results[request.client_id]
 
     # -- the data path --------------------------------------------------------------------
+    # A session's steps run one after another: the first waits in ``_ready`` for compute, the
+    # rest wait in the session's entry of ``_waiting`` (present while the session has a step
+    # in flight) and start as soon as the one before has been passed on. Everything here but
+    # the inference itself runs on the event loop, without a task per step: each step costs
+    # only the loop iterations of its batch's compute call.
     async def Push(
         self, request_iterator: AsyncIterator[pb.StepBatch], context: Any
     ) -> pb.PushSummary:
@@ -332,54 +338,68 @@ class StageService(pb_grpc.StageServicer):
         async for batch in request_iterator:
             self.metrics.bytes.labels("in").inc(batch.ByteSize())
             for step, data in unpack(batch, self.runner.is_first):
-                self._schedule(step, data)
+                self._admit(step, data)
                 steps += 1
             batches += 1
         return pb.PushSummary(steps=steps, batches=batches)
 
-    def _schedule(self, step: pb.Step, data: np.ndarray | Exception) -> None:
-        sid = step.session_id
-        previous = self._tails.get(sid)
-        task = asyncio.create_task(self._run_after(previous, step, data))
-        self._tails[sid] = task
-
-        def forget(done: asyncio.Task[None]) -> None:
-            if self._tails.get(sid) is done:
-                del self._tails[sid]
-
-        task.add_done_callback(forget)
-
-    async def _run_after(
-        self, previous: asyncio.Task[None] | None, step: pb.Step, data: np.ndarray | Exception
-    ) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])
-        try:
-            await self._run(step, data)
-        except Exception:  # never let one step take the stage down
-            log.exception("step %s/%d could not be delivered", step.session_id, step.step_id)
-
-    async def _run(self, step: pb.Step, data: np.ndarray | Exception) -> None:
-        output: StepOutcome = None
+    def _admit(self, step: pb.Step, data: np.ndarray | Exception) -> None:
         self.metrics.steps_in_flight.inc()
-        try:
+        waiting = self._waiting.get(step.session_id)
+        if waiting is not None:  # an earlier step of this session is in flight
+            waiting.append((step, data))
+            return
+        self._waiting[step.session_id] = deque([(step, data)])
+        self._advance(step.session_id)
+
+    def _advance(self, session_id: str) -> None:
+        """Start the session's next waiting step; steps that need no compute (they failed
+        upstream or cannot be read) pass on at once, in order."""
+        waiting = self._waiting.get(session_id)
+        while waiting:
+            step, data = waiting.popleft()
+            outcome: StepOutcome = None
             if not step.HasField("error"):
                 item = data if isinstance(data, Exception) else self._step_input(step, data)
-                output = item if isinstance(item, Exception) else await self._compute(item)
-            if isinstance(output, Exception):
-                code, message = status_for(output)
-                self.metrics.errors.labels(code.name).inc()
-                step.error.CopyFrom(
-                    pb.StepError(code=code.value[0], message=message, stage=self.index)
-                )
-                output = None
+                if not isinstance(item, Exception):
+                    self._ready.append((item, step))
+                    self._start_worker()
+                    return
+                outcome = item
+            self._pass_on([(step, outcome)])
+        self._waiting.pop(session_id, None)
+
+    def _start_worker(self) -> None:
+        if self._workers < self.backend.parallelism:
+            self._workers += 1
+            task = asyncio.create_task(self._work())
+            self._worker_tasks.add(task)
+            task.add_done_callback(self._worker_tasks.discard)
+
+    def _pass_on(self, done: list[tuple[pb.Step, StepOutcome]]) -> None:
+        """Send computed (or failed) steps on: to the next stage together, or to the gateway
+        as results; a failure travels as the step's error."""
+        try:
+            outgoing: list[tuple[pb.Step, Any]] = []
+            for step, output in done:
+                if isinstance(output, Exception):
+                    code, message = status_for(output)
+                    self.metrics.errors.labels(code.name).inc()
+                    step.error.CopyFrom(
+                        pb.StepError(code=code.value[0], message=message, stage=self.index)
+                    )
+                    output = None
+                outgoing.append((step, output))
             self.metrics.sessions.set(self.runner.session_count)
-            if self.runner.is_last:
-                self._deliver(step, output)
-            else:
-                self._forward(step, output)
+            for step, output in outgoing:
+                if self.runner.is_last:
+                    self._deliver(step, output)
+                else:
+                    self._forward(step, output)
+        except Exception:  # never let one batch take the stage down
+            log.exception("steps %s could not be delivered", [s.session_id for s, _ in done])
         finally:
-            self.metrics.steps_in_flight.dec()
+            self.metrics.steps_in_flight.dec(len(done))
 
     def _step_input(self, step: pb.Step, data: np.ndarray) -> StepInput | Exception:
         try:
@@ -401,19 +421,9 @@ class StageService(pb_grpc.StageServicer):
             return exc
 
     # -- batching: steps that are ready together are computed together ----------------------
-    def _compute(self, item: StepInput) -> asyncio.Future[StepOutcome]:
-        future: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
-        self._ready.append((item, future))
-        if self._workers < self.backend.parallelism:
-            self._workers += 1
-            task = asyncio.create_task(self._work())
-            self._worker_tasks.add(task)
-            task.add_done_callback(self._worker_tasks.discard)
-        return future
-
     async def _work(self) -> None:
         """Take every ready step (up to the backend's batch size) and compute them as one
-        batch; the steps' own sessions are ordered by their chains (see _schedule)."""
+        batch; each session has at most one step ready or computing (see _advance)."""
         loop = asyncio.get_running_loop()
         try:
             while self._ready:
@@ -424,18 +434,18 @@ class StageService(pb_grpc.StageServicer):
                     )
                 except Exception as exc:  # the pool is gone (shutting down)
                     outcomes = [exc] * len(batch)
-                for (_, future), outcome in zip(batch, outcomes, strict=True):
-                    if not future.done():
-                        future.set_result(outcome)
+                self._pass_on([(step, out) for (_, step), out in zip(batch, outcomes, strict=True)])
+                for _, step in batch:
+                    self._advance(step.session_id)
         finally:
             self._workers -= 1
 
-    def _take_group(self) -> list[tuple[StepInput, asyncio.Future[StepOutcome]]]:
+    def _take_group(self) -> list[tuple[StepInput, pb.Step]]:
         """The oldest ready step and every ready step of its micro-batch group (up to
         max_batch); other groups wait for the next call, so the stages pipeline groups."""
         group = self._ready[0][0].group
-        batch: list[tuple[StepInput, asyncio.Future[StepOutcome]]] = []
-        rest: deque[tuple[StepInput, asyncio.Future[StepOutcome]]] = deque()
+        batch: list[tuple[StepInput, pb.Step]] = []
+        rest: deque[tuple[StepInput, pb.Step]] = deque()
         while self._ready:
             entry = self._ready.popleft()
             if entry[0].group == group and len(batch) < self.backend.max_batch:
