@@ -222,23 +222,50 @@ class PagedRunner(ShardBase):
             self.request.set_tensor(port.get_any_name(), tensor)
         # Batch invariance (see forward) on CPU, whose kernels it was measured on (other
         # devices compute as they do; untested here): verifications split into one-position
-        # subsequences, and with several threads one block kept aside to pad one-row calls.
+        # subsequences, and where this machine computes a lone row differently from a row
+        # among others, one block kept aside to pad one-row calls.
         cpu = self.options.device.upper().startswith("CPU")
-        threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS")) if cpu else 0
         self._split_verification = self.options.batch_invariant and cpu
         self._scratch_block: int | None = None
-        if self.options.batch_invariant and threads > 1 and num_blocks > 1:
-            self._scratch_block = num_blocks - 1
-        self.blocks = BlockManager(num_blocks - (self._scratch_block is not None), block_size)
+        self.blocks = BlockManager(num_blocks, block_size)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
+        if self._split_verification and num_blocks > 1 and not self._lone_row_is_invariant():
+            self._scratch_block = num_blocks - 1
+            self.blocks = BlockManager(num_blocks - 1, block_size)
         log.info(
-            "paged KV: %d blocks of %d positions, %.1f MiB (%s)",
+            "paged KV: %d blocks of %d positions, %.1f MiB (%s)%s",
             num_blocks,
             block_size,
             self.kv_cache_bytes / (1 << 20),
             caches[0].get_element_type(),
+            "; one-row calls padded to two" if self._scratch_block is not None else "",
         )
+
+    def _lone_row_is_invariant(self) -> bool:
+        """Whether a row computed alone equals the same row computed beside another, bit for
+        bit, on this machine. It depends on the CPU and the thread count (measured: one thread
+        agreed and two did not on one host; on another, one thread did not, and a two-row call
+        cost 1.4x a one-row call), so each stage asks its own kernels when it loads."""
+        rng = np.random.default_rng(0)
+        rows: list[np.ndarray]
+        if self.is_first:
+            rows = [np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)]
+        else:
+            rows = [rng.standard_normal((1, self.hidden_size)).astype(np.float32) for _ in "ab"]
+        alone = [self._probe([row])[0] for row in rows]
+        together = self._probe(rows)
+        return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
+
+    def _probe(self, rows: list[np.ndarray]) -> list[np.ndarray]:
+        steps = [PagedStep(f"__probe-{i}__", row, 0) for i, row in enumerate(rows)]
+        try:
+            for step in steps:
+                self.place(step)
+            return [out.copy() for out in self.forward(steps)]
+        finally:
+            for step in steps:
+                self.release(step.session_id)
 
     # -- sessions (same surface as ShardRunner) ---------------------------------------------
     @property
@@ -324,9 +351,10 @@ class PagedRunner(ShardBase):
           whose every position is sampled (a speculative verification) is therefore fed as
           one-position subsequences over the same block table; all KV is written before
           attention, so each position attends to the ones before it as a decode would.
-        - With more than one inference thread, a call of one row takes another path than a
-          call of several rows. A call of one row is padded to two (a scratch block for the
-          body, the last row gathered twice for the head).
+        - On some machines (the CPU and the thread count decide; each stage checks when it
+          loads) a call of one row takes another path than a call of several rows. There a
+          call of one row is padded to two (a scratch block for the body, the last row
+          gathered twice for the head).
         """
         counts = [len(s.data) for s in steps]
         begins = np.zeros(len(steps) + 1, dtype=np.int32)
