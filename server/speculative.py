@@ -220,8 +220,9 @@ class AdaptiveK:
     and greedy steps choose 0 when a plain step is expected to give more. A step's time (from
     the decision to the result) is what steps with that ``k`` measured; a ``k`` not measured
     yet is estimated from a line fitted over every pass (:class:`StepCost`) plus ``k`` draft
-    tokens, scaled as the nearest measured ``k``'s estimate was. Only measured choices and
-    their neighbours are chosen, so ``k`` climbs one step at a time. Costs are the server's (one
+    tokens, scaled as the nearest measured ``k``'s estimate was. Only measured choices, their
+    neighbours and up to twice the largest measured are chosen, so ``k`` climbs 1, 2, 4, 8 at
+    the fastest. Costs are the server's (one
     instance for all requests: network latency and load are shared), the acceptance rate is
     each request's own (passed in; the instance keeps the server-wide one as the prior). One
     step in ``EXPLORE`` tries a neighbour of the best ``k`` (greedy: 0 included), so the
@@ -323,10 +324,13 @@ class AdaptiveK:
             self.best = max(lowest, min(self.start, self.max_k))
             return self.best
         rates = self._rates(greedy, acceptance, known)
-        # measured choices and their neighbours (hill climbing: an untried k far from any
-        # measured one rests on an extrapolation)
+        # measured choices, their neighbours and up to twice the largest (an untried k far
+        # from any measured one rests on an extrapolation; doubling still climbs from 1 to
+        # 8 in three choices, where long network hops make high k pay from the start)
         tried = {k for k, _ in known if k >= lowest}
         allowed = {j for k in tried for j in (k - 1, k, k + 1) if lowest <= j <= self.max_k}
+        if tried:
+            allowed.update(range(max(tried) + 1, min(2 * max(tried), self.max_k) + 1))
         best = self.best = max(allowed or range(lowest, len(rates)), key=lambda k: rates[k])
         if self.steps % self.explore == 0:  # now and then, a neighbour (alternating sides)
             up = (self.steps // self.explore) % 2 == 0

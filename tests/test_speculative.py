@@ -236,6 +236,35 @@ def test_adaptive_k_goes_by_what_steps_with_each_k_measured() -> None:
     assert {slow.choose(greedy=False, acceptance=0.99) for _ in range(15)} <= {1, 2}
 
 
+def test_adaptive_k_doubles_its_way_up_when_a_pass_is_dear() -> None:
+    """Over long hops a pass costs about the same whatever it verifies: from k = 1 the choice
+    may double once the largest k is measured (1, 2, 4, ...), not only add one."""
+
+    def climb(adapt: AdaptiveK) -> list[int]:
+        seen = [adapt.choose(greedy=True, acceptance=0.9)]
+        for _ in range(11):
+            k = seen[-1]
+            if k == 0:
+                adapt.update_plain(0.4)
+            else:
+                adapt.update(k, k, positions=k + 1, pass_s=0.4 + 0.004 * k, draft_s=0.03 * k)
+            seen.append(adapt.choose(greedy=True, acceptance=0.9))
+        return seen
+
+    seen = climb(AdaptiveK(start=1))
+    assert seen[:5] == [1, 1, 2, 2, 4]  # two steps measure a k, then it may double
+    assert max(seen) <= 8 and seen[-1] >= 4
+    # a cheap pass (0.06 s plus 0.03 s per extra position) keeps k low all the same
+    cheap = AdaptiveK(start=1)
+    for _ in range(12):
+        k = cheap.choose(greedy=True, acceptance=0.9)
+        if k == 0:
+            cheap.update_plain(0.06)
+        else:
+            cheap.update(k, k, positions=k + 1, pass_s=0.06 + 0.03 * k, draft_s=0.03 * k)
+    assert cheap.choose(greedy=True, acceptance=0.9) <= 2
+
+
 def _simulate(shared: SharedK, level: int, seconds: dict[int, float], steps: int) -> list[int]:
     """Steps of ``level`` concurrent greedy requests whose step with k proposals takes
     ``seconds[k]``; per-position acceptance 0.8 (seeded); returns the k chosen each step."""
