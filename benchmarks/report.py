@@ -12,6 +12,8 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +78,8 @@ def save(
     print(report)
     results.mkdir(parents=True, exist_ok=True)
     stem = results / f"{name}-{dt.date.today().isoformat()}"
-    Path(f"{stem}.md").write_text(report.rstrip("\n") + "\n")
+    command = f"Command: `{shlex.join(['python', *sys.argv])}`\n\n"
+    Path(f"{stem}.md").write_text(command + report.rstrip("\n") + "\n")
     payload = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(),
