@@ -230,7 +230,7 @@ class PagedRunner(ShardBase):
         self.blocks = BlockManager(num_blocks, block_size)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
-        if self._split_verification and num_blocks > 1 and not self._lone_row_is_invariant():
+        if self._split_verification and num_blocks > 1 and not self.lone_row_is_invariant():
             self._scratch_block = num_blocks - 1
             self.blocks = BlockManager(num_blocks - 1, block_size)
         log.info(
@@ -242,7 +242,7 @@ class PagedRunner(ShardBase):
             "; one-row calls padded to two" if self._scratch_block is not None else "",
         )
 
-    def _lone_row_is_invariant(self) -> bool:
+    def lone_row_is_invariant(self) -> bool:
         """Whether a row computed alone equals the same row computed beside another, bit for
         bit, on this machine. It depends on the CPU and the thread count (measured: one thread
         agreed and two did not on one host; on another, one thread did not, and a two-row call

@@ -227,6 +227,32 @@ def test_rows_are_bit_identical_whatever_else_shares_the_call(
         assert runner.blocks.free == runner.blocks.num_blocks
 
 
+def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    export = tiny_export("qwen2", 2, "int4")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "batch_cost.py"), "--export", str(export),
+         "--rows", "1,2", "--steps", "2", "--rounds", "1", "--results", str(tmp_path)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (report,) = tmp_path.glob("batch_cost-*.md")
+    (data,) = tmp_path.glob("batch_cost-*.json")
+    assert report.read_text().startswith("Command: `python ")
+    stages = json.loads(data.read_text())["stages"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    for stage in stages:
+        assert set(stage["ms"]) == {"1", "2"} and all(v > 0 for v in stage["ms"].values())
+        # the benchmark's answer is the runner's own: a batch-invariant runner pads exactly then
+        runner = PagedRunner(export, stage["stage"], RunnerOptions(), kv_cache_bytes=1 << 22)
+        assert stage["pads_one_row_calls"] == (runner._scratch_block is not None)
+
+
 # -- real stage processes ---------------------------------------------------------------------
 @pytest.mark.parametrize("stages", [2, 3])
 def test_eight_concurrent_sessions_on_paged_stages_equal_transformers(

@@ -1,0 +1,130 @@
+"""What a paged stage's decode step costs with 1, 2, 4 and 8 users in one inference call.
+
+Batching pays when a call of several rows costs little more than a call of one (the weights are
+read once per call). Hosts differ: on one a two-row call cost 1.05x a one-row call, on another
+1.4x, and there a lone row is also computed on another kernel path than a row among others, so
+batch-invariant stages pad it to two rows (``PagedRunner`` checks when it loads). This measures
+both, per stage, in this process: each stage's ``PagedRunner`` (``--threads`` inference threads,
+the runtime's defaults otherwise, batch invariance off so the raw kernels are timed), pinned to
+``--cores``, sessions holding a ``--context``-token prompt, ``--steps`` decode calls per row count
+in interleaved rounds (median). It also reports whether the stage pads one-row calls.
+
+Usage: python benchmarks/batch_cost.py [--export DIR] [--rows 1,2,4,8] [--threads 1] [--cores 0]
+Writes benchmarks/results/batch_cost-<date>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import machine, save  # noqa: E402
+
+
+def stage_costs(
+    export: Path, index: int, rows: list[int], threads: int, context: int, steps: int, rounds: int
+) -> dict[str, Any]:
+    from stage_node.paged import PagedRunner, PagedStep
+    from stage_node.runner import RunnerOptions
+
+    runner = PagedRunner(export, index, RunnerOptions(threads=threads, batch_invariant=False))
+    pads = not runner.lone_row_is_invariant()
+    rng = np.random.default_rng(index)
+
+    def data(n: int) -> np.ndarray:
+        if runner.is_first:
+            return rng.integers(3, 1000, n)
+        return rng.standard_normal((n, runner.hidden_size)).astype(np.float32)
+
+    sessions = [f"user-{i}" for i in range(max(rows))]
+    length = {}
+    for sid in sessions:
+        step = PagedStep(sid, data(context), 0)
+        runner.place(step)
+        runner.forward([step])
+        length[sid] = context
+    times: dict[int, list[float]] = {n: [] for n in rows}
+    for _ in range(rounds):
+        for n in rows:
+            for _ in range(steps):
+                batch = [PagedStep(sid, data(1), length[sid]) for sid in sessions[:n]]
+                for step in batch:
+                    runner.place(step)
+                started = time.perf_counter()
+                runner.forward(batch)
+                times[n].append(time.perf_counter() - started)
+                for sid in sessions[:n]:
+                    length[sid] += 1
+    return {
+        "stage": index,
+        "layers": [runner.stage.layer_start, runner.stage.layer_end],
+        "pads_one_row_calls": pads,
+        "ms": {n: statistics.median(t) * 1000 for n, t in times.items()},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2d")
+    p.add_argument("--rows", default="1,2,4,8", help="users (rows) per inference call")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cores", default="0", help="CPUs this process runs on, e.g. 0 or 0-1")
+    p.add_argument("--context", type=int, default=40, help="prompt tokens per session")
+    p.add_argument("--steps", type=int, default=6, help="decode calls per row count per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    opts = p.parse_args()
+    rows = [int(r) for r in opts.rows.split(",") if r]
+    first, _, last = opts.cores.partition("-")
+    os.sched_setaffinity(0, set(range(int(first), int(last or first) + 1)))
+
+    from protos.manifest import load_manifest
+
+    manifest = load_manifest(opts.export)
+    stages = [
+        stage_costs(opts.export, k, rows, opts.threads, opts.context, opts.steps, opts.rounds)
+        for k in range(manifest.num_stages)
+    ]
+    lines = [
+        f"{manifest.model.model_id} ({manifest.weights.format}), export {opts.export.name}: "
+        f"each stage's PagedRunner in one process pinned to CPU(s) {opts.cores}, "
+        f"{opts.threads} inference thread(s), f32 compute, f16 KV cache, batch invariance off "
+        f"(raw kernels); sessions hold a {opts.context}-token prompt; median of "
+        f"{opts.rounds} x {opts.steps} decode calls per row count, rounds interleaved.",
+        "",
+        "| stage | layers | pads one-row calls | "
+        + " | ".join(f"{n} row{'s' if n > 1 else ''}: ms (x 1 row)" for n in rows)
+        + " |",
+        "|---|---|---|" + "---|" * len(rows),
+    ]
+    for s in stages:
+        one = s["ms"][rows[0]]
+        cells = " | ".join(f"{s['ms'][n]:.1f} ({s['ms'][n] / one:.2f}x)" for n in rows)
+        start, end = s["layers"]
+        lines.append(
+            f"| {s['stage']} | [{start}, {end}) | {'yes' if s['pads_one_row_calls'] else 'no'} "
+            f"| {cells} |"
+        )
+    total = {n: sum(s["ms"][n] for s in stages) for n in rows}
+    lines += [
+        "",
+        "Tokens per second of one ring step (all stages in turn, no transport) by users per call: "
+        + ", ".join(f"{n}: {n * 1000 / total[n]:.2f}" for n in rows)
+        + ".",
+    ]
+    save(opts.results, "batch_cost", "\n".join(lines), {"stages": stages, "host": machine()}, opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
