@@ -247,11 +247,11 @@ class PagedRunner(ShardBase):
         bit, on this machine. It depends on the CPU and the thread count (measured: one thread
         agreed and two did not on one host; on another, one thread did not, and a two-row call
         cost 1.4x a one-row call), so each stage asks its own kernels when it loads."""
-        rng = np.random.default_rng(0)
         rows: list[np.ndarray]
         if self.is_first:
             rows = [np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)]
         else:
+            rng = np.random.default_rng(0)
             rows = [rng.standard_normal((1, self.hidden_size)).astype(np.float32) for _ in "ab"]
         alone = [self._probe([row])[0] for row in rows]
         together = self._probe(rows)

@@ -4,13 +4,13 @@
 ``pb.StepResult`` per step on the last stage)
 
 Steps arrive in batches on long-lived ``Push`` streams. Each step runs after the previous step
-of the same session (a chain of tasks per session). Steps that are ready at the same time are
-computed together, in arrival order: the paged backend takes them all (up to ``max_batch``) in
-one inference call; the stateful backend runs them one at a time on each of its ``streams``.
-Steps computed together go on to the next stage as one batch. The model side is a
-:class:`stage_node.backend.StageBackend`. A step that fails here is not dropped: it travels on
-with its error set, so the last stage reports it to the gateway that sent it, and the gateway
-never waits in vain.
+of the same session (later ones wait in the session's queue). Steps that are ready at the same
+time are computed together, in arrival order: the paged backend takes them all (up to
+``max_batch``) in one inference call; the stateful backend runs them one at a time on each of
+its ``streams``. Steps computed together go on to the next stage as one batch. The model side
+is a :class:`stage_node.backend.StageBackend`. A step that fails here is not dropped: it
+travels on with its error set, so the last stage reports it to the gateway that sent it, and
+the gateway never waits in vain.
 """
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ class StageService(pb_grpc.StageServicer):
         """Send computed (or failed) steps on: to the next stage together, or to the gateway
         as results; a failure travels as the step's error."""
         try:
-            outgoing: list[tuple[pb.Step, Any]] = []
+            self.metrics.sessions.set(self.runner.session_count)
             for step, output in done:
                 if isinstance(output, Exception):
                     code, message = status_for(output)
@@ -389,9 +389,6 @@ class StageService(pb_grpc.StageServicer):
                         pb.StepError(code=code.value[0], message=message, stage=self.index)
                     )
                     output = None
-                outgoing.append((step, output))
-            self.metrics.sessions.set(self.runner.session_count)
-            for step, output in outgoing:
                 if self.runner.is_last:
                     self._deliver(step, output)
                 else:
