@@ -201,8 +201,8 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         help="paged, CPU: each row's result independent of its batch, so greedy output is the same "
-        "alone, batched and speculative (default on; off saves up to 5%% of a one-user decode "
-        "step with several threads)",
+        "alone, batched and speculative (default on; off saves padding one-row calls to two "
+        "where this CPU needs it: up to 1.4x a one-user decode step, benchmarks/batch_cost.py)",
     )
     p.add_argument("--kv-cache-precision", help="KV_CACHE_PRECISION, e.g. f16, f32, u8")
     p.add_argument("--inference-precision", help="INFERENCE_PRECISION_HINT, e.g. f32")
@@ -282,6 +282,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="groups the running requests are spread over (default: one per stage; paged "
         "rings: one per 2 running requests, up to one per stage)",
+    )
+    p.add_argument(
+        "--batching",
+        action=argparse.BooleanOptionalAction,
+        help="several requests' rows in one inference call (default on); --no-batching: each "
+        "request computed alone, pipelined across the stages, one-row steps not padded unless "
+        "speculating (faster for a few users where batch_cost.py shows 2 rows cost >> 1 row)",
     )
     p.add_argument(
         "--resume-grace",

@@ -103,6 +103,16 @@ class Engine:
         self._adaptive = SharedK(spec_max_k, self.fixed_k)  # server-wide costs, by concurrency
         self._acceptance: dict[str, Acceptance] = {}  # each request's own acceptance rate
         self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
+        # Without batching, a sequence's steps are computed alone on every stage. Its one-row
+        # decode steps may then go unpadded (pb.Step.solo): they take the one-row kernel path
+        # every time. Not with speculation: a verification has several rows, and its tokens
+        # must equal those of one-row decodes, so every call then stays on the several-row path.
+        self.solo = self.config.solo and proposer is None
+        if self.config.solo and proposer is not None:
+            log.info(
+                "no batching with speculation: stages pad one-row steps as when batching, so "
+                "speculative output stays identical to plain decoding"
+            )
 
     def choice_sampling(self, request: GenerationRequest, choice: int) -> SamplingParams:
         """Each of n choices draws differently, reproducibly from the request's seed."""
@@ -198,6 +208,7 @@ class Engine:
                 draft_tokens=plan.draft,
                 draft_dists=plan.dists,
                 group=item.group,
+                solo=self.solo,
             )
             if plan.draft:
                 ended = time.perf_counter()

@@ -398,6 +398,7 @@ class PipelineClient:
         draft_tokens: Sequence[int] = (),
         draft_dists: Sequence[DraftDistribution] = (),
         group: int = 0,
+        solo: bool = False,
     ) -> StepOutput:
         """Feed ``tokens`` at ``start_position`` through the ring; sample ``num_logits`` rows.
 
@@ -421,6 +422,7 @@ class PipelineClient:
                 draft_tokens,
                 draft_dists,
                 group,
+                solo,
             )
         except PipelineError as exc:
             if exc.retryable:
@@ -440,6 +442,7 @@ class PipelineClient:
         draft_tokens: Sequence[int] = (),
         draft_dists: Sequence[DraftDistribution] = (),
         group: int = 0,
+        solo: bool = False,
     ) -> StepOutput:
         self.check_ready()
         timeout = self.step_timeout if timeout is None else timeout
@@ -454,6 +457,7 @@ class PipelineClient:
                 token_ids=list(tokens),
                 num_tokens=len(tokens),
                 group=group,
+                solo=solo,
                 start_position=start_position,
                 rollback=rollback,
                 num_logits=num_logits,

@@ -38,6 +38,17 @@ Policy
   token budget: at most
   ``prefill_chunk`` prompt tokens of a group in the ring (several prompts may share them), or
   ``busy_prefill_chunk`` while the group has decoding sequences, so their steps stay short.
+* **No batching** (``solo``). Every running sequence is a group of its own, so an inference
+  call never holds two sequences' rows: the stages compute one sequence's step after another
+  and pipeline the sequences (the paper's micro-batching). Prompt chunks share one budget
+  across the ring: ``prefill_chunk`` tokens, or ``busy_prefill_chunk`` while any sequence
+  decodes, so a long prompt delays the others by one short chunk per token. Where a call of
+  two rows costs much more than a call of one (``benchmarks/batch_cost.py``), this is faster
+  for a few users than batching them.
+* **Prompt chunks of at least two tokens.** A chunk never holds a single token of a longer
+  prompt, nor leaves one behind (:func:`chunk_end`; it may take a token more than its budget):
+  where a prompt is cut depends on load, and on some CPUs a one-row call takes another kernel
+  path than a call of several rows.
 * **Surviving a stage restart.** A step lost to the ring (a stage went down or stalled) does
   not end its sequence: :meth:`on_lost` suspends it, keeping its prompt and every token it has
   generated, and queues its session for release. Once the ring is whole again (``next_work``
@@ -77,6 +88,18 @@ MAX_REFUSALS = 16  # a sequence whose steps stages refused this often ends with 
 MAX_SESSION_LOSSES = 3  # a sequence whose session stages lost this often ends with the error
 
 
+def chunk_end(length: int, fed: int, budget: int) -> int:
+    """Where the next prompt chunk ends: ``budget`` tokens on from ``fed``, but never a chunk
+    of one token out of a longer rest, nor one that leaves a single token behind (it may then
+    take one token more than the budget, or the two or three that are left). Where a prompt
+    is cut depends on load; on CPUs where a one-row call takes another kernel path than a call
+    of several rows, a lone prompt token would make its numbers depend on it too."""
+    end = min(length, fed + max(budget, 2))
+    if length - end == 1:
+        end = end - 1 if end - fed > 2 else length
+    return end
+
+
 class QueueTimeout(Exception):
     """A request waited in the queue longer than the configured limit."""
 
@@ -105,6 +128,10 @@ class SchedulerConfig:
     # ``groups``). A batched step of a few sequences costs about what one sequence's does, so
     # two sequences go faster in one batch through the stages in turn than pipelined in two
     group_size: int = 0
+    # every running sequence its own group (``groups`` >= ``max_running``), so no inference
+    # call holds two sequences' rows; prompt tokens then share one budget across the ring
+    # (``busy_prefill_chunk`` while any sequence decodes). See "No batching" above.
+    solo: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_prefill_in_flight", "groups"):
@@ -116,6 +143,8 @@ class SchedulerConfig:
             raise ValueError("kv_headroom and the pools' block sizes and counts must be >= 1")
         if self.group_size < 0:
             raise ValueError("group_size must be >= 0")
+        if self.solo and (self.groups < self.max_running or self.group_size):
+            raise ValueError("solo needs a group per running sequence (groups >= max_running)")
         if self.max_queued < 0 or self.queue_timeout <= 0 or self.resume_grace < 0:
             raise ValueError("max_queued and resume_grace must be >= 0 and queue_timeout > 0")
 
@@ -336,7 +365,7 @@ class Scheduler:
 
     # -- KV blocks of paged stages ------------------------------------------------------------
     def _first_chunk(self, seq: Sequence) -> int:
-        return min(len(seq.prefix), self.config.prefill_chunk)
+        return chunk_end(len(seq.prefix), 0, self.config.prefill_chunk)
 
     def _claim(self, seq: Sequence) -> int:
         """Positions a sequence may hold on the stages after its next (or current) step."""
@@ -457,30 +486,37 @@ class Scheduler:
                 )
             )
         # With busy_prefill_chunk (batched stages), a group's prompts share a token budget in
-        # the ring: prefill_chunk, or busy_prefill_chunk while the group decodes. Without it,
-        # each chunk is prefill_chunk tokens.
+        # the ring: prefill_chunk, or busy_prefill_chunk while the group decodes (solo: one
+        # budget for the ring, busy while any sequence decodes). Without it, each chunk is
+        # prefill_chunk tokens.
         shared = self.config.busy_prefill_chunk is not None
+
+        def pool(group: int) -> int:
+            return 0 if self.config.solo else group
+
         budget = [self.config.prefill_chunk] * self.config.groups
         chunks = 0
         for sid in self.running:
             seq = self.sequences[sid]
             if shared and seq.phase is Phase.DECODE:
-                budget[seq.group] = min(budget[seq.group], self.config.busy_prefill_chunk or 0)
+                g = pool(seq.group)
+                budget[g] = min(budget[g], self.config.busy_prefill_chunk or 0)
         for sid in self.running:
             w = self.sequences[sid].in_flight
             if w is not None and w.prefill:
                 chunks += 1
-                budget[w.group] -= len(w.tokens) if shared else 0
+                budget[pool(w.group)] -= len(w.tokens) if shared else 0
         for seq in (s for s in ready if s.phase is Phase.PREFILL):  # admission order
             if chunks >= self.config.max_prefill_in_flight:
                 break
-            if budget[seq.group] <= 0:
+            g = pool(seq.group)
+            if budget[g] <= 0:
                 continue
             prefix = seq.prefix
-            end = min(len(prefix), seq.fed + budget[seq.group])
+            end = chunk_end(len(prefix), seq.fed, budget[g])
             if self.config.kv_pools and not self._room({seq.seq_id: end}):
                 continue  # waits for KV blocks
-            budget[seq.group] -= end - seq.fed if shared else 0
+            budget[g] -= end - seq.fed if shared else 0
             work.append(self._issue(seq, tuple(prefix[seq.fed : end]), seq.fed, prefill=True))
             chunks += 1
         return work

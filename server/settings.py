@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -86,6 +86,13 @@ class GatewaySettings(BaseSettings):
         description="micro-batch groups the running requests are spread over (default: one "
         "per stage; paged rings: one per 2 running requests, up to one per stage)",
     )
+    batching: bool = Field(
+        default=True,
+        description="several requests' rows in one inference call (paged stages); off: each "
+        "running request a micro-batch group of its own, pipelined across the stages, its "
+        "one-row steps not padded where no speculation runs (faster for a few users where a "
+        "two-row call costs much more than a one-row one: benchmarks/batch_cost.py)",
+    )
     resume_grace: float = Field(
         default=30.0,
         ge=0,
@@ -129,10 +136,21 @@ class GatewaySettings(BaseSettings):
         lockstep, one opens per PAGED_GROUP_SIZE running sequences (unless the count is
         fixed), and a group's prompts share a token budget per step
         (prefill_chunk, or prefill_chunk_busy while the group decodes) instead of going one
-        chunk at a time. ``kv_pools``: the paged stages' block pools, which admission,
-        prompt chunks and decode steps must fit (the newest sequence is preempted if not)."""
+        chunk at a time. Without ``batching`` every running sequence is a group of its own
+        (SchedulerConfig.solo), on any backend. ``kv_pools``: the paged stages' block pools,
+        which admission, prompt chunks and decode steps must fit (the newest sequence is
+        preempted if not)."""
         groups = self.micro_batch_groups or stages
         config = dataclasses.replace(self.scheduler_config(), groups=groups, kv_pools=kv_pools)
+        if not self.batching:
+            return dataclasses.replace(
+                config,
+                groups=max(self.max_concurrent, groups),
+                max_prefill_in_flight=self.max_prefill_in_flight or self.max_concurrent,
+                busy_prefill_chunk=self.prefill_chunk_busy or PAGED_BUSY_PREFILL_CHUNK,
+                lockstep=True,
+                solo=True,
+            )
         if paged:
             config = dataclasses.replace(
                 config,
@@ -142,6 +160,15 @@ class GatewaySettings(BaseSettings):
                 group_size=0 if self.micro_batch_groups else PAGED_GROUP_SIZE,
             )
         return config
+
+    @model_validator(mode="after")
+    def _check_batching(self) -> GatewaySettings:
+        if not self.batching and self.micro_batch_groups is not None:
+            raise ValueError(
+                "micro_batch_groups and batching=false do not go together: without batching "
+                "every running request is a group of its own"
+            )
+        return self
 
     @field_validator("stages", "api_keys", mode="before")
     @classmethod

@@ -47,6 +47,7 @@ class StepInput:
     draft_tokens: Sequence[int] = ()  # speculative decoding: verify these (last stage)
     draft_dists: Sequence[DraftDistribution] = ()
     group: int = 0  # micro-batch group: steps of one group are computed together
+    solo: bool = False  # computed in a call of its own, one-row calls not padded (pb.Step.solo)
 
 
 # Hidden states for the next stage, sampled tokens on the last stage, None for a pure
@@ -163,7 +164,11 @@ class PagedBackend(_Backend):
                     continue
                 data = self.runner.check_chunk(step.data)
                 item = PagedStep(
-                    step.session_id, data, step.start_position, max(1, step.num_logits)
+                    step.session_id,
+                    data,
+                    step.start_position,
+                    max(1, step.num_logits),
+                    solo=step.solo,
                 )
                 self.runner.place(item)
                 placed.append((i, item))

@@ -174,6 +174,9 @@ class PagedStep:
     data: np.ndarray  # [T] ids or [T, H] hidden states
     start: int
     num_logits: int = 1
+    # Always computed alone (pb.Step.solo): a one-row call is not padded, because this
+    # session's decode rows take the one-row path every time.
+    solo: bool = False
 
 
 class PagedRunner(ShardBase):
@@ -242,11 +245,18 @@ class PagedRunner(ShardBase):
             "; one-row calls padded to two" if self._scratch_block is not None else "",
         )
 
+    @property
+    def pads_lone_rows(self) -> bool:
+        """Whether this stage pads one-row calls to two (batch invariance on a machine that
+        needs it; solo steps excepted)."""
+        return self._scratch_block is not None
+
     def lone_row_is_invariant(self) -> bool:
         """Whether a row computed alone equals the same row computed beside another, bit for
         bit, on this machine. It depends on the CPU and the thread count (measured: one thread
         agreed and two did not on one host; on another, one thread did not, and a two-row call
-        cost 1.4x a one-row call), so each stage asks its own kernels when it loads."""
+        cost 1.4x a one-row call), so each stage asks its own kernels when it loads (before
+        any padding is set up: a padded stage's lone rows are never computed alone)."""
         rows: list[np.ndarray]
         if self.is_first:
             rows = [np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)]
@@ -354,7 +364,9 @@ class PagedRunner(ShardBase):
         - On some machines (the CPU and the thread count decide; each stage checks when it
           loads) a call of one row takes another path than a call of several rows. There a
           call of one row is padded to two (a scratch block for the body, the last row
-          gathered twice for the head).
+          gathered twice for the head). A solo step (``PagedStep.solo``: the gateway computes
+          the session alone, always, with ``--no-batching``) is not padded: its rows take the
+          one-row path every time, which is just as independent of load and costs less.
         """
         counts = [len(s.data) for s in steps]
         begins = np.zeros(len(steps) + 1, dtype=np.int32)
@@ -375,7 +387,8 @@ class PagedRunner(ShardBase):
             np.arange(s.start, s.start + c, dtype=np.int64)
             for s, c in zip(steps, counts, strict=True)
         ]
-        scratch = self._scratch_block
+        # solo steps come one per call and take the one-row path every time
+        scratch = None if len(steps) == 1 and steps[0].solo else self._scratch_block
         if scratch is not None and int(begins[-1]) == 1:
             subs.append((0, 1, [scratch]))
             data.append(np.zeros_like(steps[0].data))

@@ -413,6 +413,7 @@ class StageService(pb_grpc.StageServicer):
                 draft_tokens=step.draft_tokens,
                 draft_dists=[(d.ids, d.probs) for d in step.draft_dists],
                 group=step.group,
+                solo=step.solo,
             )
         except Exception as exc:
             return exc
@@ -439,13 +440,18 @@ class StageService(pb_grpc.StageServicer):
 
     def _take_group(self) -> list[tuple[StepInput, pb.Step]]:
         """The oldest ready step and every ready step of its micro-batch group (up to
-        max_batch); other groups wait for the next call, so the stages pipeline groups."""
-        group = self._ready[0][0].group
-        batch: list[tuple[StepInput, pb.Step]] = []
+        max_batch); other groups wait for the next call, so the stages pipeline groups. A
+        solo step (pb.Step.solo) is computed alone and joins no other step's call."""
+        first = self._ready.popleft()
+        if first[0].solo:
+            return [first]
+        group = first[0].group
+        batch: list[tuple[StepInput, pb.Step]] = [first]
         rest: deque[tuple[StepInput, pb.Step]] = deque()
         while self._ready:
             entry = self._ready.popleft()
-            if entry[0].group == group and len(batch) < self.backend.max_batch:
+            joins = entry[0].group == group and not entry[0].solo
+            if joins and len(batch) < self.backend.max_batch:
                 batch.append(entry)
             else:
                 rest.append(entry)

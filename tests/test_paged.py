@@ -227,6 +227,45 @@ def test_rows_are_bit_identical_whatever_else_shares_the_call(
         assert runner.blocks.free == runner.blocks.num_blocks
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_solo_step_is_not_padded_and_equals_the_raw_one_row_call(
+    tiny_export: ExportFn, threads: int
+) -> None:
+    """A solo step (the gateway without batching) is computed as it is, one row, even where
+    the stage pads lone rows of other steps: bit for bit what a stage without batch invariance
+    computes for the same row alone."""
+    export = tiny_export("qwen2", 2, "int4")
+    invariant = [PagedRunner(export, k, RunnerOptions(threads=threads)) for k in (0, 1)]
+    raw = [
+        PagedRunner(export, k, RunnerOptions(threads=threads, batch_invariant=False))
+        for k in (0, 1)
+    ]
+    rng = np.random.default_rng(threads)
+    prompt, cont = rng.integers(3, 250, 21), rng.integers(3, 250, 4)
+
+    def feed(runners: list[PagedRunner], sid: str, data: np.ndarray, start: int, solo: bool):
+        steps = [PagedStep(sid, data, start, solo=solo)]
+        for runner in runners:
+            runner.place(steps[0])
+            (out,) = runner.forward(steps)
+            steps = [PagedStep(sid, out.astype(np.float32), start, solo=solo)]
+        return out
+
+    logits = {}
+    for name, runners, solo in (
+        ("solo", invariant, True),
+        ("raw", raw, False),
+        ("pad", invariant, False),
+    ):
+        feed(runners, name, prompt, 0, solo)
+        logits[name] = np.concatenate(
+            [feed(runners, name, cont[i : i + 1], 21 + i, solo) for i in range(len(cont))]
+        )
+    assert np.array_equal(logits["solo"], logits["raw"])
+    if not any(r.pads_lone_rows for r in invariant):  # nothing padded: all three agree
+        assert np.array_equal(logits["pad"], logits["raw"])
+
+
 def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
     tiny_export: ExportFn, tmp_path: Path
 ) -> None:
@@ -250,7 +289,7 @@ def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
         assert set(stage["ms"]) == {"1", "2"} and all(v > 0 for v in stage["ms"].values())
         # the benchmark's answer is the runner's own: a batch-invariant runner pads exactly then
         runner = PagedRunner(export, stage["stage"], RunnerOptions(), kv_cache_bytes=1 << 22)
-        assert stage["pads_one_row_calls"] == (runner._scratch_block is not None)
+        assert stage["pads_one_row_calls"] == (runner.pads_lone_rows)
 
 
 # -- real stage processes ---------------------------------------------------------------------

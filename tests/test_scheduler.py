@@ -14,6 +14,7 @@ from server.scheduler import (
     SchedulerConfig,
     Sequence,
     Work,
+    chunk_end,
 )
 
 EOS = 0
@@ -385,8 +386,9 @@ def test_a_groups_prompts_share_a_token_budget_that_shrinks_while_it_decodes() -
     s.add(seq("a", prompt=4))
     s.add(seq("b", prompt=5))
     s.add(seq("c", prompt=30))
-    # nobody decodes: 10 prompt tokens in the ring, shared in admission order
-    assert [(w.seq_id, len(w.tokens)) for w in s.next_work(0.0)] == [("a", 4), ("b", 5), ("c", 1)]
+    # nobody decodes: 10 prompt tokens in the ring, shared in admission order (c takes 2, one
+    # more than what is left of the budget: a chunk never holds a lone token of a prompt)
+    assert [(w.seq_id, len(w.tokens)) for w in s.next_work(0.0)] == [("a", 4), ("b", 5), ("c", 2)]
     complete(s, [w for w in [s.sequences[x].in_flight for x in "abc"] if w])
     # a and b decode now: c's prompt advances 3 tokens per step beside them
     work = s.next_work(0.0)
@@ -514,3 +516,52 @@ def test_a_refused_sequence_backs_off_until_another_ends() -> None:
     s.on_result("a", token_for(work["a"]))  # a reaches max_tokens and ends
     (resumed,) = s.next_work(0.0)
     assert resumed.seq_id == "b" and resumed.prefill and resumed.start_position == 0
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5, 8])
+def test_a_prompt_chunk_never_holds_or_leaves_a_lone_token(budget: int) -> None:
+    for length in range(1, 30):
+        fed, sizes = 0, []
+        while fed < length:
+            end = chunk_end(length, fed, budget)
+            assert fed < end <= length
+            sizes.append(end - fed)
+            fed = end
+        assert length == 1 or min(sizes) >= 2, (length, sizes)
+        assert max(sizes) <= max(budget, 2) + 1, (length, sizes)
+        # the budget is kept wherever it leaves more than one token behind
+        assert all(n == budget for n in sizes[:-2]) or budget < 2, (length, sizes)
+
+
+def test_without_batching_each_sequence_is_a_group_and_prompts_share_one_budget() -> None:
+    config = SchedulerConfig(
+        max_running=4,
+        groups=4,
+        lockstep=True,
+        solo=True,
+        prefill_chunk=10,
+        busy_prefill_chunk=3,
+        max_prefill_in_flight=4,
+    )
+    s = Scheduler(config, eos_ids=[EOS])
+    s.add(seq("a", prompt=4, max_tokens=50))
+    complete(s, s.next_work(0.0))  # a's prompt in one chunk; a decodes now
+    s.add(seq("b", prompt=30))
+    s.add(seq("c", prompt=30))
+    work = s.next_work(0.0)
+    # every sequence has a group of its own; while a decodes, b and c share 3 prompt tokens
+    # in the ring (b takes them all, in admission order), not 3 each as groups would
+    assert len({s.sequences[x].group for x in "abc"}) == 3
+    assert [(w.seq_id, len(w.tokens), w.prefill) for w in work] == [
+        ("a", 1, False),
+        ("b", 3, True),
+    ]
+    # a's decode steps never wait for another sequence's: a goes on while b's chunk is out
+    s.on_result("a", token_for(work[0]))
+    assert [(w.seq_id, w.prefill) for w in s.next_work(0.0)] == [("a", False)]
+
+
+def test_without_batching_the_scheduler_needs_a_group_per_running_sequence() -> None:
+    with pytest.raises(ValueError, match="group per running sequence"):
+        SchedulerConfig(max_running=4, groups=2, solo=True)
+    SchedulerConfig(max_running=4, groups=4, solo=True)

@@ -47,3 +47,16 @@ def test_bad_settings_are_one_line_errors(
     assert "stage address must be HOST:PORT" in capsys.readouterr().err
     assert main(["stage", "--shards", str(tmp_path), "--stage", "0", "--listen", "x"]) == 2
     assert "listen address must be HOST:PORT" in capsys.readouterr().err
+    assert main(["serve", "--stages", "h:1", "--no-batching", "--micro-batch-groups", "2"]) == 2
+    assert "do not go together" in capsys.readouterr().err
+
+
+def test_no_batching_gives_every_running_request_a_group_of_its_own() -> None:
+    plain = GatewaySettings(stages=["h:1", "h:2"], max_concurrent=6)
+    batched = plain.ring_scheduler_config(2, paged=True)
+    assert not batched.solo and batched.groups == 2
+    solo = GatewaySettings(stages=["h:1", "h:2"], max_concurrent=6, batching=False)
+    for paged in (True, False):
+        config = solo.ring_scheduler_config(2, paged=paged)
+        assert config.solo and config.lockstep and config.groups == 6 and not config.group_size
+        assert config.busy_prefill_chunk == 32 and config.max_prefill_in_flight == 6
