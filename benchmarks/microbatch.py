@@ -17,7 +17,12 @@ first token p50/p95 and inter-token latency p50/p95 (gaps between streamed chunk
 figure is the median over ``--rounds`` rounds; the ratio to the baseline uses the baseline
 median of the same run.
 
+Systems (``--systems``), one gateway each over the same stage processes, measured side by
+side: ``batched`` (the gateway's defaults) and ``unbatched`` (``--no-batching``: every request
+computed alone, pipelined across the stages; see the README's "No batching").
+
 Usage: python benchmarks/microbatch.py [--export DIR] [--users 1,2,4,8] [--tokens 64]
+       [--rounds 2] [--systems batched,unbatched] [--no-baseline]
 Writes benchmarks/results/microbatch-<date>.{json,md,png}.
 """
 
@@ -205,6 +210,14 @@ def ceiling(model_dir: Path, tokens: int) -> list[float]:
     ]
 
 
+# Gateway flags of each system; all run over the same stage processes, side by side.
+SYSTEMS = {"batched": [], "unbatched": ["--no-batching"]}
+LABELS = {
+    "batched": "2 stages, batched (default)",
+    "unbatched": "2 stages, --no-batching",
+}
+
+
 def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
     try:
         import matplotlib
@@ -213,24 +226,92 @@ def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    users = [r["users"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(users, [r["decode_tok_s"] for r in rows], "o-", label="2 stages, micro-batched")
-    left.axhline(base, color="grey", linestyle="--", label="monolithic genai, 1 user, 1 core")
-    left.axhline(1.9 * base, color="grey", linestyle=":", label="1.9x target")
-    left.set_xlabel("concurrent users")
-    left.set_ylabel("aggregate decode tok/s")
-    left.set_xticks(users)
-    left.legend(fontsize=8)
-    right.plot(users, [r["itl_p50_ms"] for r in rows], "o-", label="p50")
-    right.plot(users, [r["itl_p95_ms"] for r in rows], "s-", label="p95")
-    right.set_xlabel("concurrent users")
-    right.set_ylabel("inter-token latency (ms)")
-    right.set_xticks(users)
-    right.legend(fontsize=8)
+    users = sorted({r["users"] for r in rows})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system, marker in zip(dict.fromkeys(r["system"] for r in rows), "osd^", strict=False):
+        mine = [r for r in rows if r["system"] == system]
+        xs = [r["users"] for r in mine]
+        label = LABELS.get(system, system)
+        left.plot(xs, [r["decode_tok_s"] for r in mine], marker + "-", label=label)
+        line = right.plot(xs, [r["itl_p50_ms"] for r in mine], marker + "-", label=system + " p50")
+        right.plot(
+            xs,
+            [r["itl_p95_ms"] for r in mine],
+            marker + "--",
+            color=line[0].get_color(),
+            label=system + " p95",
+        )
+    if base == base:  # not NaN
+        left.axhline(base, color="grey", linestyle="--", label="monolithic genai, 1 user, 1 core")
+        left.axhline(1.9 * base, color="grey", linestyle=":", label="1.9x target")
+    for ax, name in ((left, "aggregate decode tok/s"), (right, "inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(users, [str(u) for u in users])
+        ax.set_xlabel("concurrent users")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
+
+
+def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -> dict[str, Any]:
+    """One system at one user count: medians over its rounds (TTFT over all users)."""
+    ttft = [t for r in rs for t in r["ttft_ms"]]
+    decode = [r["decode_tok_s"] for r in rs]
+    row: dict[str, Any] = {
+        "system": system,
+        "users": users,
+        "decode_tok_s": statistics.median(decode),
+        "decode_tok_s_range": [min(decode), max(decode)],
+        "e2e_tok_s": statistics.median(r["e2e_tok_s"] for r in rs),
+        "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p95_ms": percentile(ttft, 0.95),
+        "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in rs),
+        "itl_p95_ms": statistics.median(r["itl_p95_ms"] for r in rs),
+        "cpu_ms_per_token": {
+            name: statistics.median(r["cpu_ms_per_token"][name] for r in rs)
+            for name in rs[0]["cpu_ms_per_token"]
+        },
+        "stage_busy": [
+            statistics.median(r["stage_busy"][k] for r in rs)
+            for k in range(len(rs[0]["stage_busy"]))
+        ],
+    }
+    row["itl_ratio"] = row["itl_p95_ms"] / row["itl_p50_ms"]
+    row["vs_monolithic"] = row["decode_tok_s"] / base
+    return row
+
+
+def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
+    """The issue's targets per system, PASS / FAIL with their numbers."""
+    lines = []
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = {r["users"]: r for r in rows if r["system"] == system}
+        if 2 in mine and base == base:
+            r = mine[2]
+            verdict = "PASS" if r["vs_monolithic"] >= 1.9 else "FAIL"
+            lines.append(
+                f"- {system}, 2 users >= 1.9x monolithic single user: {r['decode_tok_s']:.2f} "
+                f"tok/s = {r['vs_monolithic']:.2f}x ({1.9 * base:.2f} needed): {verdict}"
+            )
+        if 8 in mine:
+            r = mine[8]
+            verdict = "PASS" if r["itl_ratio"] <= 2 else "FAIL"
+            lines.append(
+                f"- {system}, inter-token p95 at 8 users within 2x of p50: {r['itl_p95_ms']:.1f} "
+                f"/ {r['itl_p50_ms']:.1f} ms = {r['itl_ratio']:.2f}: {verdict}"
+            )
+    return lines
+
+
+def stage_padding(logs: Path) -> list[str]:
+    """What each stage's log says about padding one-row calls (batch invariance at load)."""
+    out = []
+    for log in sorted(logs.glob("stage-*.log")):
+        text = log.read_text(errors="replace")
+        out.append("pads one-row calls" if "padded to two" in text else "does not pad")
+    return out
 
 
 def main() -> int:
@@ -240,6 +321,11 @@ def main() -> int:
     p.add_argument("--users", default="1,2,4,8")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="gateways to compare over the same stages: " + ", ".join(SYSTEMS),
+    )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--no-baseline", action="store_true", help="skip genai (e.g. tiny models)")
     p.add_argument("--ceiling-worker", type=Path, help=argparse.SUPPRESS)
@@ -249,6 +335,10 @@ def main() -> int:
         ceiling_worker(opts.ceiling_worker, opts.tokens, opts.sync)
         return 0
     user_counts = [int(u) for u in opts.users.split(",")]
+    systems = [s for s in opts.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        p.error(f"--systems: choose from {', '.join(SYSTEMS)}")
 
     from protos.manifest import load_manifest
 
@@ -258,126 +348,127 @@ def main() -> int:
     if not opts.no_baseline:
         bases.append(baseline(opts.baseline_dir, opts.tokens))
     procs: list[Proc] = []
-    gateway = None
-    rounds: dict[int, list[dict[str, Any]]] = {u: [] for u in user_counts}
+    gateways: dict[str, tuple[Proc, str]] = {}
+    rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
     try:
         procs, addresses, metric_ports = start_pinned_stages(opts.export, logs, metrics=True)
-        gateway, url = start_gateway(
-            addresses, logs / "gateway.log", ["--max-concurrent", str(max(user_counts))]
-        )
+        for system in systems:
+            gateways[system] = start_gateway(
+                addresses,
+                logs / f"gateway-{system}.log",
+                ["--max-concurrent", str(max(user_counts)), *SYSTEMS[system]],
+            )
+        url = next(iter(gateways.values()))[1]
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        names = [f"stage {i}" for i in range(len(procs))] + ["gateway", "clients"]
-        pids = [p.popen.pid for p in [*procs, gateway] if p.popen is not None] + [os.getpid()]
         eos = list(manifest.tokenizer.eos_token_ids)
-        run_users(url, model, 1, 8, eos)  # warm-up
+        for _, url in gateways.values():  # warm-up
+            run_users(url, model, 1, 8, eos)
+            run_users(url, model, min(2, max(user_counts)), 4, eos)
+        names = [f"stage {i}" for i in range(len(procs))] + ["gateway", "clients"]
         for _ in range(opts.rounds):
             for users in user_counts:
-                busy = [busy_seconds(port) for port in metric_ports]
-                cpu = [cpu_seconds(pid) for pid in pids]
-                began = time.perf_counter()
-                result = run_users(url, model, users, opts.tokens, eos)
-                wall = time.perf_counter() - began
-                result["cpu_ms_per_token"] = {
-                    name: (cpu_seconds(pid) - c) * 1000 / (users * opts.tokens)
-                    for name, pid, c in zip(names, pids, cpu, strict=True)
-                }
-                result["stage_busy"] = [
-                    (busy_seconds(port) - b) / wall
-                    for port, b in zip(metric_ports, busy, strict=True)
-                ]
-                rounds[users].append(result)
-                print(f"users {users}: {rounds[users][-1]['decode_tok_s']:.2f} tok/s", flush=True)
+                for system in systems:  # side by side: every system at each user count in turn
+                    gateway, url = gateways[system]
+                    pids = [p.popen.pid for p in [*procs, gateway] if p.popen] + [os.getpid()]
+                    busy = [busy_seconds(port) for port in metric_ports]
+                    cpu = [cpu_seconds(pid) for pid in pids]
+                    began = time.perf_counter()
+                    result = run_users(url, model, users, opts.tokens, eos)
+                    wall = time.perf_counter() - began
+                    result["cpu_ms_per_token"] = {
+                        name: (cpu_seconds(pid) - c) * 1000 / (users * opts.tokens)
+                        for name, pid, c in zip(names, pids, cpu, strict=True)
+                    }
+                    result["stage_busy"] = [
+                        (busy_seconds(port) - b) / wall
+                        for port, b in zip(metric_ports, busy, strict=True)
+                    ]
+                    rounds.setdefault((system, users), []).append(result)
+                    print(
+                        f"{system}, users {users}: {result['decode_tok_s']:.2f} tok/s, ITL p50 "
+                        f"{result['itl_p50_ms']:.1f} / p95 {result['itl_p95_ms']:.1f} ms",
+                        flush=True,
+                    )
     finally:
-        if gateway is not None:
+        for gateway, _ in gateways.values():
             gateway.stop()
         for proc in procs:
             proc.stop()
+    padding = stage_padding(logs)
     pair: list[float] = []
     if not opts.no_baseline:
         bases.append(baseline(opts.baseline_dir, opts.tokens))
         pair = ceiling(opts.baseline_dir / "optimum", opts.tokens)
     base = statistics.median(bases) if bases else float("nan")
-
-    rows = []
-    for users in user_counts:
-        rs = rounds[users]
-        ttft = [t for r in rs for t in r["ttft_ms"]]
-        rows.append(
-            {
-                "users": users,
-                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
-                "decode_tok_s_range": [
-                    min(r["decode_tok_s"] for r in rs),
-                    max(r["decode_tok_s"] for r in rs),
-                ],
-                "e2e_tok_s": statistics.median(r["e2e_tok_s"] for r in rs),
-                "ttft_p50_ms": percentile(ttft, 0.5),
-                "ttft_p95_ms": percentile(ttft, 0.95),
-                "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in rs),
-                "itl_p95_ms": statistics.median(r["itl_p95_ms"] for r in rs),
-                "cpu_ms_per_token": {
-                    name: statistics.median(r["cpu_ms_per_token"][name] for r in rs)
-                    for name in rs[0]["cpu_ms_per_token"]
-                },
-                "stage_busy": [
-                    statistics.median(r["stage_busy"][k] for r in rs)
-                    for k in range(manifest.num_stages)
-                ],
-            }
-        )
-        rows[-1]["vs_monolithic"] = rows[-1]["decode_tok_s"] / base
+    rows = [
+        median_row(system, users, rounds[(system, users)], base)
+        for system in systems
+        for users in user_counts
+    ]
 
     stages_desc = ", ".join(
         f"stage {s.index} layers [{s.layer_start}, {s.layer_end}) on core {s.index % 2}"
+        + (f" ({padding[s.index]})" if s.index < len(padding) else "")
         for s in manifest.stages
     )
     lines = [
-        f"Real {manifest.model.model_id} int4, {manifest.num_stages} stage processes "
-        f"({stages_desc}), "
-        f"1 inference thread each, fp16 hidden states; gateway process and HTTP clients unpinned "
-        f"(sharing the {os.cpu_count()} cores); {opts.tokens} greedy tokens per user, "
-        f"each user its own prompt; medians over {opts.rounds} rounds.",
-        "Baseline: openvino-genai LLMPipeline (optimum-cli int4 export), 1 user, core 0, "
-        f"1 thread: "
-        f"{base:.2f} tok/s decode (runs: {', '.join(f'{b:.2f}' for b in bases)}).",
+        f"Real {manifest.model.model_id}, export {opts.export.name}, {manifest.num_stages} stage "
+        f"processes ({stages_desc}), 1 inference thread each, the stages' defaults (paged KV, "
+        f"batch invariance on, fp16 hidden states).",
+        "Systems, one gateway each over the same stage processes, measured side by side (each "
+        "user count on every system in turn, round after round): "
+        + "; ".join(
+            f"{s}: `pipeshard serve {' '.join(SYSTEMS[s]) or '(defaults)'}`" for s in systems
+        )
+        + ". Gateways and HTTP clients unpinned (sharing the "
+        f"{os.cpu_count()} cores with the stages); {opts.tokens} greedy tokens per user (EOS "
+        f"suppressed), each user its own prompt; medians over {opts.rounds} rounds.",
     ]
+    if bases:
+        lines.append(
+            "Baseline: openvino-genai LLMPipeline (optimum-cli int4 export), 1 user, core 0, "
+            f"1 thread, f32: {base:.2f} tok/s decode "
+            f"(before and after the fleets: {', '.join(f'{b:.2f}' for b in bases)})."
+        )
     if pair:
         lines.append(
             f"Ceiling of this machine: two monolithic copies decoding at the same time, one on "
             f"each core, 1 thread each: {pair[0]:.2f} + {pair[1]:.2f} = {sum(pair):.2f} tok/s "
-            f"= {sum(pair) / base:.2f}x the single copy (alone: {base:.2f})."
+            f"= {sum(pair) / base:.2f}x the single copy."
         )
     lines += [
         "",
-        "| users | aggregate decode tok/s [min, max] | vs monolithic 1 user | end-to-end tok/s | "
-        "TTFT p50 / p95 (ms) | inter-token p50 / p95 (ms) | p95 / p50 | stage busy fraction |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | users | aggregate decode tok/s [min, max] | vs monolithic 1 user | "
+        "end-to-end tok/s | TTFT p50 / p95 (ms) | inter-token p50 / p95 (ms) | p95 / p50 | "
+        "stage busy fraction |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lo, hi = r["decode_tok_s_range"]
         lines.append(
-            f"| {r['users']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
+            f"| {r['system']} | {r['users']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
             f"{r['vs_monolithic']:.2f}x | {r['e2e_tok_s']:.2f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
-            f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | "
-            f"{r['itl_p95_ms'] / r['itl_p50_ms']:.2f} | "
+            f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | {r['itl_ratio']:.2f} | "
             f"{' / '.join(f'{b:.2f}' for b in r['stage_busy'])} |"
         )
+    lines += ["", "Targets:", "", *targets(rows, base)]
     lines += [
         "",
         "CPU time per generated token by process (ms; user + system, all threads):",
         "",
-        "| users | " + " | ".join(rows[0]["cpu_ms_per_token"]) + " |",
-        "|---" * (1 + len(rows[0]["cpu_ms_per_token"])) + "|",
+        "| system | users | " + " | ".join(rows[0]["cpu_ms_per_token"]) + " |",
+        "|---|---" + "|---" * len(rows[0]["cpu_ms_per_token"]) + "|",
     ]
     for r in rows:
         cells = " | ".join(f"{v:.1f}" for v in r["cpu_ms_per_token"].values())
-        lines.append(f"| {r['users']} | {cells} |")
+        lines.append(f"| {r['system']} | {r['users']} | {cells} |")
     data: dict[str, Any] = {
         "baseline_runs": bases,
         "two_copies_at_once": pair,
+        "stage_padding": padding,
         "rows": rows,
-        "rounds": {str(u): r for u, r in rounds.items()},
+        "rounds": {f"{s}/{u}": r for (s, u), r in rounds.items()},
     }
     stem = save(opts.results, "microbatch", "\n".join(lines), data, opts)
     if plot(rows, base, Path(f"{stem}.png")):

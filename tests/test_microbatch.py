@@ -1,17 +1,22 @@
 """Many users at once over HTTP: interleaved through the real stage ring, with admission control.
 
 Stage 0 sits behind the latency-injecting proxy (25 ms each way), so every step takes a while
-and requests really overlap, as they would across a network.
+and requests really overlap, as they would across a network. A second gateway runs over the
+same stages without batching (`pipeshard serve --no-batching`).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +24,7 @@ import openai
 import pytest
 
 from benchmarks.latency_proxy import start_in_thread
-from tests.processes import start_gateway, start_stages
+from tests.processes import free_port, start_gateway, start_stages
 from tests.test_gateway import export_chat_model
 
 EOS = 2
@@ -30,6 +35,9 @@ MAX_RUNNING = 8
 class Fleet:
     url: str
     stages: list[str]
+    solo_url: str = ""  # a gateway with --no-batching over the same stages
+    stage_metrics: tuple[int, ...] = ()  # the stages' Prometheus ports
+    export: Path | None = None
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
@@ -51,18 +59,25 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     base = tmp_path_factory.mktemp("microbatch")
     _, export = export_chat_model(base)
-    procs, addresses = start_stages(export, base)
+    procs, addresses, ports = [], [], []
+    for index in (0, 1):
+        ports.append(free_port())
+        started, where = start_stages(
+            export, base, ["--metrics-port", str(ports[-1])], stages=[index]
+        )
+        procs += started
+        addresses += where
     host, port = addresses[0].rsplit(":", 1)
     proxy, stop_proxy = start_in_thread("127.0.0.1", 0, host, int(port), 0.025)
-    gateway, url = start_gateway(
-        [f"127.0.0.1:{proxy.port}", *addresses[1:]],
-        base / "gateway.log",
-        ["--max-concurrent", str(MAX_RUNNING), "--max-queued", "1", "--prefill-chunk", "8"],
-    )
+    ring = [f"127.0.0.1:{proxy.port}", *addresses[1:]]
+    limits = ["--max-concurrent", str(MAX_RUNNING), "--max-queued", "1", "--prefill-chunk", "8"]
+    gateway, url = start_gateway(ring, base / "gateway.log", limits)
+    solo, solo_url = start_gateway(ring, base / "gateway-solo.log", [*limits, "--no-batching"])
     try:
-        yield Fleet(url, addresses)
+        yield Fleet(url, addresses, solo_url, tuple(ports), export)
     finally:
         gateway.stop()
+        solo.stop()
         stop_proxy()
         for proc in procs:
             proc.stop()
@@ -82,9 +97,10 @@ def request(i: int) -> dict[str, Any]:
     return body
 
 
-def stream_text(fleet: Fleet, body: dict[str, Any]) -> str:
+def stream_text(fleet: Fleet, body: dict[str, Any], url: str = "") -> str:
+    client = openai.OpenAI(base_url=f"{url or fleet.url}/v1", api_key="none", max_retries=0)
     pieces = []
-    for chunk in fleet.client().chat.completions.create(stream=True, **body):
+    for chunk in client.chat.completions.create(stream=True, **body):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
     return "".join(pieces)
@@ -100,6 +116,39 @@ def test_concurrent_streams_equal_the_same_requests_one_by_one(fleet: Fleet) -> 
     # the prompts of 8+ tokens went through the ring in chunks of 8, and nothing is left
     fleet.wait_metric("pipeshard_gateway_requests_running", 0)
     assert fleet.metric("pipeshard_gateway_queue_seconds_count") >= 16
+
+
+def stage_calls(fleet: Fleet) -> list[tuple[float, float]]:
+    """Each stage's inference calls so far and the sessions they held, from its metrics."""
+    out = []
+    for port in fleet.stage_metrics:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        count = re.search(r"^pipeshard_stage_batch_size_count (\S+)$", text, re.MULTILINE)
+        total = re.search(r"^pipeshard_stage_batch_size_sum (\S+)$", text, re.MULTILINE)
+        assert count and total
+        out.append((float(count.group(1)), float(total.group(1))))
+    return out
+
+
+def test_without_batching_concurrent_streams_equal_them_one_by_one_each_call_alone(
+    fleet: Fleet,
+) -> None:
+    bodies = [request(i) for i in range(8)]
+    alone = [stream_text(fleet, body, fleet.solo_url) for body in bodies]
+    assert len(set(alone)) > 4 and all(alone)
+    before = stage_calls(fleet)
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda b: stream_text(fleet, b, fleet.solo_url), bodies))
+    assert together == alone
+    # every inference call on both stages held one request's step, under load too
+    for (calls, sessions), (calls0, sessions0) in zip(stage_calls(fleet), before, strict=True):
+        assert calls - calls0 >= 8 * 24 and sessions - sessions0 == calls - calls0
+    # the batching gateway over the same stages does put steps of requests together
+    before = stage_calls(fleet)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda b: stream_text(fleet, b), bodies))
+    grew = [(c - c0, s - s0) for (c, s), (c0, s0) in zip(stage_calls(fleet), before, strict=True)]
+    assert all(sessions > calls for calls, sessions in grew)
 
 
 def test_beyond_the_limit_requests_queue_then_get_429_and_cancelled_ones_leave(
@@ -169,3 +218,27 @@ def test_beyond_the_limit_requests_queue_then_get_429_and_cancelled_ones_leave(
 def give_up_after(fleet: Fleet, body: dict[str, Any], seconds: float) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{fleet.url}/v1/chat/completions", json=body, timeout=seconds)
+
+
+def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The benchmark script end to end on the tiny export (no genai baseline): both systems
+    at each user count, in its table, JSON and plot."""
+    assert fleet.export is not None
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "microbatch.py"
+    subprocess.run(
+        [sys.executable, str(script), "--export", str(fleet.export), "--no-baseline",
+         "--users", "1,2", "--tokens", "6", "--rounds", "1", "--results", str(tmp_path)],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    (report,) = tmp_path.glob("microbatch-*.md")
+    (data,) = tmp_path.glob("microbatch-*.json")
+    assert list(tmp_path.glob("microbatch-*.png"))
+    text = report.read_text()
+    assert text.startswith("Command: `python ") and "--no-batching" in text
+    rows = json.loads(data.read_text())["rows"]
+    assert [(r["system"], r["users"]) for r in rows] == [
+        ("batched", 1), ("batched", 2), ("unbatched", 1), ("unbatched", 2)
+    ]  # fmt: skip
+    assert all(r["decode_tok_s"] > 0 and len(r["stage_busy"]) == 2 for r in rows)
