@@ -4,9 +4,11 @@ Setup (stated in the report):
   - the target's 2 `pipeshard stage` processes on loopback, stage k pinned to core k with 1
     inference thread; a latency-injecting proxy (benchmarks/latency_proxy.py) in front of each
     stage adds D ms one way to every hop (gateway -> stage 0 -> stage 1 -> gateway: 3 D a step);
-  - the gateway's engine (scheduler, pipeline client, proposer) runs in this process, with the
-    draft (Qwen2.5-Coder-0.5B int4, 1 inference thread) on the CPU beside it, not pinned: on this
-    2-core machine the draft shares the cores with the stages;
+  - the gateway's engine (scheduler, pipeline client, proposer) runs in this process, its
+    scheduler configured as `pipeshard serve` would on this ring (``--no-batching`` as that
+    flag: every request alone, pipelined across the stages), with the draft (Qwen2.5-Coder-0.5B
+    int4, 1 inference thread) on the CPU beside it, not pinned: on this 2-core machine the
+    draft shares the cores with the stages;
   - 8 prompts (code, prose, translation, lists); "1 user" runs them one after another, "2 users"
     as two concurrent streams of 4 prompts each; greedy, end-of-sequence suppressed so every
     answer has the same length.
@@ -44,7 +46,6 @@ from benchmarks.report import save  # noqa: E402
 if TYPE_CHECKING:
     from server.engine import Engine
     from server.metrics import GatewayMetrics
-    from server.scheduler import SchedulerConfig
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -80,22 +81,25 @@ async def gateway_engine(
     proposer: Any,
     spec_k: int,
     max_context: int,
-    config: SchedulerConfig | None = None,
+    batching: bool = True,
 ) -> AsyncIterator[tuple[Engine, GatewayMetrics]]:
-    """The gateway's engine (scheduler, pipeline client, proposer) in this process."""
+    """The gateway's engine (scheduler, pipeline client, proposer) in this process, with the
+    scheduler `pipeshard serve` would run on this ring (``batching``: its ``--batching``)."""
     from server.engine import Engine
     from server.metrics import GatewayMetrics
     from server.pipeline import PipelineClient
-    from server.scheduler import SchedulerConfig
+    from server.settings import GatewaySettings
 
     client = PipelineClient(addresses, step_timeout=600)
     await client.start(timeout=120)
+    settings = GatewaySettings(stages=addresses, batching=batching)
+    config = settings.ring_scheduler_config(len(addresses), client.paged, client.kv_pools)
     metrics = GatewayMetrics()
     engine = Engine(
         client,
         frozenset(),
         max_context,
-        config or SchedulerConfig(),
+        config,
         metrics,
         proposer=proposer,
         spec_k=spec_k,
@@ -116,6 +120,7 @@ async def run_config(
     spec_k: int,
     eos: list[int],
     max_context: int,
+    batching: bool = True,
 ) -> dict[str, Any]:
     """The prompts in ``users`` concurrent lanes; tok/s, acceptance, per-prompt seconds."""
     from server.engine import GenerationRequest
@@ -125,7 +130,8 @@ async def run_config(
     outputs: dict[int, list[int]] = {}
     seconds: dict[int, float] = {}
 
-    async with gateway_engine(addresses, proposer, spec_k, max_context) as (engine, metrics):
+    engine_of = gateway_engine(addresses, proposer, spec_k, max_context, batching)
+    async with engine_of as (engine, metrics):
 
         async def user(indices: list[int]) -> None:
             for i in indices:
@@ -222,6 +228,13 @@ def main() -> int:
         help="runs of every configuration, interleaved (each round runs them all in turn, "
         "in reverse order every other round); the report takes the median tok/s",
     )
+    p.add_argument(
+        "--batching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the gateway's --batching (default on); --no-batching: every request alone, "
+        "pipelined across the stages",
+    )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     opts = p.parse_args()
 
@@ -255,7 +268,9 @@ def main() -> int:
     context = manifest.model.max_context
 
     def run(addresses: list[str], tokens: int, users: int, name: str, prop: Any, k: int) -> Any:
-        out = asyncio.run(run_config(addresses, prompts, tokens, users, prop, k, eos, context))
+        out = asyncio.run(
+            run_config(addresses, prompts, tokens, users, prop, k, eos, context, opts.batching)
+        )
         print(
             f"  {name:9s} users {users}: {out['tok_s']:.2f} tok/s"
             + (
@@ -332,7 +347,9 @@ def report(results: dict[str, Any], opts: argparse.Namespace, manifest: Any) -> 
         f"(stage k pinned to {_cores(opts)}, {opts.stage_threads} inference thread(s) each, "
         f"{opts.kv_backend} KV), draft "
         f"{manifest.draft.model_id} int4 with {opts.draft_threads} thread in the gateway's "
-        f"process (unpinned, sharing the {os.cpu_count()} cores); {len(PROMPTS)} prompts "
+        f"process (unpinned, sharing the {os.cpu_count()} cores); gateway scheduler as "
+        f"`pipeshard serve {'(batching)' if opts.batching else '--no-batching'}` runs it on "
+        f"this ring; {len(PROMPTS)} prompts "
         f"(code, prose, translation, lists), {opts.tokens} greedy tokens each; 1 user = prompts "
         "one after another, 2 users = two concurrent streams. "
         + (

@@ -358,6 +358,14 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
         "(default: the built-in pair's draft for the default model)",
     )
     p.add_argument("--no-draft", action="store_true", help="no draft, no speculative decoding")
+    p.add_argument(
+        "--no-batching",
+        dest="batching",
+        action="store_false",
+        help="the gateway's --no-batching: each request alone, pipelined across the stages "
+        "(with --no-draft, faster for a few users on CPUs where batch_cost.py shows 2 rows "
+        "cost far more than 1)",
+    )
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -375,6 +383,7 @@ def _run_up(args: argparse.Namespace) -> int:
         api_keys=args.api_keys,
         log_dir=args.log_dir,
         draft=None if args.no_draft else args.draft,
+        batching=args.batching,
     )
     if args.exports_dir is not None:
         options.exports_dir = args.exports_dir

@@ -38,6 +38,7 @@ class FleetOptions:
     stage_port: int = 50051
     threads: int = 0
     kv_backend: str = "auto"  # the stages' --kv-backend
+    batching: bool = True  # the gateway's --batching
     api_keys: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     # The draft for speculative decoding, exported beside the target; "auto": the built-in
@@ -147,6 +148,7 @@ async def _serve(
         api_keys=options.api_keys,  # type: ignore[arg-type]
         draft=draft,
         draft_threads=options.threads,
+        batching=options.batching,
     )
     app = create_app(settings)
     server = uvicorn.Server(
