@@ -218,7 +218,15 @@ LABELS = {
 }
 
 
-def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
+def plot(
+    rows: list[dict[str, Any]],
+    base: float,
+    path: Path,
+    labels: dict[str, str] | None = None,
+    target: float = 1.9,
+) -> bool:
+    """Aggregate decode tok/s and inter-token p50/p95 by user count, a line per system, with
+    the monolithic baseline and ``target`` times it (benchmarks/paged.py draws with it too)."""
     try:
         import matplotlib
 
@@ -226,12 +234,13 @@ def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    labels = LABELS if labels is None else labels
     users = sorted({r["users"] for r in rows})
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system, marker in zip(dict.fromkeys(r["system"] for r in rows), "osd^", strict=False):
+    for system, marker in zip(dict.fromkeys(r["system"] for r in rows), "osd^v", strict=False):
         mine = [r for r in rows if r["system"] == system]
         xs = [r["users"] for r in mine]
-        label = LABELS.get(system, system)
+        label = labels.get(system, f"2 stages, {system}")
         left.plot(xs, [r["decode_tok_s"] for r in mine], marker + "-", label=label)
         line = right.plot(xs, [r["itl_p50_ms"] for r in mine], marker + "-", label=system + " p50")
         right.plot(
@@ -243,7 +252,7 @@ def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
         )
     if base == base:  # not NaN
         left.axhline(base, color="grey", linestyle="--", label="monolithic genai, 1 user, 1 core")
-        left.axhline(1.9 * base, color="grey", linestyle=":", label="1.9x target")
+        left.axhline(target * base, color="grey", linestyle=":", label=f"{target:g}x target")
     for ax, name in ((left, "aggregate decode tok/s"), (right, "inter-token latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(users, [str(u) for u in users])
@@ -256,7 +265,9 @@ def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
 
 
 def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -> dict[str, Any]:
-    """One system at one user count: medians over its rounds (TTFT over all users)."""
+    """One system at one user count: medians over its rounds (TTFT percentiles over all
+    users of all rounds), and of the stage busy fractions, CPU time per token and wall tok/s
+    where the rounds have them."""
     ttft = [t for r in rs for t in r["ttft_ms"]]
     decode = [r["decode_tok_s"] for r in rs]
     row: dict[str, Any] = {
@@ -269,17 +280,21 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
         "ttft_p95_ms": percentile(ttft, 0.95),
         "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in rs),
         "itl_p95_ms": statistics.median(r["itl_p95_ms"] for r in rs),
-        "cpu_ms_per_token": {
-            name: statistics.median(r["cpu_ms_per_token"][name] for r in rs)
-            for name in rs[0]["cpu_ms_per_token"]
-        },
-        "stage_busy": [
-            statistics.median(r["stage_busy"][k] for r in rs)
-            for k in range(len(rs[0]["stage_busy"]))
-        ],
     }
     row["itl_ratio"] = row["itl_p95_ms"] / row["itl_p50_ms"]
     row["vs_monolithic"] = row["decode_tok_s"] / base
+    if "stage_busy" in rs[0]:
+        row["stage_busy"] = [
+            statistics.median(r["stage_busy"][k] for r in rs)
+            for k in range(len(rs[0]["stage_busy"]))
+        ]
+    if "cpu_ms_per_token" in rs[0]:
+        row["cpu_ms_per_token"] = {
+            name: statistics.median(r["cpu_ms_per_token"][name] for r in rs)
+            for name in rs[0]["cpu_ms_per_token"]
+        }
+    if "wall_tok_s" in rs[0]:
+        row["wall_tok_s"] = statistics.median(r["wall_tok_s"] for r in rs)
     return row
 
 

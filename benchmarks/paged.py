@@ -59,7 +59,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.microbatch import busy_seconds, percentile, run_users, summarize  # noqa: E402
+from benchmarks.microbatch import busy_seconds, median_row, run_users, summarize  # noqa: E402
+from benchmarks.microbatch import plot as plot_users  # noqa: E402
 from benchmarks.processes import PIPESHARD, Proc, start_gateway, start_pinned_stages  # noqa: E402
 from benchmarks.report import describe, machine, save  # noqa: E402
 from benchmarks.workers import PIPESHARD_CPU, measure  # noqa: E402
@@ -199,33 +200,6 @@ def measure_round(fleet: Fleet, count: int, tokens: int, eos: list[int]) -> dict
     return result
 
 
-def row(system: str, users: int, rs: list[dict[str, Any]], base: float) -> dict[str, Any]:
-    """Medians over rounds of one system at one user count."""
-    ttft = [t for r in rs for t in r["ttft_ms"]]
-    decode = [r["decode_tok_s"] for r in rs]
-    out: dict[str, Any] = {
-        "system": system,
-        "users": users,
-        "decode_tok_s": statistics.median(decode),
-        "decode_tok_s_range": [min(decode), max(decode)],
-        "e2e_tok_s": statistics.median(r["e2e_tok_s"] for r in rs),
-        "ttft_p50_ms": percentile(ttft, 0.5),
-        "ttft_p95_ms": percentile(ttft, 0.95),
-        "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in rs),
-        "itl_p95_ms": statistics.median(r["itl_p95_ms"] for r in rs),
-    }
-    out["itl_ratio"] = out["itl_p95_ms"] / out["itl_p50_ms"]
-    out["vs_monolithic"] = out["decode_tok_s"] / base
-    if "stage_busy" in rs[0]:
-        out["stage_busy"] = [
-            statistics.median(r["stage_busy"][k] for r in rs)
-            for k in range(len(rs[0]["stage_busy"]))
-        ]
-    if "wall_tok_s" in rs[0]:
-        out["wall_tok_s"] = statistics.median(r["wall_tok_s"] for r in rs)
-    return out
-
-
 def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
     """The issue's three targets, each PASS / FAIL with its numbers."""
 
@@ -260,50 +234,12 @@ def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
 
 
 def plot(rows: list[dict[str, Any]], base: float, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    systems = list(dict.fromkeys(r["system"] for r in rows if r["system"] != MONO))
     labels = {
         "stateful": "2 stages, stateful KV",
         "paged": "2 stages, paged KV",
         CB: "genai continuous batching, 1 core",
     }
-    users = sorted({r["users"] for r in rows if r["system"] != MONO})
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system, marker in zip(systems, "osd^v", strict=False):
-        mine = [r for r in rows if r["system"] == system]
-        xs = [r["users"] for r in mine]
-        label = labels.get(system, f"2 stages, {system}")
-        left.plot(xs, [r["decode_tok_s"] for r in mine], marker + "-", label=label)
-        line = right.plot(xs, [r["itl_p50_ms"] for r in mine], marker + "-", label=system + " p50")
-        right.plot(
-            xs,
-            [r["itl_p95_ms"] for r in mine],
-            marker + "--",
-            color=line[0].get_color(),
-            label=system + " p95",
-        )
-    if base == base:  # not NaN
-        left.axhline(base, color="grey", linestyle="--", label="monolithic genai, 1 user, 1 core")
-        left.axhline(4 * base, color="grey", linestyle=":", label="4x target")
-    left.set_xscale("log", base=2)
-    left.set_xticks(users, [str(u) for u in users])
-    left.set_xlabel("concurrent users")
-    left.set_ylabel("aggregate decode tok/s")
-    left.legend(fontsize=8)
-    right.set_xscale("log", base=2)
-    right.set_xticks(users, [str(u) for u in users])
-    right.set_xlabel("concurrent users")
-    right.set_ylabel("inter-token latency (ms)")
-    right.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    return plot_users([r for r in rows if r["system"] != MONO], base, path, labels, target=4)
 
 
 def main() -> int:
@@ -406,10 +342,10 @@ def main() -> int:
     for backend in backends:
         for count in users:
             if fleets.get(backend, {}).get(count):
-                rows.append(row(backend, count, fleets[backend][count], base))
+                rows.append(median_row(backend, count, fleets[backend][count], base))
     for count in users:
         if cb_rounds.get(count):
-            rows.append(row(CB, count, cb_rounds[count], base))
+            rows.append(median_row(CB, count, cb_rounds[count], base))
 
     ncpu = os.cpu_count()
     flag_note = "" if flag else " (this pipeshard has no --kv-backend: stateful, its only one)"
