@@ -111,7 +111,8 @@ class Engine:
         if self.config.solo and proposer is not None:
             log.info(
                 "no batching with speculation: stages pad one-row steps as when batching, so "
-                "speculative output stays identical to plain decoding"
+                "output is identical to plain decoding on a batching server (not always to a "
+                "--no-batching server without speculation)"
             )
 
     def choice_sampling(self, request: GenerationRequest, choice: int) -> SamplingParams:
