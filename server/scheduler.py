@@ -490,9 +490,10 @@ class Scheduler:
         # budget for the ring, busy while any sequence decodes). Without it, each chunk is
         # prefill_chunk tokens.
         shared = self.config.busy_prefill_chunk is not None
+        solo = self.config.solo
 
         def pool(group: int) -> int:
-            return 0 if self.config.solo else group
+            return 0 if solo else group
 
         budget = [self.config.prefill_chunk] * self.config.groups
         chunks = 0

@@ -39,8 +39,9 @@ class Fleet:
     stage_metrics: tuple[int, ...] = ()  # the stages' Prometheus ports
     export: Path | None = None
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+    def client(self, url: str = "") -> openai.OpenAI:
+        """A client of the batching gateway, or of the one at ``url``."""
+        return openai.OpenAI(base_url=f"{url or self.url}/v1", api_key="none", max_retries=0)
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics").text
@@ -98,9 +99,8 @@ def request(i: int) -> dict[str, Any]:
 
 
 def stream_text(fleet: Fleet, body: dict[str, Any], url: str = "") -> str:
-    client = openai.OpenAI(base_url=f"{url or fleet.url}/v1", api_key="none", max_retries=0)
     pieces = []
-    for chunk in client.chat.completions.create(stream=True, **body):
+    for chunk in fleet.client(url).chat.completions.create(stream=True, **body):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
     return "".join(pieces)
