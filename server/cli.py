@@ -291,6 +291,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "speculating (faster for a few users where batch_cost.py shows 2 rows cost >> 1 row)",
     )
     p.add_argument(
+        "--ring-decode",
+        type=int,
+        help="with --no-batching and no speculation: tokens the stages decode on their own "
+        "after each decode step, the last stage feeding each token straight back to stage 0 "
+        "(default 32; 0: every step through the gateway)",
+    )
+    p.add_argument(
         "--resume-grace",
         type=float,
         help="seconds in-flight requests wait for a failed stage to return, then go on (30)",

@@ -198,7 +198,8 @@ class Engine:
             began = time.perf_counter()  # the step's time includes waiting for the draft
             plan = await self._speculate(seq, item, sampling)
             started = time.perf_counter()
-            out = await self.pipeline.step(
+            follow = self._follow_budget(seq, item, plan)
+            results = self.pipeline.steps(
                 item.session,
                 plan.tokens,
                 item.start_position,
@@ -210,12 +211,32 @@ class Engine:
                 draft_dists=plan.dists,
                 group=item.group,
                 solo=self.solo,
+                follow=follow,
+                stop_ids=sorted(self.eos_ids) if follow else (),
             )
-            if plan.draft:
-                ended = time.perf_counter()
-                self._learn(seq.seq_id, plan, out.tokens, ended - started, ended - began)
-            elif not item.prefill and self.proposer is not None:
-                self._adaptive.level(plan.level).update_plain(time.perf_counter() - began)
+            async with contextlib.aclosing(results):
+                out = await anext(results)
+                if plan.draft:
+                    ended = time.perf_counter()
+                    self._learn(seq.seq_id, plan, out.tokens, ended - started, ended - began)
+                elif not item.prefill and self.proposer is not None:
+                    self._adaptive.level(plan.level).update_plain(time.perf_counter() - began)
+                while True:
+                    taken = self.scheduler.on_result(
+                        item.seq_id, [t.token_id for t in out.tokens], out.session_length or None
+                    )
+                    if stream is not None:
+                        for token in out.tokens[:taken]:
+                            stream.queue.put_nowait(token)
+                    if seq.phase is Phase.DONE:
+                        self._end(item.seq_id)
+                        break
+                    ring = self.scheduler.follow(item.seq_id) if follow else None
+                    if ring is None:
+                        break
+                    # the ring's own next step, already on its way: take it as if sent
+                    item, follow = ring, follow - 1
+                    out = await anext(results)
         except PipelineError as exc:
             if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 # a stage had no KV blocks (or sessions) left for it: retry after others
@@ -244,17 +265,20 @@ class Engine:
         except Exception as exc:
             self.scheduler.on_error(item.seq_id, exc)
             self._end(item.seq_id)
-        else:
-            taken = self.scheduler.on_result(
-                item.seq_id, [t.token_id for t in out.tokens], out.session_length or None
-            )
-            if stream is not None:
-                for token in out.tokens[:taken]:
-                    stream.queue.put_nowait(token)
-            if seq.phase is Phase.DONE:
-                self._end(item.seq_id)
         finally:
             self._wake.set()
+
+    def _follow_budget(self, seq: Sequence, item: Work, plan: _Plan) -> int:
+        """Tokens the ring may decode on its own after this step (SchedulerConfig.ring_decode:
+        solo steps without speculation, on a ring whose last stage loops back to stage 0),
+        within max_tokens and the context."""
+        if not (self.solo and self.config.ring_decode and item.samples and not plan.draft):
+            return 0
+        if not self.pipeline.ring_loop:
+            return 0
+        held = item.start_position + len(plan.tokens)  # positions after this step
+        left = seq.max_tokens - len(seq.generated) - 1
+        return max(0, min(self.config.ring_decode, left, self.max_context - held))
 
     async def _speculate(self, seq: Sequence, item: Work, sampling: SamplingParams) -> _Plan:
         """The step's tokens: the work item's, plus draft proposals when speculating."""

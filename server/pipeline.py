@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,10 +209,13 @@ class PipelineClient:
         calls = []
         for state in self.stages:
             assert state.stub is not None
-            nxt = self.stages[state.index + 1].address if state.index + 1 < len(self.stages) else ""
+            last = state.index + 1 == len(self.stages)
+            nxt = "" if last else self.stages[state.index + 1].address
+            # the last stage links back to stage 0 for the ring's own steps (Step.follow)
+            loop = self.stages[0].address if last and self.ring_loop else ""
             calls.append(
                 state.stub.Link(
-                    pb.LinkRequest(next_address=nxt),
+                    pb.LinkRequest(next_address=nxt, loop_address=loop),
                     metadata=self._metadata(),
                     timeout=self.health_timeout * 2,
                 )
@@ -337,6 +340,12 @@ class PipelineClient:
         )
 
     @property
+    def ring_loop(self) -> bool:
+        """Whether the last stage feeds decode steps back to stage 0 itself (Step.follow)."""
+        info = self.stages[-1].info
+        return info is not None and info.ring_loop
+
+    @property
     def paged(self) -> bool:
         """Whether every stage runs the paged KV backend (batched inference)."""
         return len(self.kv_pools) == len(self.stages)
@@ -409,46 +418,61 @@ class PipelineClient:
         the session is released on every stage still reachable; other errors (bad input) leave
         the session as it was.
         """
+        results = self.steps(
+            session_id,
+            tokens,
+            start_position,
+            rollback=rollback,
+            num_logits=num_logits,
+            sampling=sampling,
+            history=history,
+            timeout=timeout,
+            draft_tokens=draft_tokens,
+            draft_dists=draft_dists,
+            group=group,
+            solo=solo,
+        )
         try:
-            return await self._step(
-                session_id,
-                tokens,
-                start_position,
-                rollback,
-                num_logits,
-                sampling,
-                history,
-                timeout,
-                draft_tokens,
-                draft_dists,
-                group,
-                solo,
-            )
-        except PipelineError as exc:
-            if exc.retryable:
-                self._release_soon({session_id})
-            raise
+            return await anext(results)
+        finally:
+            await results.aclose()
 
-    async def _step(
+    async def steps(
         self,
         session_id: str,
         tokens: Sequence[int],
         start_position: int,
-        rollback: int,
-        num_logits: int,
-        sampling: SamplingParams,
-        history: Sequence[int],
-        timeout: float | None,
+        *,
+        rollback: int = 0,
+        num_logits: int = 1,
+        sampling: SamplingParams = GREEDY,
+        history: Sequence[int] = (),
+        timeout: float | None = None,
         draft_tokens: Sequence[int] = (),
         draft_dists: Sequence[DraftDistribution] = (),
         group: int = 0,
         solo: bool = False,
-    ) -> StepOutput:
+        follow: int = 0,
+        stop_ids: Sequence[int] = (),
+    ) -> AsyncGenerator[StepOutput, None]:
+        """As :meth:`step`, and with ``follow`` (a solo decode step, on a ring with
+        :attr:`ring_loop`) the ring then decodes up to ``follow`` more tokens on its own: the
+        last stage feeds each sampled token straight back to stage 0, without the round trip
+        through the gateway, until a token in ``stop_ids``. Yields each step's output in
+        turn, each within ``timeout`` of the one before; the consumer stops when it likes
+        (the ring's further steps are dropped once the session is released)."""
         self.check_ready()
+        if follow and not (solo and self.ring_loop and not draft_tokens):
+            raise ValueError("the ring decodes on its own only solo decode steps, on a loop")
         timeout = self.step_timeout if timeout is None else timeout
         step_id = next(self._ids)
-        future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
-        self._pending[step_id] = (future, session_id)
+        for _ in range(follow):  # the ring's own steps take the ids after it
+            next(self._ids)
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[StepOutput]] = []
+        for i in range(follow + 1):
+            futures.append(loop.create_future())
+            self._pending[step_id + i] = (futures[-1], session_id)
         self._push_queue.put_nowait(
             pb.Step(
                 session_id=session_id,
@@ -463,21 +487,34 @@ class PipelineClient:
                 num_logits=num_logits,
                 sampling=sampling_to_pb(sampling),
                 history=list(history),
-                deadline_unix_ms=int((time.time() + timeout) * 1000),
+                deadline_unix_ms=int((time.time() + timeout * (1 + follow)) * 1000),
                 draft_tokens=list(draft_tokens),
                 draft_dists=[pb.DraftDistribution(ids=i, probs=p) for i, p in draft_dists],
+                follow=follow,
+                stop_ids=list(stop_ids),
             )
         )
         if self._push_task is None or self._push_task.done():
             self._push_task = asyncio.create_task(self._run_push())
         try:
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            self._pending.pop(step_id, None)
-            raise PipelineError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"step of session {session_id!r} took longer than {timeout:g}s",
-            ) from None
+            for i, future in enumerate(futures):
+                try:
+                    yield await asyncio.wait_for(future, timeout)
+                except TimeoutError:
+                    raise PipelineError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"step of session {session_id!r} took longer than {timeout:g}s",
+                    ) from None
+                emitted = future.result().tokens
+                if i < follow and (not emitted or emitted[-1].token_id in stop_ids):
+                    return  # the ring stopped there
+        except PipelineError as exc:
+            if exc.retryable:
+                self._release_soon({session_id})
+            raise
+        finally:
+            for i in range(follow + 1):
+                self._pending.pop(step_id + i, None)
 
     async def release(self, *session_ids: str) -> int:
         """Free sessions on every stage that is reachable; returns how many stages answered."""

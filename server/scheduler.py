@@ -5,6 +5,7 @@ model; :class:`server.engine.Engine` drives it from a thin async loop::
 
     add(seq) -> queued (or QueueFull)      cancel(id) -> leaves the queue, or stops after its step
     next_work(now, ring_ready) -> [Work]   on_result(id, tokens) / on_error(id, exc)
+    follow(id) -> the ring's own next step (ring_decode), in flight
     on_lost(id, exc, now) -> suspended?    expire(now) -> [ids that waited too long]
     take_releases() -> [Release]           take_admitted() -> [sequences that left the queue]
 
@@ -45,6 +46,12 @@ Policy
   decodes, so a long prompt delays the others by one short chunk per token. Where a call of
   two rows costs much more than a call of one (``benchmarks/batch_cost.py``), this is faster
   for a few users than batching them.
+* **The ring decodes on its own** (``ring_decode``, with ``solo``). A decode step (or a
+  prompt's last chunk) may tell the ring to go on for up to ``ring_decode`` more tokens: the
+  last stage feeds each token it samples straight back to stage 0, so the next step starts
+  without the round trip through the gateway. The gateway takes each token as from a step it
+  sent (:meth:`Scheduler.follow` marks the ring's next step in flight), so the policy above
+  is unchanged: one step per sequence in the ring, prompts under the shared budget.
 * **Prompt chunks of at least two tokens.** A chunk never holds a single token of a longer
   prompt, nor leaves one behind (:func:`chunk_end`; it may take a token more than its budget):
   where a prompt is cut depends on load, and on some CPUs a one-row call takes another kernel
@@ -132,6 +139,10 @@ class SchedulerConfig:
     # call holds two sequences' rows; prompt tokens then share one budget across the ring
     # (``busy_prefill_chunk`` while any sequence decodes). See "No batching" above.
     solo: bool = False
+    # with solo: decode tokens the ring may then produce on its own after each decode step
+    # (the last stage feeds each token straight back to stage 0; see "The ring decodes on
+    # its own" above); 0: every step goes through the gateway
+    ring_decode: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_prefill_in_flight", "groups"):
@@ -145,6 +156,8 @@ class SchedulerConfig:
             raise ValueError("group_size must be >= 0")
         if self.solo and (self.groups < self.max_running or self.group_size):
             raise ValueError("solo needs a group per running sequence (groups >= max_running)")
+        if self.ring_decode < 0 or (self.ring_decode and not self.solo):
+            raise ValueError("ring_decode must be >= 0, and needs solo")
         if self.max_queued < 0 or self.queue_timeout <= 0 or self.resume_grace < 0:
             raise ValueError("max_queued and resume_grace must be >= 0 and queue_timeout > 0")
 
@@ -585,6 +598,18 @@ class Scheduler:
                 self._finish(seq)
                 break
         return taken
+
+    def follow(self, seq_id: str) -> Work | None:
+        """After :meth:`on_result`: the decode step the ring makes itself (``ring_decode``),
+        now in flight, or None when the sequence is done (then the ring's step, if any, is
+        dropped with the session)."""
+        seq = self.sequences[seq_id]
+        if seq.phase is not Phase.DECODE or seq.in_flight is not None or seq.cancelled:
+            return None
+        position = len(seq.prompt) + len(seq.generated) - 1
+        if seq.session_length != position:
+            raise ValueError(f"{seq_id!r}: the ring's own step cannot roll back")
+        return self._issue(seq, (seq.generated[-1],), position, prefill=False)
 
     def on_lost(self, seq_id: str, error: BaseException, now: float) -> bool:
         """The step was lost with the ring (a stage down or stalled): the stages' state of the

@@ -93,6 +93,14 @@ class GatewaySettings(BaseSettings):
         "one-row steps not padded where no speculation runs (faster for a few users where a "
         "two-row call costs much more than a one-row one: benchmarks/batch_cost.py)",
     )
+    ring_decode: int = Field(
+        default=32,
+        ge=0,
+        description="without batching or speculation: decode tokens the stage ring produces "
+        "on its own after each decode step, the last stage feeding each token straight back "
+        "to stage 0 without the round trip through the gateway (0: every step through the "
+        "gateway)",
+    )
     resume_grace: float = Field(
         default=30.0,
         ge=0,
@@ -150,6 +158,7 @@ class GatewaySettings(BaseSettings):
                 busy_prefill_chunk=self.prefill_chunk_busy or PAGED_BUSY_PREFILL_CHUNK,
                 lockstep=True,
                 solo=True,
+                ring_decode=self.ring_decode,
             )
         if paged:
             config = dataclasses.replace(

@@ -63,6 +63,11 @@ class StageMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
             registry=self.registry,
         )
+        self.loop_steps = Counter(
+            "pipeshard_stage_loop_steps",
+            "Decode steps this last stage fed back to stage 0 itself (Step.follow)",
+            registry=self.registry,
+        )
         self.kv_blocks = Gauge(
             "pipeshard_stage_kv_blocks",
             "Paged KV blocks by state (used, free); absent on the stateful backend",

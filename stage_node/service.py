@@ -19,7 +19,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -57,6 +57,7 @@ from stage_node.settings import StageSettings
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+_RELEASED_KEPT = 4096  # freed session ids remembered (late steps of theirs fail uncounted)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -119,12 +120,20 @@ def unpack(batch: pb.StepBatch, first: bool) -> list[tuple[pb.Step, np.ndarray |
 
 
 class Downstream:
-    """The link to the next stage: one long-lived Push stream fed from a queue."""
+    """The link to the next stage: one long-lived Push stream fed from a queue. With ``loop``
+    it is the last stage's link back to stage 0, for the steps it makes itself (Step.follow):
+    they carry token ids, not hidden states."""
 
     def __init__(
-        self, address: str, settings: StageSettings, manifest_hash: str, metrics: StageMetrics
+        self,
+        address: str,
+        settings: StageSettings,
+        manifest_hash: str,
+        metrics: StageMetrics,
+        loop: bool = False,
     ) -> None:
         self.address = address
+        self.loop = loop
         self.metrics = metrics
         self.channel = open_channel(address, settings.tls_ca, settings.tls_server_name)
         self.stub = pb_grpc.StageStub(self.channel)
@@ -153,6 +162,8 @@ class Downstream:
                 items.append(item)
             elif item is call:
                 ended = True
+        if self.loop:
+            return pb.StepBatch(steps=[step for step, _ in items]), ended
         return pack(items, self.hidden_dtype), ended
 
     async def _pump(self) -> None:
@@ -231,7 +242,9 @@ class StageService(pb_grpc.StageServicer):
         self._workers = 0
         self._worker_tasks: set[asyncio.Task[None]] = set()
         self.downstream: Downstream | None = None
+        self.loop: Downstream | None = None  # the last stage's link back to stage 0
         self.results: dict[str, asyncio.Queue[pb.StepResult]] = {}
+        self._released: OrderedDict[str, None] = OrderedDict()
 
     # -- control RPCs ---------------------------------------------------------------------
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.StageInfo:
@@ -253,6 +266,7 @@ class StageService(pb_grpc.StageServicer):
             version=VERSION,
             next_address=self.downstream.address if self.downstream else "",
             kv_backend=self.runner.kv_backend,
+            ring_loop=self.runner.is_last,
             **self._pool_info(),
         )
 
@@ -279,6 +293,13 @@ class StageService(pb_grpc.StageServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the last stage has no next stage"
             )
+        if request.loop_address and not self.runner.is_last:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "only the last stage links back to stage 0"
+            )
+        if self.runner.is_last:
+            await self._link_loop(request.loop_address)
+            return pb.LinkReply()
         if self.downstream is not None and self.downstream.address == request.next_address:
             return pb.LinkReply()
         old, self.downstream = self.downstream, None
@@ -292,7 +313,26 @@ class StageService(pb_grpc.StageServicer):
             await old.close()
         return pb.LinkReply()
 
+    async def _link_loop(self, address: str) -> None:
+        """The link back to stage 0 (none needed when this stage is stage 0 too)."""
+        if self.runner.is_first or (self.loop is not None and self.loop.address == address):
+            return
+        old, self.loop = self.loop, None
+        if address:
+            self.loop = Downstream(
+                address, self.settings, self.manifest_hash, self.metrics, loop=True
+            )
+            self.loop.connect()
+            log.info("stage %d linked back to stage 0 at %s", self.index, address)
+        if old is not None:
+            await old.close()
+
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
+        for sid in request.session_ids:
+            self._released[sid] = None
+            self._released.move_to_end(sid)
+        while len(self._released) > _RELEASED_KEPT:
+            self._released.popitem(last=False)
         released = sum(self.runner.release(sid) for sid in request.session_ids)
         self.metrics.sessions.set(self.runner.session_count)
         return pb.ReleaseReply(released=released)
@@ -359,6 +399,8 @@ class StageService(pb_grpc.StageServicer):
         while waiting:
             step, data = waiting.popleft()
             outcome: StepOutcome = None
+            if step.continued and not step.HasField("error"):
+                self._check_continued(step)
             if not step.HasField("error"):
                 item = data if isinstance(data, Exception) else self._step_input(step, data)
                 if not isinstance(item, Exception):
@@ -368,6 +410,18 @@ class StageService(pb_grpc.StageServicer):
                 outcome = item
             self._pass_on([(step, outcome)])
         self._waiting.pop(session_id, None)
+
+    def _check_continued(self, step: pb.Step) -> None:
+        """The ring's own step (Step.follow) of a session this stage no longer holds fails
+        NOT_FOUND, as any step would: the gateway re-prefills if it still waits for the step,
+        and ignores the answer if the request ended (then the failure is not counted)."""
+        if self.runner.has_session(step.session_id):
+            return
+        code = grpc.StatusCode.NOT_FOUND
+        if step.session_id not in self._released:
+            self.metrics.errors.labels(code.name).inc()
+        message = f"session {step.session_id!r} is not open on stage {self.index}"
+        step.error.CopyFrom(pb.StepError(code=code.value[0], message=message, stage=self.index))
 
     def _start_worker(self) -> None:
         if self._workers < self.backend.parallelism:
@@ -486,8 +540,51 @@ class StageService(pb_grpc.StageServicer):
             log.warning("no gateway subscribed as %r; dropping result", step.client_id)
             return
         queue.put_nowait(result)
+        if step.follow and tokens and not step.HasField("error"):
+            self._follow(step, [t.token_id for t in tokens], result.session_length)
+
+    def _follow(self, step: pb.Step, emitted: list[int], length: int) -> None:
+        """The ring decodes on its own: feed the token just sampled back to stage 0 as the
+        session's next step (Step.follow), unless it ends the sequence."""
+        if emitted[-1] in step.stop_ids or step.session_id in self._released:
+            return
+        sampling = step.sampling
+        penalised = sampling.presence_penalty or sampling.frequency_penalty
+        nxt = pb.Step(
+            session_id=step.session_id,
+            step_id=step.step_id + 1,
+            client_id=step.client_id,
+            token_ids=emitted[-1:],
+            num_tokens=1,
+            start_position=length,
+            num_logits=1,
+            sampling=sampling,
+            history=[*step.history, *emitted] if penalised else [],
+            deadline_unix_ms=step.deadline_unix_ms,
+            group=step.group,
+            solo=step.solo,
+            follow=step.follow - 1,
+            stop_ids=step.stop_ids,
+            continued=True,
+        )
+        if self.runner.is_first:  # a ring of one stage
+            self.metrics.loop_steps.inc()
+            self._admit(nxt, np.asarray(nxt.token_ids, dtype=np.int64))
+        elif self.loop is not None:
+            self.metrics.loop_steps.inc()
+            self.loop.send(nxt, None)
+        else:
+            message = f"stage {self.index} has no link back to stage 0 for the ring's own steps"
+            self.metrics.errors.labels(grpc.StatusCode.UNAVAILABLE.name).inc()
+            nxt.error.CopyFrom(
+                pb.StepError(
+                    code=grpc.StatusCode.UNAVAILABLE.value[0], message=message, stage=self.index
+                )
+            )
+            self._deliver(nxt, None)
 
     async def close(self) -> None:
-        if self.downstream is not None:
-            await self.downstream.close()
+        for link in (self.downstream, self.loop):
+            if link is not None:
+                await link.close()
         self.pool.shutdown(wait=False, cancel_futures=True)

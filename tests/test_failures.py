@@ -23,6 +23,9 @@ from tests.processes import Proc, start_gateway, start_stages
 from tests.test_gateway import MESSAGES, export_chat_model
 
 NO_EOS = {"2": -100}  # the tiny model's end-of-sequence token never comes
+# The default gateway, and one without batching, where the ring decodes on its own (the last
+# stage feeds each token back to stage 0): failures must end the same way on both.
+MODES = pytest.mark.parametrize("mode", [[], ["--no-batching"]], ids=["batching", "ring-decode"])
 
 
 @dataclass
@@ -165,8 +168,13 @@ class StreamInBackground(threading.Thread):
         return stream_text(self.events)
 
 
-def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(ring: Ring) -> None:
-    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log", ["--resume-grace", "0"])
+@MODES
+def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(
+    ring: Ring, mode: list[str]
+) -> None:
+    gateway, url = start_gateway(
+        ring.addresses, ring.logs / "gateway.log", ["--resume-grace", "0", *mode]
+    )
     try:
         body = chat_body(200, stream=True)
         before = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
@@ -219,8 +227,9 @@ def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(ring: 
         gateway.stop()
 
 
-def test_requests_survive_a_stage_restart(ring: Ring) -> None:
-    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log")  # default grace
+@MODES
+def test_requests_survive_a_stage_restart(ring: Ring, mode: list[str]) -> None:
+    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log", mode)  # default grace
     try:
         greedy = chat_body(120, stream=True)
         sampled = chat_body(120, stream=True, temperature=0.9, seed=7, frequency_penalty=0.5)
@@ -266,11 +275,12 @@ def test_requests_survive_a_stage_restart(ring: Ring) -> None:
         gateway.stop()
 
 
-def test_a_session_a_stage_no_longer_holds_is_prefilled_again(ring: Ring) -> None:
+@MODES
+def test_a_session_a_stage_no_longer_holds_is_prefilled_again(ring: Ring, mode: list[str]) -> None:
     """Stage 0 frees a session mid-stream (as after a restart the health checks missed): its
     next step there fails with NOT_FOUND, and the gateway re-prefills the request on a fresh
     session instead of failing it; the text equals the uninterrupted run."""
-    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log")
+    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log", mode)
     try:
         body = chat_body(80, stream=True)
         expected = StreamInBackground(url, body).result()
@@ -301,11 +311,14 @@ def test_a_session_a_stage_no_longer_holds_is_prefilled_again(ring: Ring) -> Non
         gateway.stop()
 
 
-def test_a_stalled_stage_times_out_and_the_gateway_keeps_answering(ring: Ring) -> None:
+@MODES
+def test_a_stalled_stage_times_out_and_the_gateway_keeps_answering(
+    ring: Ring, mode: list[str]
+) -> None:
     gateway, url = start_gateway(
         ring.addresses,
         ring.logs / "gateway.log",
-        ["--step-timeout", "2", "--resume-grace", "0"],
+        ["--step-timeout", "2", "--resume-grace", "0", *mode],
     )
     try:
         body = chat_body(200, stream=True)

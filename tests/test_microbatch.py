@@ -2,7 +2,9 @@
 
 Stage 0 sits behind the latency-injecting proxy (25 ms each way), so every step takes a while
 and requests really overlap, as they would across a network. A second gateway runs over the
-same stages without batching (`pipeshard serve --no-batching`).
+same stages without batching (`pipeshard serve --no-batching`), where the ring decodes on its
+own (the last stage feeds each token back to stage 0), and a third without batching that sends
+every step itself (`--ring-decode 0`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import openai
 import pytest
 
 from benchmarks.latency_proxy import start_in_thread
+from exporter.export import ExportOptions, export_model
+from protos.manifest import WeightSpec
 from tests.processes import free_port, start_gateway, start_stages
 from tests.test_gateway import export_chat_model
 
@@ -38,6 +42,8 @@ class Fleet:
     solo_url: str = ""  # a gateway with --no-batching over the same stages
     stage_metrics: tuple[int, ...] = ()  # the stages' Prometheus ports
     export: Path | None = None
+    stepped_url: str = ""  # --no-batching --ring-decode 0: every step through the gateway
+    source: Path | None = None  # the model the export came from
 
     def client(self, url: str = "") -> openai.OpenAI:
         """A client of the batching gateway, or of the one at ``url``."""
@@ -59,7 +65,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     base = tmp_path_factory.mktemp("microbatch")
-    _, export = export_chat_model(base)
+    source, export = export_chat_model(base)
     procs, addresses, ports = [], [], []
     for index in (0, 1):
         ports.append(free_port())
@@ -74,11 +80,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     limits = ["--max-concurrent", str(MAX_RUNNING), "--max-queued", "1", "--prefill-chunk", "8"]
     gateway, url = start_gateway(ring, base / "gateway.log", limits)
     solo, solo_url = start_gateway(ring, base / "gateway-solo.log", [*limits, "--no-batching"])
+    stepped, stepped_url = start_gateway(
+        ring, base / "gateway-stepped.log", [*limits, "--no-batching", "--ring-decode", "0"]
+    )
     try:
-        yield Fleet(url, addresses, solo_url, tuple(ports), export)
+        yield Fleet(url, addresses, solo_url, tuple(ports), export, stepped_url, source)
     finally:
         gateway.stop()
         solo.stop()
+        stepped.stop()
         stop_proxy()
         for proc in procs:
             proc.stop()
@@ -118,16 +128,22 @@ def test_concurrent_streams_equal_the_same_requests_one_by_one(fleet: Fleet) -> 
     assert fleet.metric("pipeshard_gateway_queue_seconds_count") >= 16
 
 
+def stage_metric(port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
 def stage_calls(fleet: Fleet) -> list[tuple[float, float]]:
     """Each stage's inference calls so far and the sessions they held, from its metrics."""
-    out = []
-    for port in fleet.stage_metrics:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        count = re.search(r"^pipeshard_stage_batch_size_count (\S+)$", text, re.MULTILINE)
-        total = re.search(r"^pipeshard_stage_batch_size_sum (\S+)$", text, re.MULTILINE)
-        assert count and total
-        out.append((float(count.group(1)), float(total.group(1))))
-    return out
+    return [
+        (
+            stage_metric(port, "pipeshard_stage_batch_size_count"),
+            stage_metric(port, "pipeshard_stage_batch_size_sum"),
+        )
+        for port in fleet.stage_metrics
+    ]
 
 
 def test_without_batching_concurrent_streams_equal_them_one_by_one_each_call_alone(
@@ -242,3 +258,103 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
         ("batched", 1), ("batched", 2), ("unbatched", 1), ("unbatched", 2)
     ]  # fmt: skip
     assert all(r["decode_tok_s"] > 0 and len(r["stage_busy"]) == 2 for r in rows)
+
+
+def completion(url: str, body: dict[str, Any]) -> tuple[str, list[Any], int]:
+    """Text, logprobs (token, logprob, top 2) and completion tokens of a non-streaming call."""
+    reply = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={**body, "logprobs": True, "top_logprobs": 2},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    probs = [
+        (t["token"], t["logprob"], [(o["token"], o["logprob"]) for o in t["top_logprobs"]])
+        for t in choice["logprobs"]["content"]
+    ]
+    return choice["message"]["content"], probs, reply.json()["usage"]["completion_tokens"]
+
+
+def test_the_ring_decoding_on_its_own_equals_every_step_through_the_gateway(fleet: Fleet) -> None:
+    """Without batching the last stage feeds each sampled token straight back to stage 0: the
+    tokens and logprobs are those of the gateway sending every step, under load too, and the
+    ring makes every step after a request's first token itself."""
+    penalised = {**request(3), "presence_penalty": 0.8, "frequency_penalty": 0.6, "max_tokens": 40}
+    long = {**request(5), "max_tokens": 80, "logit_bias": {str(EOS): -100}}  # > --ring-decode
+    bodies = [*(request(i) for i in range(7)), penalised, long]  # 8 running, 1 queued
+    last = fleet.stage_metrics[-1]
+    loops = stage_metric(last, "pipeshard_stage_loop_steps_total")
+    stepped = [completion(fleet.stepped_url, body) for body in bodies]
+    assert stage_metric(last, "pipeshard_stage_loop_steps_total") == loops  # none without it
+    assert len({text for text, _, _ in stepped}) > 5 and stepped[-1][2] == 80
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        looped = list(pool.map(lambda b: completion(fleet.solo_url, b), bodies))
+    assert looped == stepped
+    # the gateway sent the step of a request's first token and of every 33rd after it (once
+    # a run of --ring-decode 32 tokens ended); the ring made the others itself
+    made = stage_metric(last, "pipeshard_stage_loop_steps_total") - loops
+    assert made == sum(ring_made(tokens) for _, _, tokens in stepped)
+
+
+def ring_made(tokens: int, ring_decode: int = 32) -> int:
+    return tokens - -(-tokens // (ring_decode + 1))
+
+
+def test_a_client_leaving_while_the_ring_decodes_frees_its_sessions(fleet: Fleet) -> None:
+    body = {**request(2), "max_tokens": 200, "logit_bias": {str(EOS): -100}, "stream": True}
+    last = fleet.stage_metrics[-1]
+    loops = stage_metric(last, "pipeshard_stage_loop_steps_total")
+    with httpx.stream(
+        "POST", f"{fleet.solo_url}/v1/chat/completions", json=body, timeout=60
+    ) as reply:
+        seen = 0
+        for line in reply.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 6:
+                break  # the client goes away mid-stream
+        assert seen == 6 and reply.status_code == 200
+    deadline = time.monotonic() + 10
+    while any(stage_metric(p, "pipeshard_stage_sessions") for p in fleet.stage_metrics):
+        assert time.monotonic() < deadline, "the stages still hold the session"
+        time.sleep(0.05)
+    made = stage_metric(last, "pipeshard_stage_loop_steps_total") - loops
+    time.sleep(0.5)
+    assert stage_metric(last, "pipeshard_stage_loop_steps_total") - loops == made  # stopped
+    assert 4 <= made < 80  # the ring stopped within a run of 32, far before 200 tokens
+    # late steps of the freed session fail quietly: not counted as the stages' errors
+    for port in fleet.stage_metrics:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'pipeshard_stage_errors_total{code="NOT_FOUND"}' not in text
+    assert completion(fleet.solo_url, request(2)) == completion(fleet.stepped_url, request(2))
+
+
+def test_a_ring_of_one_stage_decodes_on_its_own(fleet: Fleet, tmp_path: Path) -> None:
+    """A one-stage ring feeds its tokens back into itself."""
+    assert fleet.source is not None
+    export = tmp_path / "one"
+    export_model(
+        ExportOptions(
+            model=str(fleet.source), out=export, stages=1, weights=WeightSpec(format="fp32"),
+            quiet=True,
+        )
+    )  # fmt: skip
+    port = free_port()
+    procs, addresses = start_stages(export, tmp_path, ["--metrics-port", str(port)])
+    solo, solo_url = start_gateway(addresses, tmp_path / "solo.log", ["--no-batching"])
+    stepped, stepped_url = start_gateway(
+        addresses, tmp_path / "stepped.log", ["--no-batching", "--ring-decode", "0"]
+    )
+    try:
+        bodies = [request(i) for i in range(4)]
+        expected = [completion(stepped_url, body) for body in bodies]
+        loops = stage_metric(port, "pipeshard_stage_loop_steps_total")
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda b: completion(solo_url, b), bodies)) == expected
+        made = stage_metric(port, "pipeshard_stage_loop_steps_total") - loops
+        assert made == sum(ring_made(tokens) for _, _, tokens in expected)
+    finally:
+        solo.stop()
+        stepped.stop()
+        for proc in procs:
+            proc.stop()
