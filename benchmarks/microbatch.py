@@ -18,8 +18,10 @@ figure is the median over ``--rounds`` rounds; the ratio to the baseline uses th
 median of the same run.
 
 Systems (``--systems``), one gateway each over the same stage processes, measured side by
-side: ``batched`` (the gateway's defaults) and ``unbatched`` (``--no-batching``: every request
-computed alone, pipelined across the stages; see the README's "No batching").
+side: ``batched`` (the gateway's defaults), ``unbatched`` (``--no-batching``: every request
+computed alone, pipelined across the stages, the ring decoding on its own; see the README's
+"No batching") and ``stepped`` (``--no-batching --ring-decode 0``: every step through the
+gateway, as before the ring decoded on its own).
 
 Usage: python benchmarks/microbatch.py [--export DIR] [--users 1,2,4,8] [--tokens 64]
        [--rounds 2] [--systems batched,unbatched] [--no-baseline]
@@ -211,10 +213,15 @@ def ceiling(model_dir: Path, tokens: int) -> list[float]:
 
 
 # Gateway flags of each system; all run over the same stage processes, side by side.
-SYSTEMS = {"batched": [], "unbatched": ["--no-batching"]}
+SYSTEMS = {
+    "batched": [],
+    "unbatched": ["--no-batching"],
+    "stepped": ["--no-batching", "--ring-decode", "0"],
+}
 LABELS = {
     "batched": "2 stages, batched (default)",
     "unbatched": "2 stages, --no-batching",
+    "stepped": "2 stages, --no-batching --ring-decode 0",
 }
 
 

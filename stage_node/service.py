@@ -535,13 +535,14 @@ class StageService(pb_grpc.StageServicer):
             result.tokens.extend(sampled_to_pb(t) for t in tokens)
         if self.runner.has_session(step.session_id):
             result.session_length = self.runner.session_length(step.session_id)
+        if step.follow and tokens and not step.HasField("error"):
+            # the ring's next step goes out first: stage 0 waits for it, the gateway does not
+            self._follow(step, [t.token_id for t in tokens], result.session_length)
         queue = self.results.get(step.client_id)
         if queue is None:
             log.warning("no gateway subscribed as %r; dropping result", step.client_id)
             return
         queue.put_nowait(result)
-        if step.follow and tokens and not step.HasField("error"):
-            self._follow(step, [t.token_id for t in tokens], result.session_length)
 
     def _follow(self, step: pb.Step, emitted: list[int], length: int) -> None:
         """The ring decodes on its own: feed the token just sampled back to stage 0 as the

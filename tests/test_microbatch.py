@@ -239,7 +239,7 @@ def give_up_after(fleet: Fleet, body: dict[str, Any], seconds: float) -> None:
 def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     fleet: Fleet, tmp_path: Path
 ) -> None:
-    """The benchmark script end to end on the tiny export (no genai baseline): both systems
+    """The benchmark script end to end on the tiny export (no genai baseline): every system
     at each user count, in its table, JSON and plot."""
     assert fleet.export is not None
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "microbatch.py"
@@ -255,9 +255,11 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     assert text.startswith("Command: `python ") and "--no-batching" in text
     rows = json.loads(data.read_text())["rows"]
     assert [(r["system"], r["users"]) for r in rows] == [
-        ("batched", 1), ("batched", 2), ("unbatched", 1), ("unbatched", 2)
+        ("batched", 1), ("batched", 2), ("unbatched", 1), ("unbatched", 2),
+        ("stepped", 1), ("stepped", 2),
     ]  # fmt: skip
     assert all(r["decode_tok_s"] > 0 and len(r["stage_busy"]) == 2 for r in rows)
+    assert "--ring-decode 0" in text
 
 
 def completion(url: str, body: dict[str, Any]) -> tuple[str, list[Any], int]:
