@@ -24,7 +24,7 @@ computed alone, pipelined across the stages, the ring decoding on its own; see t
 gateway, as before the ring decoded on its own).
 
 Usage: python benchmarks/microbatch.py [--export DIR] [--users 1,2,4,8] [--tokens 64]
-       [--rounds 2] [--systems batched,unbatched] [--no-baseline]
+       [--rounds 2] [--systems batched,unbatched,stepped] [--no-baseline] [--delay-ms D]
 Writes benchmarks/results/microbatch-<date>.{json,md,png}.
 """
 
@@ -47,6 +47,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.latency_proxy import delay_stages  # noqa: E402
 from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
 
@@ -305,6 +306,10 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
     return row
 
 
+def ratio(value: float) -> str:
+    return "n/a" if value != value else f"{value:.2f}x"  # NaN: no baseline measured
+
+
 def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
     """The issue's targets per system, PASS / FAIL with their numbers."""
     lines = []
@@ -350,6 +355,12 @@ def main() -> int:
     )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--no-baseline", action="store_true", help="skip genai (e.g. tiny models)")
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="one-way latency added per hop (a proxy in front of every stage, as a network)",
+    )
     p.add_argument("--ceiling-worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--sync", type=Path, help=argparse.SUPPRESS)
     opts = p.parse_args()
@@ -372,8 +383,11 @@ def main() -> int:
     procs: list[Proc] = []
     gateways: dict[str, tuple[Proc, str]] = {}
     rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    stop_proxies = lambda: None  # noqa: E731
     try:
         procs, addresses, metric_ports = start_pinned_stages(opts.export, logs, metrics=True)
+        if opts.delay_ms > 0:
+            addresses, stop_proxies = delay_stages(addresses, opts.delay_ms / 1000)
         for system in systems:
             gateways[system] = start_gateway(
                 addresses,
@@ -416,6 +430,7 @@ def main() -> int:
     finally:
         for gateway, _ in gateways.values():
             gateway.stop()
+        stop_proxies()
         for proc in procs:
             proc.stop()
     padding = stage_padding(logs)
@@ -444,6 +459,12 @@ def main() -> int:
         + "; ".join(
             f"{s}: `pipeshard serve {' '.join(SYSTEMS[s]) or '(defaults)'}`" for s in systems
         )
+        + (
+            f". {opts.delay_ms:g} ms one-way latency added on every hop (a proxy in front of "
+            "each stage, benchmarks/latency_proxy.py)"
+            if opts.delay_ms > 0
+            else ""
+        )
         + ". Gateways and HTTP clients unpinned (sharing the "
         f"{os.cpu_count()} cores with the stages); {opts.tokens} greedy tokens per user (EOS "
         f"suppressed), each user its own prompt; medians over {opts.rounds} rounds.",
@@ -471,7 +492,7 @@ def main() -> int:
         lo, hi = r["decode_tok_s_range"]
         lines.append(
             f"| {r['system']} | {r['users']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
-            f"{r['vs_monolithic']:.2f}x | {r['e2e_tok_s']:.2f} | "
+            f"{ratio(r['vs_monolithic'])} | {r['e2e_tok_s']:.2f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
             f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | {r['itl_ratio']:.2f} | "
             f"{' / '.join(f'{b:.2f}' for b in r['stage_busy'])} |"

@@ -603,8 +603,10 @@ class Scheduler:
         """After :meth:`on_result`: the decode step the ring makes itself (``ring_decode``),
         now in flight, or None when the sequence is done (then the ring's step, if any, is
         dropped with the session)."""
-        seq = self.sequences[seq_id]
-        if seq.phase is not Phase.DECODE or seq.in_flight is not None or seq.cancelled:
+        seq = self.sequences.get(seq_id)  # a cancelled one is forgotten at its result
+        if seq is None or seq.phase is not Phase.DECODE or seq.in_flight is not None:
+            return None
+        if seq.cancelled:
             return None
         position = len(seq.prompt) + len(seq.generated) - 1
         if seq.session_length != position:

@@ -258,7 +258,10 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
         ("batched", 1), ("batched", 2), ("unbatched", 1), ("unbatched", 2),
         ("stepped", 1), ("stepped", 2),
     ]  # fmt: skip
-    assert all(r["decode_tok_s"] > 0 and len(r["stage_busy"]) == 2 for r in rows)
+    assert all(r["e2e_tok_s"] > 0 and len(r["stage_busy"]) == 2 for r in rows)
+    # (with 2 users of 6 tiny tokens, one may be done before the other's first token: no
+    # window where both decode, so only one user's decode rate is sure to be measured)
+    assert all(r["decode_tok_s"] > 0 for r in rows if r["users"] == 1)
     assert "--ring-decode 0" in text
 
 

@@ -565,3 +565,49 @@ def test_without_batching_the_scheduler_needs_a_group_per_running_sequence() -> 
     with pytest.raises(ValueError, match="group per running sequence"):
         SchedulerConfig(max_running=4, groups=2, solo=True)
     SchedulerConfig(max_running=4, groups=4, solo=True)
+
+
+def test_the_rings_own_steps_are_in_flight_and_end_with_the_sequence() -> None:
+    """With ring_decode the ring makes a decode step itself after each result (follow): the
+    sequence has it in flight, next_work leaves it alone, and it ends as a sent step would."""
+    config = SchedulerConfig(
+        max_running=2, groups=2, lockstep=True, solo=True, ring_decode=4, max_prefill_in_flight=2
+    )
+    s = Scheduler(config, eos_ids=[EOS])
+    s.add(seq("a", prompt=3, max_tokens=4))
+    s.add(seq("b", prompt=3, max_tokens=20))
+    first = {w.seq_id: w for w in s.next_work(0.0)}
+    assert s.follow("a") is None  # its prompt's step is still out
+    s.on_result("a", [41], session_length=3)
+    ring = s.follow("a")
+    assert ring == Work("a", (41,), 3, prefill=False, samples=True)
+    assert s.sequences["a"].in_flight == ring and s.in_flight == 2
+    assert [w.seq_id for w in s.next_work(0.0)] == []  # a's next step is the ring's
+    for token, length in ((42, 4), (43, 5)):
+        s.on_result("a", [token], session_length=length)
+        assert s.follow("a") == Work("a", (token,), length, prefill=False, samples=True)
+    s.on_result("a", [44], session_length=6)  # max_tokens: done, the ring's step is dropped
+    assert s.follow("a") is None and s.sequences["a"].phase is Phase.DONE
+    assert freed(s) == ["a"]
+    # cancelled while the ring decodes: the next result ends it and frees its session
+    s.on_result("b", token_for(first["b"]))
+    assert s.follow("b") is not None
+    s.cancel("b")
+    assert s.on_result("b", [50], session_length=4) == 0 and s.follow("b") is None
+    assert freed(s) == ["b"]
+    # an end-of-sequence token ends it too
+    s.add(seq("c", prompt=2))
+    assert [w.seq_id for w in s.next_work(1.0)] == ["c"]
+    s.on_result("c", [EOS])
+    assert s.follow("c") is None and freed(s) == ["c"]
+
+
+def test_the_rings_own_steps_need_solo_and_no_rollback() -> None:
+    with pytest.raises(ValueError, match="needs solo"):
+        SchedulerConfig(ring_decode=4)
+    s = Scheduler(SchedulerConfig(groups=16, solo=True, ring_decode=4), eos_ids=[EOS])
+    s.add(seq("a", prompt=3))
+    s.next_work(0.0)
+    s.on_result("a", [41, 42], session_length=5)  # a speculative step's two tokens, all fed
+    with pytest.raises(ValueError, match="cannot roll back"):
+        s.follow("a")
