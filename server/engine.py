@@ -82,6 +82,7 @@ class Engine:
     ) -> None:
         self.pipeline = pipeline
         self.eos_ids = eos_ids
+        self._stop_ids = sorted(eos_ids)  # where the ring stops decoding on its own
         self.max_context = max_context
         self.config = config or SchedulerConfig()
         if proposer is not None and self.config.kv_pools:
@@ -212,7 +213,7 @@ class Engine:
                 group=item.group,
                 solo=self.solo,
                 follow=follow,
-                stop_ids=sorted(self.eos_ids) if follow else (),
+                stop_ids=self._stop_ids if follow else (),
             )
             async with contextlib.aclosing(results):
                 out = await anext(results)

@@ -60,6 +60,11 @@ VERSION = "0.1.0"
 _RELEASED_KEPT = 4096  # freed session ids remembered (late steps of theirs fail uncounted)
 
 
+def fail(step: pb.Step, code: grpc.StatusCode, message: str, stage: int) -> None:
+    """Mark a step failed: later stages skip it and the last stage reports it."""
+    step.error.CopyFrom(pb.StepError(code=code.value[0], message=message, stage=stage))
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place where failures become gRPC status codes."""
     if isinstance(exc, InvalidStageInput | ValueError):
@@ -399,8 +404,6 @@ class StageService(pb_grpc.StageServicer):
         while waiting:
             step, data = waiting.popleft()
             outcome: StepOutcome = None
-            if step.continued and not step.HasField("error"):
-                self._check_continued(step)
             if not step.HasField("error"):
                 item = data if isinstance(data, Exception) else self._step_input(step, data)
                 if not isinstance(item, Exception):
@@ -410,18 +413,6 @@ class StageService(pb_grpc.StageServicer):
                 outcome = item
             self._pass_on([(step, outcome)])
         self._waiting.pop(session_id, None)
-
-    def _check_continued(self, step: pb.Step) -> None:
-        """The ring's own step (Step.follow) of a session this stage no longer holds fails
-        NOT_FOUND, as any step would: the gateway re-prefills if it still waits for the step,
-        and ignores the answer if the request ended (then the failure is not counted)."""
-        if self.runner.has_session(step.session_id):
-            return
-        code = grpc.StatusCode.NOT_FOUND
-        if step.session_id not in self._released:
-            self.metrics.errors.labels(code.name).inc()
-        message = f"session {step.session_id!r} is not open on stage {self.index}"
-        step.error.CopyFrom(pb.StepError(code=code.value[0], message=message, stage=self.index))
 
     def _start_worker(self) -> None:
         if self._workers < self.backend.parallelism:
@@ -438,10 +429,12 @@ class StageService(pb_grpc.StageServicer):
             for step, output in done:
                 if isinstance(output, Exception):
                     code, message = status_for(output)
-                    self.metrics.errors.labels(code.name).inc()
-                    step.error.CopyFrom(
-                        pb.StepError(code=code.value[0], message=message, stage=self.index)
-                    )
+                    # the ring's own step (Step.follow) of a request that ended meanwhile
+                    # meets no session: the gateway ignores it, so it is no error here either
+                    late = isinstance(output, SessionNotFound) and step.session_id in self._released
+                    if not late:
+                        self.metrics.errors.labels(code.name).inc()
+                    fail(step, code, message, self.index)
                     output = None
                 if self.runner.is_last:
                     self._deliver(step, output)
@@ -566,7 +559,6 @@ class StageService(pb_grpc.StageServicer):
             solo=step.solo,
             follow=step.follow - 1,
             stop_ids=step.stop_ids,
-            continued=True,
         )
         if self.runner.is_first:  # a ring of one stage
             self.metrics.loop_steps.inc()
@@ -575,13 +567,10 @@ class StageService(pb_grpc.StageServicer):
             self.metrics.loop_steps.inc()
             self.loop.send(nxt, None)
         else:
+            code = grpc.StatusCode.UNAVAILABLE
+            self.metrics.errors.labels(code.name).inc()
             message = f"stage {self.index} has no link back to stage 0 for the ring's own steps"
-            self.metrics.errors.labels(grpc.StatusCode.UNAVAILABLE.name).inc()
-            nxt.error.CopyFrom(
-                pb.StepError(
-                    code=grpc.StatusCode.UNAVAILABLE.value[0], message=message, stage=self.index
-                )
-            )
+            fail(nxt, code, message, self.index)
             self._deliver(nxt, None)
 
     async def close(self) -> None:

@@ -50,15 +50,16 @@ class Fleet:
         return asyncio.run(infos())
 
 
-def export_chat_model(base: Path) -> tuple[Path, Path]:
-    """A tiny Qwen2 with a chat template, exported to 2 fp32 stages: (source, export)."""
+def export_chat_model(base: Path, stages: int = 2) -> tuple[Path, Path]:
+    """A tiny Qwen2 with a chat template, exported to fp32 stages: (source, export)."""
     source = make_model("qwen2", base / "chat-model", chat_template=CHAT_TEMPLATE)
     export = base / "export"
     export_model(
         ExportOptions(
-            model=str(source), out=export, stages=2, weights=WeightSpec(format="fp32"), quiet=True
+            model=str(source), out=export, stages=stages, weights=WeightSpec(format="fp32"),
+            quiet=True,
         )
-    )
+    )  # fmt: skip
     return source, export
 
 

@@ -26,8 +26,6 @@ import openai
 import pytest
 
 from benchmarks.latency_proxy import start_in_thread
-from exporter.export import ExportOptions, export_model
-from protos.manifest import WeightSpec
 from tests.processes import free_port, start_gateway, start_stages
 from tests.test_gateway import export_chat_model
 
@@ -43,17 +41,13 @@ class Fleet:
     stage_metrics: tuple[int, ...] = ()  # the stages' Prometheus ports
     export: Path | None = None
     stepped_url: str = ""  # --no-batching --ring-decode 0: every step through the gateway
-    source: Path | None = None  # the model the export came from
 
     def client(self, url: str = "") -> openai.OpenAI:
         """A client of the batching gateway, or of the one at ``url``."""
         return openai.OpenAI(base_url=f"{url or self.url}/v1", api_key="none", max_retries=0)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics").text
-        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-        assert match, name
-        return float(match.group(1))
+        return scrape(self.url, name)
 
     def wait_metric(self, name: str, value: float, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
@@ -65,7 +59,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     base = tmp_path_factory.mktemp("microbatch")
-    source, export = export_chat_model(base)
+    _, export = export_chat_model(base)
     procs, addresses, ports = [], [], []
     for index in (0, 1):
         ports.append(free_port())
@@ -84,7 +78,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         ring, base / "gateway-stepped.log", [*limits, "--no-batching", "--ring-decode", "0"]
     )
     try:
-        yield Fleet(url, addresses, solo_url, tuple(ports), export, stepped_url, source)
+        yield Fleet(url, addresses, solo_url, tuple(ports), export, stepped_url)
     finally:
         gateway.stop()
         solo.stop()
@@ -128,11 +122,16 @@ def test_concurrent_streams_equal_the_same_requests_one_by_one(fleet: Fleet) -> 
     assert fleet.metric("pipeshard_gateway_queue_seconds_count") >= 16
 
 
-def stage_metric(port: int, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+def scrape(url: str, name: str) -> float:
+    """A metric without labels, from the Prometheus endpoint at ``url``."""
+    text = httpx.get(f"{url}/metrics").text
     match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     assert match, name
     return float(match.group(1))
+
+
+def stage_metric(port: int, name: str) -> float:
+    return scrape(f"http://127.0.0.1:{port}", name)
 
 
 def stage_calls(fleet: Fleet) -> list[tuple[float, float]]:
@@ -334,16 +333,9 @@ def test_a_client_leaving_while_the_ring_decodes_frees_its_sessions(fleet: Fleet
     assert completion(fleet.solo_url, request(2)) == completion(fleet.stepped_url, request(2))
 
 
-def test_a_ring_of_one_stage_decodes_on_its_own(fleet: Fleet, tmp_path: Path) -> None:
+def test_a_ring_of_one_stage_decodes_on_its_own(tmp_path: Path) -> None:
     """A one-stage ring feeds its tokens back into itself."""
-    assert fleet.source is not None
-    export = tmp_path / "one"
-    export_model(
-        ExportOptions(
-            model=str(fleet.source), out=export, stages=1, weights=WeightSpec(format="fp32"),
-            quiet=True,
-        )
-    )  # fmt: skip
+    _, export = export_chat_model(tmp_path, stages=1)
     port = free_port()
     procs, addresses = start_stages(export, tmp_path, ["--metrics-port", str(port)])
     solo, solo_url = start_gateway(addresses, tmp_path / "solo.log", ["--no-batching"])
