@@ -8,14 +8,18 @@ Setup (stated in the report):
   - every user streams a chat completion of ``--tokens`` tokens (end-of-sequence suppressed
     with logit_bias so all lengths are equal), each with its own prompt, greedy;
   - baseline: openvino-genai LLMPipeline on the optimum-cli int4 export of the same model,
-    one user, pinned to core 0 with 1 thread (benchmarks/shard_parity.py's worker), measured
-    in the same run, before and after the fleet rounds.
+    one user, pinned to core 0 with 1 thread, loaded once in a process of its own
+    (benchmarks/workers.py's genai-repeat), measured before each user count of every round and
+    after the last; each time followed by two such copies decoding at once, one per core (what
+    the two cores give together, see :class:`Baselines`).
 
 Per user count: aggregate decode tok/s (tokens that arrived while every user was decoding,
 over that window), end-to-end tok/s (all tokens over first request to last token), time to
 first token p50/p95 and inter-token latency p50/p95 (gaps between streamed chunks). Every
-figure is the median over ``--rounds`` rounds; the ratio to the baseline uses the baseline
-median of the same run.
+figure is the median over ``--rounds`` rounds. This machine's speed drifts by 10-15% over tens of
+minutes, so each result is divided by the baseline measured next to it (the mean of the one
+right before its user count's turn and the one right after); the ratio reported is the median
+of those ratios over the rounds, with their range.
 
 Systems (``--systems``), one gateway each over the same stage processes, measured side by
 side: ``batched`` (the gateway's defaults), ``unbatched`` (``--no-batching``: every request
@@ -156,61 +160,39 @@ def busy_seconds(port: int) -> float:
     return 0.0
 
 
-def baseline(work_dir: Path, tokens: int) -> float:
-    from benchmarks.workers import measure
+class Baselines:
+    """The monolithic baseline, measured next to the fleets' rounds: one openvino-genai copy on
+    core 0 alone (1 user, 1 thread, f32), then two copies decoding at once, one on each core:
+    what the two cores give together. Decode is memory-bound; when both cores stream weights at
+    the same time each may run slower than alone, which caps any 2-core arrangement, pipelined
+    stages included. Both copies load once (benchmarks/workers.py's genai-repeat)."""
 
-    props = {"INFERENCE_PRECISION_HINT": "f32"}
-    result = measure("genai-decode", work_dir / "optimum", cores="0", tokens=tokens, props=props)
-    return float(result["decode_tok_s"])
+    def __init__(self, model_dir: Path, tokens: int) -> None:
+        from benchmarks.workers import Repeater
 
+        cores = os.cpu_count() or 1
+        props = {"INFERENCE_PRECISION_HINT": "f32"}
+        self.copies = [
+            Repeater(model_dir, cores=str(core % cores), tokens=tokens, props=props)
+            for core in (0, 1)
+        ]
+        self.alone: list[float] = []
+        self.together: list[float] = []
 
-def ceiling_worker(model_dir: Path, tokens: int, sync: Path) -> None:
-    """One monolithic genai copy: load, warm up, wait for the go file, measure decode tok/s."""
-    import openvino_genai
+    def measure(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
 
-    pipe = openvino_genai.LLMPipeline(
-        str(model_dir), "CPU", INFERENCE_NUM_THREADS=1, INFERENCE_PRECISION_HINT="f32"
-    )
-    config = openvino_genai.GenerationConfig()
-    config.max_new_tokens = config.min_new_tokens = tokens
-    config.do_sample = False
-    config.apply_chat_template = False
-    pipe.generate([TOPICS[0]], config)
-    (sync / f"ready-{os.getpid()}").touch()
-    while not (sync / "go").exists():
-        time.sleep(0.005)
-    result = pipe.generate([TOPICS[0]], config)
-    print(json.dumps({"decode_tok_s": 1000.0 / result.perf_metrics.get_tpot().mean}))
-
-
-def ceiling(model_dir: Path, tokens: int) -> list[float]:
-    """Two monolithic copies at once, on core 0 and core 1: what the 2 cores give together.
-
-    Decode is memory-bound; when both cores stream weights at the same time each may run
-    slower than alone, which caps any 2-core arrangement, pipelined stages included.
-    """
-    import subprocess
-
-    sync = Path(tempfile.mkdtemp(prefix="ceiling-"))
-    cmd = [sys.executable, __file__, "--ceiling-worker", str(model_dir), "--tokens", str(tokens)]
-    procs = [
-        subprocess.Popen(
-            ["taskset", "-c", str(core), *cmd, "--sync", str(sync)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
+        self.alone.append(self.copies[0].measure())
+        with ThreadPoolExecutor(len(self.copies)) as pool:
+            self.together.append(sum(pool.map(lambda copy: copy.measure(), self.copies)))
+        print(
+            f"baseline: {self.alone[-1]:.2f} tok/s alone, {self.together[-1]:.2f} two at once",
+            flush=True,
         )
-        for core in (0, 1)
-    ]
-    while len(list(sync.glob("ready-*"))) < 2:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a ceiling worker exited early")
-        time.sleep(0.05)
-    (sync / "go").touch()
-    return [
-        float(json.loads(p.communicate()[0].strip().splitlines()[-1])["decode_tok_s"])
-        for p in procs
-    ]
+
+    def close(self) -> None:
+        for copy in self.copies:
+            copy.close()
 
 
 # Gateway flags of each system; all run over the same stage processes, side by side.
@@ -278,6 +260,9 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
     where the rounds have them."""
     ttft = [t for r in rs for t in r["ttft_ms"]]
     decode = [r["decode_tok_s"] for r in rs]
+    # each round against the baseline measured next to it where there is one (microbatch's
+    # rounds), else against the run's baseline
+    ratios = [r["decode_tok_s"] / r.get("baseline", base) for r in rs]
     row: dict[str, Any] = {
         "system": system,
         "users": users,
@@ -290,7 +275,12 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
         "itl_p95_ms": statistics.median(r["itl_p95_ms"] for r in rs),
     }
     row["itl_ratio"] = row["itl_p95_ms"] / row["itl_p50_ms"]
-    row["vs_monolithic"] = row["decode_tok_s"] / base
+    row["vs_monolithic"] = statistics.median(ratios)
+    row["vs_monolithic_range"] = [min(ratios), max(ratios)]
+    # against two monolithic copies decoding at once (microbatch's rounds; NaN without)
+    copies = [r["decode_tok_s"] / r.get("two_copies", float("nan")) for r in rs]
+    row["vs_two_copies"] = statistics.median(copies)
+    row["vs_two_copies_range"] = [min(copies), max(copies)]
     if "stage_busy" in rs[0]:
         row["stage_busy"] = [
             statistics.median(r["stage_busy"][k] for r in rs)
@@ -310,6 +300,12 @@ def ratio(value: float) -> str:
     return "n/a" if value != value else f"{value:.2f}x"  # NaN: no baseline measured
 
 
+def span(values: list[float]) -> str:
+    """`` [min, max]`` of ratios, or nothing where there was no baseline (NaN)."""
+    lo, hi = values
+    return "" if lo != lo else f" [{lo:.2f}, {hi:.2f}]"
+
+
 def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
     """The issue's targets per system, PASS / FAIL with their numbers."""
     lines = []
@@ -318,9 +314,11 @@ def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
         if 2 in mine and base == base:
             r = mine[2]
             verdict = "PASS" if r["vs_monolithic"] >= 1.9 else "FAIL"
+            lo, hi = r["vs_monolithic_range"]
             lines.append(
-                f"- {system}, 2 users >= 1.9x monolithic single user: {r['decode_tok_s']:.2f} "
-                f"tok/s = {r['vs_monolithic']:.2f}x ({1.9 * base:.2f} needed): {verdict}"
+                f"- {system}, 2 users >= 1.9x monolithic single user: {r['vs_monolithic']:.2f}x "
+                f"[{lo:.2f}, {hi:.2f}] ({r['decode_tok_s']:.2f} tok/s; 1.9x the run's median "
+                f"baseline is {1.9 * base:.2f}): {verdict}"
             )
         if 8 in mine:
             r = mine[8]
@@ -361,12 +359,7 @@ def main() -> int:
         default=0.0,
         help="one-way latency added per hop (a proxy in front of every stage, as a network)",
     )
-    p.add_argument("--ceiling-worker", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--sync", type=Path, help=argparse.SUPPRESS)
     opts = p.parse_args()
-    if opts.ceiling_worker:
-        ceiling_worker(opts.ceiling_worker, opts.tokens, opts.sync)
-        return 0
     user_counts = [int(u) for u in opts.users.split(",")]
     systems = [s for s in opts.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
@@ -377,9 +370,7 @@ def main() -> int:
 
     manifest = load_manifest(opts.export)
     logs = Path(tempfile.mkdtemp(prefix="microbatch-"))
-    bases: list[float] = []
-    if not opts.no_baseline:
-        bases.append(baseline(opts.baseline_dir, opts.tokens))
+    mono = None if opts.no_baseline else Baselines(opts.baseline_dir / "optimum", opts.tokens)
     procs: list[Proc] = []
     gateways: dict[str, tuple[Proc, str]] = {}
     rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -403,8 +394,12 @@ def main() -> int:
             run_users(url, model, 1, 8, eos)
             run_users(url, model, max(user_counts), opts.tokens, eos)
         names = [f"stage {i}" for i in range(len(procs))] + ["gateway", "clients"]
+        blocks: list[list[dict[str, Any]]] = []  # each user count of each round
         for _ in range(opts.rounds):
             for users in user_counts:
+                if mono is not None:
+                    mono.measure()
+                blocks.append([])
                 for system in systems:  # side by side: every system at each user count in turn
                     gateway, url = gateways[system]
                     pids = [p.popen.pid for p in [*procs, gateway] if p.popen] + [os.getpid()]
@@ -422,22 +417,29 @@ def main() -> int:
                         for port, b in zip(metric_ports, busy, strict=True)
                     ]
                     rounds.setdefault((system, users), []).append(result)
+                    blocks[-1].append(result)
                     print(
                         f"{system}, users {users}: {result['decode_tok_s']:.2f} tok/s, ITL p50 "
                         f"{result['itl_p50_ms']:.1f} / p95 {result['itl_p95_ms']:.1f} ms",
                         flush=True,
                     )
+        if mono is not None:
+            mono.measure()
+            for k, results in enumerate(blocks):  # the baselines right before and after
+                for result in results:
+                    result["baseline"] = (mono.alone[k] + mono.alone[k + 1]) / 2
+                    result["two_copies"] = (mono.together[k] + mono.together[k + 1]) / 2
     finally:
+        if mono is not None:
+            mono.close()
         for gateway, _ in gateways.values():
             gateway.stop()
         stop_proxies()
         for proc in procs:
             proc.stop()
     padding = stage_padding(logs)
-    pair: list[float] = []
-    if not opts.no_baseline:
-        bases.append(baseline(opts.baseline_dir, opts.tokens))
-        pair = ceiling(opts.baseline_dir / "optimum", opts.tokens)
+    bases = mono.alone if mono is not None else []
+    pairs = mono.together if mono is not None else []
     base = statistics.median(bases) if bases else float("nan")
     rows = [
         median_row(system, users, rounds[(system, users)], base)
@@ -472,30 +474,37 @@ def main() -> int:
     if bases:
         lines.append(
             "Baseline: openvino-genai LLMPipeline (optimum-cli int4 export), 1 user, core 0, "
-            f"1 thread, f32: {base:.2f} tok/s decode "
-            f"(before and after the fleets: {', '.join(f'{b:.2f}' for b in bases)})."
+            f"1 thread, f32, loaded once and measured before every user count of every round "
+            f"and after the last: median {base:.2f} tok/s [{min(bases):.2f}, {max(bases):.2f}]. "
+            "Each result is divided by the mean of the baselines right before and after it; "
+            "the ratios below are the medians of those ratios over the rounds [min, max]."
         )
-    if pair:
+    if pairs:
+        alone = [t / a for t, a in zip(pairs, bases, strict=True)]
         lines.append(
-            f"Ceiling of this machine: two monolithic copies decoding at the same time, one on "
-            f"each core, 1 thread each: {pair[0]:.2f} + {pair[1]:.2f} = {sum(pair):.2f} tok/s "
-            f"= {sum(pair) / base:.2f}x the single copy."
+            "Ceiling of this machine: two monolithic copies decoding at the same time, one on "
+            "each core, 1 thread each, measured right after every baseline: median "
+            f"{statistics.median(pairs):.2f} tok/s, {statistics.median(alone):.2f}x "
+            f"[{min(alone):.2f}, {max(alone):.2f}] the single copy measured just before it. "
+            "The column 'vs two copies' divides each result by the mean of the two-copy "
+            "figures right before and after it."
         )
     lines += [
         "",
-        "| system | users | aggregate decode tok/s [min, max] | vs monolithic 1 user | "
+        "| system | users | aggregate decode tok/s [min, max] | vs monolithic 1 user [min, max] | "
         "end-to-end tok/s | TTFT p50 / p95 (ms) | inter-token p50 / p95 (ms) | p95 / p50 | "
-        "stage busy fraction |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "stage busy fraction | vs two copies [min, max] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lo, hi = r["decode_tok_s_range"]
         lines.append(
             f"| {r['system']} | {r['users']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
-            f"{ratio(r['vs_monolithic'])} | {r['e2e_tok_s']:.2f} | "
+            f"{ratio(r['vs_monolithic'])}{span(r['vs_monolithic_range'])} | {r['e2e_tok_s']:.2f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
             f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | {r['itl_ratio']:.2f} | "
-            f"{' / '.join(f'{b:.2f}' for b in r['stage_busy'])} |"
+            f"{' / '.join(f'{b:.2f}' for b in r['stage_busy'])} | "
+            f"{ratio(r['vs_two_copies'])}{span(r['vs_two_copies_range'])} |"
         )
     lines += ["", "Targets:", "", *targets(rows, base)]
     lines += [
@@ -510,7 +519,7 @@ def main() -> int:
         lines.append(f"| {r['system']} | {r['users']} | {cells} |")
     data: dict[str, Any] = {
         "baseline_runs": bases,
-        "two_copies_at_once": pair,
+        "two_copies_at_once": pairs,
         "stage_padding": padding,
         "rows": rows,
         "rounds": {f"{s}/{u}": r for (s, u), r in rounds.items()},

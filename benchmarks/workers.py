@@ -5,6 +5,8 @@ Each kind loads one model, warms it up, measures, and prints one JSON line:
   genai-decode  openvino-genai LLMPipeline on an optimum-cli export: single-stream decode tok/s
   chain-decode  every stage of a pipeshard export chained in one process: the same
   genai-ttft    LLMPipeline: time to first token of the given prompts (token ids), one by one
+  genai-repeat  genai-decode, loaded once: one measurement per line read on stdin (see
+                :class:`Repeater`), so a benchmark can measure the baseline between its rounds
   genai-cb      ContinuousBatchingPipeline: for each of ``--users`` U, U requests submitted at
                 once (add_request/step loop), ``--tokens`` each with EOS ignored; the arrival
                 time of every token of every request (benchmarks/paged.py turns them into
@@ -77,6 +79,84 @@ def genai_decode(
         "ttft_ms": metrics.get_ttft().mean,
         "prompt_tokens": float(metrics.get_num_input_tokens()),
     }
+
+
+def genai_repeat(path: Path, threads: int, tokens: int, props: dict[str, str]) -> None:
+    """genai-decode once per line on stdin (a JSON line each); ``{"ready": true}`` first."""
+    pipe = _genai_pipeline(path, threads, props)
+    config = _genai_config(tokens)
+    pipe.generate([PROMPT], config)  # warm-up
+    print(json.dumps({"ready": True}), flush=True)
+    for _ in sys.stdin:
+        metrics = pipe.generate([PROMPT], config).perf_metrics
+        print(json.dumps({"decode_tok_s": 1000.0 / metrics.get_tpot().mean}), flush=True)
+
+
+class Repeater:
+    """A genai-repeat worker (pinned to ``cores``): :meth:`measure` runs one decode there and
+    returns its tok/s. Loaded once, it costs a round only the decode itself, so the baseline
+    can be measured next to every round instead of only before and after a long run."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        cores: str = "0",
+        threads: int = 1,
+        tokens: int = 64,
+        props: dict[str, str] | None = None,
+    ) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.workers",
+            "genai-repeat",
+            str(path),
+            "--threads",
+            str(threads),
+            "--tokens",
+            str(tokens),
+            "--props",
+            json.dumps(props if props is not None else PIPESHARD_CPU),
+        ]
+        if cores:
+            cmd = ["taskset", "-c", cores, *cmd]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        log.info("+ %s", " ".join(cmd))
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        self._read()  # {"ready": true} once loaded and warmed up
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                result: dict[str, Any] = json.loads(line)
+                return result
+        raise RuntimeError(f"the genai-repeat worker exited ({self.proc.wait()})")
+
+    def measure(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._read()["decode_tok_s"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def genai_ttft(
@@ -273,7 +353,9 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("kind", choices=["genai-decode", "chain-decode", "genai-ttft", "genai-cb"])
+    p.add_argument(
+        "kind", choices=["genai-decode", "chain-decode", "genai-ttft", "genai-cb", "genai-repeat"]
+    )
     p.add_argument("path", type=Path)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tokens", type=int, default=64)
@@ -290,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     props = json.loads(opts.props)
     prompts = json.loads(opts.prompts.read_text()) if opts.prompts else None
     result: dict[str, Any]
+    if opts.kind == "genai-repeat":
+        genai_repeat(opts.path, opts.threads, opts.tokens, props)
+        return 0
     if opts.kind == "genai-decode":
         first = prompts[0] if prompts else None
         result = genai_decode(opts.path, opts.threads, opts.tokens, props, first)
