@@ -214,9 +214,11 @@ def plot(
     path: Path,
     labels: dict[str, str] | None = None,
     target: float = 1.9,
+    two_copies: float = float("nan"),
 ) -> bool:
     """Aggregate decode tok/s and inter-token p50/p95 by user count, a line per system, with
-    the monolithic baseline and ``target`` times it (benchmarks/paged.py draws with it too)."""
+    the monolithic baseline, ``target`` times it and (where measured) two monolithic copies
+    decoding at once (benchmarks/paged.py draws with it too)."""
     try:
         import matplotlib
 
@@ -243,6 +245,10 @@ def plot(
     if base == base:  # not NaN
         left.axhline(base, color="grey", linestyle="--", label="monolithic genai, 1 user, 1 core")
         left.axhline(target * base, color="grey", linestyle=":", label=f"{target:g}x target")
+    if two_copies == two_copies:
+        left.axhline(
+            two_copies, color="black", linestyle="-.", label="two monolithic copies at once"
+        )
     for ax, name in ((left, "aggregate decode tok/s"), (right, "inter-token latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(users, [str(u) for u in users])
@@ -525,7 +531,8 @@ def main() -> int:
         "rounds": {f"{s}/{u}": r for (s, u), r in rounds.items()},
     }
     stem = save(opts.results, "microbatch", "\n".join(lines), data, opts)
-    if plot(rows, base, Path(f"{stem}.png")):
+    two = statistics.median(pairs) if pairs else float("nan")
+    if plot(rows, base, Path(f"{stem}.png"), two_copies=two):
         print(f"plot: {stem}.png")
     return 0
 

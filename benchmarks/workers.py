@@ -92,6 +92,22 @@ def genai_repeat(path: Path, threads: int, tokens: int, props: dict[str, str]) -
         print(json.dumps({"decode_tok_s": 1000.0 / metrics.get_tpot().mean}), flush=True)
 
 
+def _command(
+    kind: str, path: Path, cores: str, threads: int, tokens: int, props: dict[str, str] | None
+) -> tuple[list[str], dict[str, str]]:
+    """The command line (behind taskset when ``cores`` is given) and environment of a worker."""
+    cmd = [
+        *(["taskset", "-c", cores] if cores else []),
+        sys.executable, "-m", "benchmarks.workers", kind, str(path),
+        "--threads", str(threads), "--tokens", str(tokens),
+        "--props", json.dumps(props if props is not None else PIPESHARD_CPU),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    root = str(Path(__file__).resolve().parents[1])  # benchmarks/ importable from a checkout
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return cmd, env
+
+
 class Repeater:
     """A genai-repeat worker (pinned to ``cores``): :meth:`measure` runs one decode there and
     returns its tok/s. Loaded once, it costs a round only the decode itself, so the baseline
@@ -106,30 +122,14 @@ class Repeater:
         tokens: int = 64,
         props: dict[str, str] | None = None,
     ) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.workers",
-            "genai-repeat",
-            str(path),
-            "--threads",
-            str(threads),
-            "--tokens",
-            str(tokens),
-            "--props",
-            json.dumps(props if props is not None else PIPESHARD_CPU),
-        ]
-        if cores:
-            cmd = ["taskset", "-c", cores, *cmd]
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        cmd, env = _command("genai-repeat", path, cores, threads, tokens, props)
         log.info("+ %s", " ".join(cmd))
+        self.errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.errors,
             text=True,
             env=env,
         )
@@ -141,7 +141,11 @@ class Repeater:
             if line.startswith("{"):
                 result: dict[str, Any] = json.loads(line)
                 return result
-        raise RuntimeError(f"the genai-repeat worker exited ({self.proc.wait()})")
+        code = self.proc.wait()
+        self.errors.seek(0)
+        raise RuntimeError(
+            f"the genai-repeat worker exited ({code}):\n{self.errors.read()[-3000:]}"
+        )
 
     def measure(self) -> float:
         assert self.proc.stdin is not None
@@ -157,6 +161,7 @@ class Repeater:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.errors.close()
 
 
 def genai_ttft(
@@ -313,31 +318,13 @@ def measure(
     """Run one worker in a child process (pinned to ``cores`` when given); its JSON result.
 
     ``users``, ``rounds`` and ``cache_size`` (GB): genai-cb only."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.workers",
-        kind,
-        str(path),
-        "--threads",
-        str(threads),
-        "--tokens",
-        str(tokens),
-        "--props",
-        json.dumps(props if props is not None else PIPESHARD_CPU),
-        "--precision",
-        precision,
-    ]
+    cmd, env = _command(kind, path, cores, threads, tokens, props)
+    cmd += ["--precision", precision]
     if cache_dir is not None:
         cmd += ["--cache-dir", str(cache_dir)]
     if users:
         cmd += ["--users", ",".join(str(u) for u in users), "--rounds", str(rounds)]
         cmd += ["--cache-size", str(cache_size)]
-    if cores:
-        cmd = ["taskset", "-c", cores, *cmd]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    root = str(Path(__file__).resolve().parents[1])  # benchmarks/ importable from a checkout
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bench-prompts-") as file:
         if prompts:
             json.dump([list(p) for p in prompts], file)
