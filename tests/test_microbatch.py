@@ -262,6 +262,9 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     # window where both decode, so only one user's decode rate is sure to be measured)
     assert all(r["decode_tok_s"] > 0 for r in rows if r["users"] == 1)
     assert "--ring-decode 0" in text
+    # without a baseline the ratio columns say so instead of showing numbers
+    assert "| vs two copies [min, max] |" in text and "| n/a |" in text
+    assert all(r["vs_monolithic"] != r["vs_monolithic"] for r in rows)  # NaN: no baseline
 
 
 def completion(url: str, body: dict[str, Any]) -> tuple[str, list[Any], int]:
