@@ -163,9 +163,10 @@ def busy_seconds(port: int) -> float:
 class Baselines:
     """The monolithic baseline, measured next to the fleets' rounds: one openvino-genai copy on
     core 0 alone (1 user, 1 thread, f32), then two copies decoding at once, one on each core:
-    what the two cores give together. Decode is memory-bound; when both cores stream weights at
-    the same time each may run slower than alone, which caps any 2-core arrangement, pipelined
-    stages included. Both copies load once (benchmarks/workers.py's genai-repeat)."""
+    what the two cores give together. Decoding on both cores at once, each may run slower than
+    alone (they share the memory bus and the last-level cache), which caps any 2-core
+    arrangement, pipelined stages included. Both copies load once (benchmarks/workers.py's
+    genai-repeat)."""
 
     def __init__(self, model_dir: Path, tokens: int) -> None:
         from benchmarks.workers import Repeater
