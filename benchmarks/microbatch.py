@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.latency_proxy import delay_stages  # noqa: E402
 from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
+from benchmarks.suite.stats import fmt, ratios  # noqa: E402
 
 TOPICS = [
     "Write a Python function that merges two sorted lists and explain it.",
@@ -267,9 +268,6 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
     where the rounds have them."""
     ttft = [t for r in rs for t in r["ttft_ms"]]
     decode = [r["decode_tok_s"] for r in rs]
-    # each round against the baseline measured next to it where there is one (microbatch's
-    # rounds), else against the run's baseline
-    ratios = [r["decode_tok_s"] / r.get("baseline", base) for r in rs]
     row: dict[str, Any] = {
         "system": system,
         "users": users,
@@ -282,12 +280,12 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
         "itl_p95_ms": statistics.median(r["itl_p95_ms"] for r in rs),
     }
     row["itl_ratio"] = row["itl_p95_ms"] / row["itl_p50_ms"]
-    row["vs_monolithic"] = statistics.median(ratios)
-    row["vs_monolithic_range"] = [min(ratios), max(ratios)]
-    # against two monolithic copies decoding at once (microbatch's rounds; NaN without)
-    copies = [r["decode_tok_s"] / r.get("two_copies", float("nan")) for r in rs]
-    row["vs_two_copies"] = statistics.median(copies)
-    row["vs_two_copies_range"] = [min(copies), max(copies)]
+    # each round against the baseline measured next to it where there is one (microbatch's
+    # rounds), else against the run's baseline; and against two monolithic copies at once
+    row["vs_monolithic_rounds"] = ratios(decode, [r.get("baseline", base) for r in rs])
+    row["vs_two_copies_rounds"] = ratios(decode, [r.get("two_copies") for r in rs])
+    mono = row["vs_monolithic_rounds"]
+    row["vs_monolithic"] = mono["median"] if mono else float("nan")
     if "stage_busy" in rs[0]:
         row["stage_busy"] = [
             statistics.median(r["stage_busy"][k] for r in rs)
@@ -303,16 +301,6 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
     return row
 
 
-def ratio(value: float) -> str:
-    return "n/a" if value != value else f"{value:.2f}x"  # NaN: no baseline measured
-
-
-def span(values: list[float]) -> str:
-    """`` [min, max]`` of ratios, or nothing where there was no baseline (NaN)."""
-    lo, hi = values
-    return "" if lo != lo else f" [{lo:.2f}, {hi:.2f}]"
-
-
 def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
     """The issue's targets per system, PASS / FAIL with their numbers."""
     lines = []
@@ -321,10 +309,10 @@ def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
         if 2 in mine and base == base:
             r = mine[2]
             verdict = "PASS" if r["vs_monolithic"] >= 1.9 else "FAIL"
-            lo, hi = r["vs_monolithic_range"]
             lines.append(
-                f"- {system}, 2 users >= 1.9x monolithic single user: {r['vs_monolithic']:.2f}x "
-                f"[{lo:.2f}, {hi:.2f}] ({r['decode_tok_s']:.2f} tok/s; 1.9x the run's median "
+                f"- {system}, 2 users >= 1.9x monolithic single user: "
+                f"{fmt(r['vs_monolithic_rounds'], 2, 'x')} "
+                f"({r['decode_tok_s']:.2f} tok/s; 1.9x the run's median "
                 f"baseline is {1.9 * base:.2f}): {verdict}"
             )
         if 8 in mine:
@@ -487,12 +475,11 @@ def main() -> int:
             "the ratios below are the medians of those ratios over the rounds [min, max]."
         )
     if pairs:
-        alone = [t / a for t, a in zip(pairs, bases, strict=True)]
         lines.append(
             "Ceiling of this machine: two monolithic copies decoding at the same time, one on "
             "each core, 1 thread each, measured right after every baseline: median "
-            f"{statistics.median(pairs):.2f} tok/s, {statistics.median(alone):.2f}x "
-            f"[{min(alone):.2f}, {max(alone):.2f}] the single copy measured just before it. "
+            f"{statistics.median(pairs):.2f} tok/s, {fmt(ratios(pairs, bases), 2, 'x')} the "
+            "single copy measured just before it. "
             "The column 'vs two copies' divides each result by the mean of the two-copy "
             "figures right before and after it."
         )
@@ -507,11 +494,11 @@ def main() -> int:
         lo, hi = r["decode_tok_s_range"]
         lines.append(
             f"| {r['system']} | {r['users']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
-            f"{ratio(r['vs_monolithic'])}{span(r['vs_monolithic_range'])} | {r['e2e_tok_s']:.2f} | "
+            f"{fmt(r['vs_monolithic_rounds'], 2, 'x')} | {r['e2e_tok_s']:.2f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | "
             f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | {r['itl_ratio']:.2f} | "
             f"{' / '.join(f'{b:.2f}' for b in r['stage_busy'])} | "
-            f"{ratio(r['vs_two_copies'])}{span(r['vs_two_copies_range'])} |"
+            f"{fmt(r['vs_two_copies_rounds'], 2, 'x')} |"
         )
     lines += ["", "Targets:", "", *targets(rows, base)]
     lines += [

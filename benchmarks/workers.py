@@ -73,6 +73,10 @@ def genai_decode(
     # a list of strings gives DecodedResults, token ids EncodedResults: both with perf_metrics
     inputs = [PROMPT] if prompt is None else ov.Tensor(np.array([prompt], dtype=np.int64))
     pipe.generate(inputs, config)  # warm-up
+    return _generate(pipe, inputs, config)
+
+
+def _generate(pipe: Any, inputs: Any, config: Any) -> dict[str, float]:
     metrics = pipe.generate(inputs, config).perf_metrics
     return {
         "decode_tok_s": 1000.0 / metrics.get_tpot().mean,
@@ -88,8 +92,7 @@ def genai_repeat(path: Path, threads: int, tokens: int, props: dict[str, str]) -
     pipe.generate([PROMPT], config)  # warm-up
     print(json.dumps({"ready": True}), flush=True)
     for _ in sys.stdin:
-        metrics = pipe.generate([PROMPT], config).perf_metrics
-        print(json.dumps({"decode_tok_s": 1000.0 / metrics.get_tpot().mean}), flush=True)
+        print(json.dumps(_generate(pipe, [PROMPT], config)), flush=True)
 
 
 def _command(

@@ -604,10 +604,8 @@ class Scheduler:
         now in flight, or None when the sequence is done (then the ring's step, if any, is
         dropped with the session)."""
         seq = self.sequences.get(seq_id)  # a cancelled one is forgotten at its result
-        if seq is None or seq.phase is not Phase.DECODE or seq.in_flight is not None:
-            return None
-        if seq.cancelled:
-            return None
+        if seq is None or seq.cancelled or seq.phase is not Phase.DECODE or seq.in_flight:
+            return None  # done, or its next step is already out
         position = len(seq.prompt) + len(seq.generated) - 1
         if seq.session_length != position:
             raise ValueError(f"{seq_id!r}: the ring's own step cannot roll back")
