@@ -4,7 +4,8 @@ Setup (stated in the report):
   - 2 `pipeshard stage` processes on loopback, stage k pinned to core k (taskset) with 1
     inference thread each, hidden states in fp16 (the default);
   - the gateway (`pipeshard serve`, its own process) and the streaming HTTP clients (threads
-    in this process) are not pinned: they share both cores with the stages;
+    in this process) are not pinned: they share both cores with the stages (``--gateway-cores``
+    pins them, e.g. to the lighter last stage's core);
   - every user streams a chat completion of ``--tokens`` tokens (end-of-sequence suppressed
     with logit_bias so all lengths are equal), each with its own prompt, greedy;
   - baseline: openvino-genai LLMPipeline on the optimum-cli int4 export of the same model,
@@ -29,6 +30,7 @@ gateway, as before the ring decoded on its own).
 
 Usage: python benchmarks/microbatch.py [--export DIR] [--users 1,2,4,8] [--tokens 64]
        [--rounds 2] [--systems batched,unbatched,stepped] [--no-baseline] [--delay-ms D]
+       [--gateway-cores CPUS]
 Writes benchmarks/results/microbatch-<date>.{json,md,png}.
 """
 
@@ -354,6 +356,11 @@ def main() -> int:
         default=0.0,
         help="one-way latency added per hop (a proxy in front of every stage, as a network)",
     )
+    p.add_argument(
+        "--gateway-cores",
+        help="pin the gateways (taskset) and the HTTP clients to these cores, e.g. 1 (the last "
+        "stage's core, whose stage is the lighter one); default: unpinned",
+    )
     opts = p.parse_args()
     user_counts = [int(u) for u in opts.users.split(",")]
     systems = [s for s in opts.systems.split(",") if s]
@@ -362,6 +369,7 @@ def main() -> int:
         p.error(f"--systems: choose from {', '.join(SYSTEMS)}")
 
     from protos.manifest import load_manifest
+    from stage_node.settings import parse_cpus
 
     manifest = load_manifest(opts.export)
     logs = Path(tempfile.mkdtemp(prefix="microbatch-"))
@@ -379,7 +387,10 @@ def main() -> int:
                 addresses,
                 logs / f"gateway-{system}.log",
                 ["--max-concurrent", str(max(user_counts)), *SYSTEMS[system]],
+                prefix=["taskset", "-c", opts.gateway_cores] if opts.gateway_cores else (),
             )
+        if opts.gateway_cores:  # the client threads start from this one and inherit its cores
+            os.sched_setaffinity(0, parse_cpus(opts.gateway_cores))
         url = next(iter(gateways.values()))[1]
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         eos = list(manifest.tokenizer.eos_token_ids)
@@ -462,8 +473,13 @@ def main() -> int:
             if opts.delay_ms > 0
             else ""
         )
-        + ". Gateways and HTTP clients unpinned (sharing the "
-        f"{os.cpu_count()} cores with the stages); {opts.tokens} greedy tokens per user (EOS "
+        + (
+            f". Gateways and HTTP clients pinned to core(s) {opts.gateway_cores} (taskset)"
+            if opts.gateway_cores
+            else f". Gateways and HTTP clients unpinned (sharing the {os.cpu_count()} cores "
+            "with the stages)"
+        )
+        + f"; {opts.tokens} greedy tokens per user (EOS "
         f"suppressed), each user its own prompt; medians over {opts.rounds} rounds.",
     ]
     if bases:

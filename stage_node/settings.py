@@ -89,10 +89,13 @@ class StageSettings(BaseSettings):
         return "paged" if self.max_sessions > 1 else "stateful"
 
     def cpu_list(self) -> set[int] | None:
-        if not self.cpus:
-            return None
-        cpus: set[int] = set()
-        for part in self.cpus.split(","):
-            first, _, last = part.strip().partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-        return cpus
+        return parse_cpus(self.cpus) if self.cpus else None
+
+
+def parse_cpus(text: str) -> set[int]:
+    """A CPU list as taskset takes it (``0,2-3``) as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus

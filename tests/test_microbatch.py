@@ -244,7 +244,8 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "microbatch.py"
     subprocess.run(
         [sys.executable, str(script), "--export", str(fleet.export), "--no-baseline",
-         "--users", "1,2", "--tokens", "6", "--rounds", "1", "--results", str(tmp_path)],
+         "--users", "1,2", "--tokens", "6", "--rounds", "1", "--results", str(tmp_path),
+         "--gateway-cores", "0"],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     (report,) = tmp_path.glob("microbatch-*.md")
@@ -262,6 +263,7 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     # window where both decode, so only one user's decode rate is sure to be measured)
     assert all(r["decode_tok_s"] > 0 for r in rows if r["users"] == 1)
     assert "--ring-decode 0" in text
+    assert "Gateways and HTTP clients pinned to core(s) 0 (taskset)" in text
     # without a baseline the ratio columns say so instead of showing numbers
     assert "| vs two copies [min, max] |" in text and "| n/a |" in text
     assert all(r["vs_monolithic"] != r["vs_monolithic"] for r in rows)  # NaN: no baseline
