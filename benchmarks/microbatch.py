@@ -155,12 +155,30 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def stage_metrics(port: int, *names: str) -> list[float]:
+    """The values of these samples (name with labels, as exposed) on a stage; 0 if absent."""
+    values = dict.fromkeys(names, 0.0)
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in values:
+            values[name] = float(value)
+    return list(values.values())
+
+
 def busy_seconds(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    for line in text.splitlines():
-        if line.startswith("pipeshard_stage_busy_seconds_total "):
-            return float(line.split()[1])
-    return 0.0
+    return stage_metrics(port, "pipeshard_stage_busy_seconds_total")[0]
+
+
+DECODE_CALLS = (
+    'pipeshard_stage_forward_seconds_sum{phase="decode"}',
+    'pipeshard_stage_forward_seconds_count{phase="decode"}',
+)
+
+
+def decode_call_ms(before: list[float], after: list[float]) -> float:
+    """Mean ms of a stage's decode calls between two readings of DECODE_CALLS."""
+    calls = after[1] - before[1]
+    return (after[0] - before[0]) * 1000 / calls if calls else float("nan")
 
 
 class Baselines:
@@ -293,6 +311,14 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
             statistics.median(r["stage_busy"][k] for r in rs)
             for k in range(len(rs[0]["stage_busy"]))
         ]
+    if "decode_call_ms" in rs[0]:
+        row["decode_call_ms"] = [
+            statistics.median(r["decode_call_ms"][k] for r in rs)
+            for k in range(len(rs[0]["decode_call_ms"]))
+        ]
+        if "--no-batching" in SYSTEMS.get(system, []):
+            row["bound_tok_s"] = pipeline_bound(users, row["decode_call_ms"])
+            row["vs_monolithic_bound"] = row["bound_tok_s"] / base
     if "cpu_ms_per_token" in rs[0]:
         row["cpu_ms_per_token"] = {
             name: statistics.median(r["cpu_ms_per_token"][name] for r in rs)
@@ -301,6 +327,13 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
     if "wall_tok_s" in rs[0]:
         row["wall_tok_s"] = statistics.median(r["wall_tok_s"] for r in rs)
     return row
+
+
+def pipeline_bound(users: int, call_ms: list[float]) -> float:
+    """The most tok/s that stages computing each user's token in a call of its own can give
+    ``users`` users: each user waits for every stage in turn (users / sum of the calls), and
+    the slowest stage computes every user's token (1 / its call)."""
+    return min(users / sum(call_ms), 1 / max(call_ms)) * 1000
 
 
 def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
@@ -410,6 +443,7 @@ def main() -> int:
                     gateway, url = gateways[system]
                     pids = [p.popen.pid for p in [*procs, gateway] if p.popen] + [os.getpid()]
                     busy = [busy_seconds(port) for port in metric_ports]
+                    calls = [stage_metrics(port, *DECODE_CALLS) for port in metric_ports]
                     cpu = [cpu_seconds(pid) for pid in pids]
                     began = time.perf_counter()
                     result = run_users(url, model, users, opts.tokens, eos)
@@ -421,6 +455,10 @@ def main() -> int:
                     result["stage_busy"] = [
                         (busy_seconds(port) - b) / wall
                         for port, b in zip(metric_ports, busy, strict=True)
+                    ]
+                    result["decode_call_ms"] = [
+                        decode_call_ms(c, stage_metrics(port, *DECODE_CALLS))
+                        for port, c in zip(metric_ports, calls, strict=True)
                     ]
                     rounds.setdefault((system, users), []).append(result)
                     blocks[-1].append(result)
@@ -517,6 +555,24 @@ def main() -> int:
             f"{fmt(r['vs_two_copies_rounds'], 2, 'x')} |"
         )
     lines += ["", "Targets:", "", *targets(rows, base)]
+    bounded = [r for r in rows if "bound_tok_s" in r]
+    if bounded:
+        lines += [
+            "",
+            "The stages' own bound: each stage's mean decode call while these users ran (its "
+            "metrics), and the most tok/s calls of that length allow without batching, "
+            "min(users / sum of the calls, 1 / the slowest call):",
+            "",
+            "| system | users | decode call ms per stage | bound tok/s | bound vs monolithic "
+            "| measured / bound |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in bounded:
+            cells = " / ".join(f"{c:.1f}" for c in r["decode_call_ms"])
+            lines.append(
+                f"| {r['system']} | {r['users']} | {cells} | {r['bound_tok_s']:.2f} | "
+                f"{r['vs_monolithic_bound']:.2f}x | {r['decode_tok_s'] / r['bound_tok_s']:.3f} |"
+            )
     lines += [
         "",
         "CPU time per generated token by process (ms; user + system, all threads):",

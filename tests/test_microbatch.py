@@ -264,6 +264,17 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     assert all(r["decode_tok_s"] > 0 for r in rows if r["users"] == 1)
     assert "--ring-decode 0" in text
     assert "Gateways and HTTP clients pinned to core(s) 0 (taskset)" in text
+    # the stages' own bound, from their decode calls, for the systems without batching: each
+    # user's token waits for every stage in turn, so one user cannot beat the sum of the calls
+    assert "| decode call ms per stage | bound tok/s |" in text
+    bounded = [r for r in rows if r["system"] in ("unbatched", "stepped")]
+    assert all("bound_tok_s" not in r for r in rows if r["system"] == "batched")
+    for r in bounded:
+        assert len(r["decode_call_ms"]) == 2 and all(c > 0 for c in r["decode_call_ms"])
+        assert r["bound_tok_s"] == min(r["users"] / sum(r["decode_call_ms"]),
+                                       1 / max(r["decode_call_ms"])) * 1000  # fmt: skip
+        if r["users"] == 1:
+            assert 0 < r["decode_tok_s"] <= r["bound_tok_s"] * 1.1
     # without a baseline the ratio columns say so instead of showing numbers
     assert "| vs two copies [min, max] |" in text and "| n/a |" in text
     assert all(r["vs_monolithic"] != r["vs_monolithic"] for r in rows)  # NaN: no baseline
