@@ -165,20 +165,24 @@ def stage_metrics(port: int, *names: str) -> list[float]:
     return list(values.values())
 
 
-def busy_seconds(port: int) -> float:
-    return stage_metrics(port, "pipeshard_stage_busy_seconds_total")[0]
-
-
-DECODE_CALLS = (
+BUSY = "pipeshard_stage_busy_seconds_total"
+# a stage's busy seconds, and the summed seconds and count of its decode calls
+STAGE_SAMPLES = (
+    BUSY,
     'pipeshard_stage_forward_seconds_sum{phase="decode"}',
     'pipeshard_stage_forward_seconds_count{phase="decode"}',
 )
 
 
-def decode_call_ms(before: list[float], after: list[float]) -> float:
-    """Mean ms of a stage's decode calls between two readings of DECODE_CALLS."""
-    calls = after[1] - before[1]
-    return (after[0] - before[0]) * 1000 / calls if calls else float("nan")
+def busy_seconds(port: int) -> float:
+    return stage_metrics(port, BUSY)[0]
+
+
+def stage_figures(before: list[float], after: list[float], wall: float) -> tuple[float, float]:
+    """A stage's busy fraction and mean decode call (ms) between two readings of
+    STAGE_SAMPLES ``wall`` seconds apart."""
+    busy, seconds, calls = (a - b for a, b in zip(after, before, strict=True))
+    return busy / wall, seconds * 1000 / calls if calls else float("nan")
 
 
 class Baselines:
@@ -306,19 +310,13 @@ def median_row(system: str, users: int, rs: list[dict[str, Any]], base: float) -
     row["vs_two_copies_rounds"] = ratios(decode, [r.get("two_copies") for r in rs])
     mono = row["vs_monolithic_rounds"]
     row["vs_monolithic"] = mono["median"] if mono else float("nan")
-    if "stage_busy" in rs[0]:
-        row["stage_busy"] = [
-            statistics.median(r["stage_busy"][k] for r in rs)
-            for k in range(len(rs[0]["stage_busy"]))
-        ]
-    if "decode_call_ms" in rs[0]:
-        row["decode_call_ms"] = [
-            statistics.median(r["decode_call_ms"][k] for r in rs)
-            for k in range(len(rs[0]["decode_call_ms"]))
-        ]
-        if "--no-batching" in SYSTEMS.get(system, []):
-            row["bound_tok_s"] = pipeline_bound(users, row["decode_call_ms"])
-            row["vs_monolithic_bound"] = row["bound_tok_s"] / base
+    for key in ("stage_busy", "decode_call_ms"):  # per stage
+        if key in rs[0]:
+            stages = zip(*(r[key] for r in rs), strict=True)
+            row[key] = [statistics.median(stage) for stage in stages]
+    if "decode_call_ms" in row and "--no-batching" in SYSTEMS.get(system, []):
+        row["bound_tok_s"] = pipeline_bound(users, row["decode_call_ms"])
+        row["vs_monolithic_bound"] = row["bound_tok_s"] / base
     if "cpu_ms_per_token" in rs[0]:
         row["cpu_ms_per_token"] = {
             name: statistics.median(r["cpu_ms_per_token"][name] for r in rs)
@@ -442,8 +440,7 @@ def main() -> int:
                 for system in systems:  # side by side: every system at each user count in turn
                     gateway, url = gateways[system]
                     pids = [p.popen.pid for p in [*procs, gateway] if p.popen] + [os.getpid()]
-                    busy = [busy_seconds(port) for port in metric_ports]
-                    calls = [stage_metrics(port, *DECODE_CALLS) for port in metric_ports]
+                    readings = [stage_metrics(port, *STAGE_SAMPLES) for port in metric_ports]
                     cpu = [cpu_seconds(pid) for pid in pids]
                     began = time.perf_counter()
                     result = run_users(url, model, users, opts.tokens, eos)
@@ -452,14 +449,12 @@ def main() -> int:
                         name: (cpu_seconds(pid) - c) * 1000 / (users * opts.tokens)
                         for name, pid, c in zip(names, pids, cpu, strict=True)
                     }
-                    result["stage_busy"] = [
-                        (busy_seconds(port) - b) / wall
-                        for port, b in zip(metric_ports, busy, strict=True)
+                    figures = [
+                        stage_figures(before, stage_metrics(port, *STAGE_SAMPLES), wall)
+                        for port, before in zip(metric_ports, readings, strict=True)
                     ]
-                    result["decode_call_ms"] = [
-                        decode_call_ms(c, stage_metrics(port, *DECODE_CALLS))
-                        for port, c in zip(metric_ports, calls, strict=True)
-                    ]
+                    result["stage_busy"] = [busy for busy, _ in figures]
+                    result["decode_call_ms"] = [call for _, call in figures]
                     rounds.setdefault((system, users), []).append(result)
                     blocks[-1].append(result)
                     print(
