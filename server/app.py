@@ -15,7 +15,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +26,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.engine import Engine
 from server.metrics import GatewayMetrics
@@ -165,30 +167,9 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     app = FastAPI(title="pipeshard", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gateway
     keys = [k.get_secret_value().encode() for k in settings.api_keys]
+    app.add_middleware(Edge, keys=keys, max_body=settings.max_body_bytes, metrics=gateway.metrics)
     _document(app, secured=bool(keys))
     auth = (401,) if keys else ()
-
-    @app.middleware("http")
-    async def edge(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        incoming = request.headers.get("x-request-id", "")
-        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
-        request.state.request_id = request_id
-        started = time.perf_counter()
-        response = await _guarded(request, call_next, keys, settings.max_body_bytes)
-        response.headers["x-request-id"] = request_id
-        endpoint = request.scope.get("route").path if request.scope.get("route") else "other"  # type: ignore[union-attr]
-        gateway.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        log.info(
-            "request %s %s %s -> %d in %.1f ms",
-            request_id,
-            request.method,
-            request.url.path,
-            response.status_code,
-            (time.perf_counter() - started) * 1000,
-        )
-        return response
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -295,31 +276,75 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     return app
 
 
-async def _guarded(
-    request: Request,
-    call_next: Callable[[Request], Awaitable[Response]],
-    keys: list[bytes],
-    max_body: int,
-) -> Response:
-    """Authentication and the body-size limit, before any route work."""
-    if keys and request.url.path.startswith("/v1/"):
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
-        # Compare with every key, always, so the time taken says nothing about which matched.
-        matched = False
-        for key in keys:
-            matched |= hmac.compare_digest(presented, key)
-        if not matched:
-            message = "Incorrect API key provided." if presented else "Missing API key."
-            return _error(
-                APIError(401, message, type="invalid_request_error", code="invalid_api_key"),
-                headers={"WWW-Authenticate": "Bearer"},
+class Edge:
+    """The gateway's edge, before any route work: the request id, authentication, the
+    body-size limit, the request counter and the access log.
+
+    A plain ASGI middleware: an ``@app.middleware("http")`` one would pass every streamed
+    chunk through a task and a memory stream of its own, and hide the client's disconnect
+    from the route. The request id (the client's ``x-request-id`` when it is well formed,
+    else a new one) is in ``request.state.request_id`` and in every response's headers; the
+    log line and the counter come when the response has been sent (a stream: its end).
+    """
+
+    def __init__(self, app: ASGIApp, keys: list[bytes], max_body: int, metrics: GatewayMetrics):
+        self.app, self.keys, self.max_body, self.metrics = app, keys, max_body, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        incoming = headers.get("x-request-id", "")
+        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        status = 500  # what the client gets when the route raises past its handlers
+        tag = (b"x-request-id", request_id.encode())
+
+        async def tagged(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), tag]}
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope["path"], headers)
+            await (refusal or self.app)(scope, receive, tagged)
+        finally:
+            route = scope.get("route")
+            endpoint = route.path if route is not None else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            log.info(
+                "request %s %s %s -> %d in %.1f ms",
+                request_id,
+                scope["method"],
+                scope["path"],
+                status,
+                (time.perf_counter() - started) * 1000,
             )
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_body:
-        return _error(APIError(413, f"request body over {max_body} bytes"))
-    return await call_next(request)
+
+    def _refusal(self, path: str, headers: Headers) -> JSONResponse | None:
+        """A 401 without a valid key (on /v1/ when keys are set), a 413 for a declared body
+        over the limit; None to go on."""
+        if self.keys and path.startswith("/v1/"):
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+            # Compare with every key, always, so the time taken says nothing about which matched.
+            matched = False
+            for key in self.keys:
+                matched |= hmac.compare_digest(presented, key)
+            if not matched:
+                message = "Incorrect API key provided." if presented else "Missing API key."
+                return _error(
+                    APIError(401, message, type="invalid_request_error", code="invalid_api_key"),
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return _error(APIError(413, f"request body over {self.max_body} bytes"))
+        return None
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -340,7 +365,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (the request body was read already)."""
-    # request.is_disconnected() only peeks and, behind an http middleware, never sees it.
+    # request.is_disconnected() only peeks: it does not wait for the message.
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
