@@ -390,6 +390,8 @@ class StageService(pb_grpc.StageServicer):
 
     def _admit(self, step: pb.Step, data: np.ndarray | Exception) -> None:
         self.metrics.steps_in_flight.inc()
+        if step.start_position == 0:  # opens the session (again): its ring steps are not late
+            self._released.pop(step.session_id, None)
         waiting = self._waiting.get(step.session_id)
         if waiting is not None:  # an earlier step of this session is in flight
             waiting.append((step, data))

@@ -156,6 +156,36 @@ def test_rollback_over_the_ring(qwen_ring: tuple[Path, list[str]]) -> None:
     assert dirty == clean
 
 
+def test_a_released_session_id_opens_again_with_the_whole_ring(
+    qwen_ring: tuple[Path, list[str]],
+) -> None:
+    """Stages remember released ids, so that the ring's late steps of an ended request fail
+    quietly; a request that opens the same id again (at position 0) still decodes on its own
+    through the ring, token for token as the first time."""
+    _, addresses = qwen_ring
+    prompt = PROMPTS[1]
+
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses, step_timeout=20)
+        await client.start()
+        runs = []
+        for _ in range(2):
+            first = await client.step("again", prompt, 0, solo=True)
+            tokens = [first.tokens[0].token_id]
+            async for out in client.steps(
+                "again", tokens, len(prompt), solo=True, follow=STEPS - 2
+            ):
+                tokens.append(out.tokens[0].token_id)
+            await client.release("again")
+            runs.append(tokens)
+        await client.close()
+        return runs
+
+    first, second = asyncio.run(run())
+    assert len(first) == STEPS
+    assert second == first
+
+
 def test_bad_steps_get_status_codes_and_change_nothing(qwen_ring: tuple[Path, list[str]]) -> None:
     export, addresses = qwen_ring
     digest = manifest_hash(export)
