@@ -93,7 +93,8 @@ def one_user(url: str, model: str, prompt: str, tokens: int, eos: list[int]) -> 
     arrivals: list[tuple[float, int]] = []
     usage = 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -114,15 +115,21 @@ def one_user(url: str, model: str, prompt: str, tokens: int, eos: list[int]) -> 
 
 def run_users(url: str, model: str, users: int, tokens: int, eos: list[int]) -> dict[str, Any]:
     results: list[dict[str, Any]] = [{} for _ in range(users)]
+    errors: list[Exception] = []
 
     def work(i: int) -> None:
-        results[i] = one_user(url, model, TOPICS[i % len(TOPICS)], tokens, eos)
+        try:
+            results[i] = one_user(url, model, TOPICS[i % len(TOPICS)], tokens, eos)
+        except Exception as exc:  # raised below, in the caller's thread
+            errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(users)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {users} users failed: {errors[0]!r}") from errors[0]
     return summarize([r["start"] for r in results], [r["arrivals"] for r in results], tokens)
 
 
