@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.microbatch import cpu_seconds, run_users  # noqa: E402
 from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
+from benchmarks.suite.stats import fmt, spread  # noqa: E402
 from stage_node.settings import parse_cpus  # noqa: E402
 
 
@@ -122,11 +122,8 @@ def main() -> int:
         for proc in procs:
             proc.stop()
 
-    medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    spread = {
-        k: (min(r[k] for r in rounds), max(r[k] for r in rounds))
-        for k in ("gateway_cpu_ms_per_token", "decode_tok_s")
-    }
+    spreads = {k: spread(r[k] for r in rounds) for k in rounds[0]}
+    medians = {k: v["median"] for k, v in spreads.items() if v is not None}
     report = "\n".join(
         [
             f"Gateway streaming cost, {manifest.model.model_id} ({manifest.num_stages} stages, "
@@ -139,12 +136,9 @@ def main() -> int:
             "| gateway CPU ms per token | gateway CPU (fraction of a core) | aggregate decode "
             "tok/s | end-to-end tok/s |",
             "|---|---|---|---|",
-            f"| {medians['gateway_cpu_ms_per_token']:.3f} "
-            f"[{spread['gateway_cpu_ms_per_token'][0]:.3f}, "
-            f"{spread['gateway_cpu_ms_per_token'][1]:.3f}] "
+            f"| {fmt(spreads['gateway_cpu_ms_per_token'], 3)} "
             f"| {medians['gateway_cpu_fraction']:.2f} "
-            f"| {medians['decode_tok_s']:.1f} [{spread['decode_tok_s'][0]:.1f}, "
-            f"{spread['decode_tok_s'][1]:.1f}] | {medians['end_to_end_tok_s']:.1f} |",
+            f"| {fmt(spreads['decode_tok_s'], 1)} | {medians['end_to_end_tok_s']:.1f} |",
         ]
     )
     save(opts.results, "gateway_stream", report, {"rounds": rounds, "medians": medians}, opts)
