@@ -131,6 +131,8 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             tls_ca=settings.tls_ca,
             tls_server_name=settings.tls_server_name,
             step_timeout=settings.step_timeout,
+            health_interval=settings.health_interval,
+            health_timeout=settings.health_timeout,
         ),
         metrics=GatewayMetrics(),
     )

@@ -262,6 +262,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-server-name", help="name expected in stage certificates")
     p.add_argument("--step-timeout", type=float, help="seconds one pipeline step may take")
     p.add_argument("--start-timeout", type=float, help="seconds to wait for the stages")
+    p.add_argument(
+        "--health-interval", type=float, help="seconds between health probes of the stages (0.5)"
+    )
+    p.add_argument(
+        "--health-timeout", type=float, help="seconds a stage may take to answer a probe (1)"
+    )
     p.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     p.add_argument("--max-concurrent", type=int, help="choices generating at once (16)")
     p.add_argument("--max-queued", type=int, help="choices waiting; beyond it 429 (64)")

@@ -53,6 +53,15 @@ class GatewaySettings(BaseSettings):
     start_timeout: float = Field(
         default=300.0, gt=0, description="seconds to wait for the stages at start-up"
     )
+    health_interval: float = Field(
+        default=0.5,
+        gt=0,
+        description="seconds between health probes of every stage (how soon a dead or "
+        "returning stage is noticed where no step shows it)",
+    )
+    health_timeout: float = Field(
+        default=1.0, gt=0, description="seconds a stage may take to answer a health probe"
+    )
     max_body_bytes: int = Field(default=4 * 2**20, gt=0, description="larger requests get 413")
     max_concurrent: int = Field(
         default=16,

@@ -60,3 +60,13 @@ def test_no_batching_gives_every_running_request_a_group_of_its_own() -> None:
         config = solo.ring_scheduler_config(2, paged=paged)
         assert config.solo and config.lockstep and config.groups == 6 and not config.group_size
         assert config.busy_prefill_chunk == 32 and config.max_prefill_in_flight == 6
+
+
+def test_health_probes_follow_the_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.app import create_app
+
+    app = create_app(GatewaySettings(stages=["h:1"], health_interval=3, health_timeout=0.25))
+    pipeline = app.state.gateway.pipeline
+    assert (pipeline.health_interval, pipeline.health_timeout) == (3, 0.25)
+    assert main(["serve", "--stages", "h:1", "--health-interval", "0"]) == 2
+    assert "health_interval: Input should be greater than 0" in capsys.readouterr().err
