@@ -102,6 +102,9 @@ class PipelineClient:
         self._push_task: asyncio.Task[None] | None = None
         self._results_task: asyncio.Task[None] | None = None
         self._closed = False
+        # when the last stage last sent a result without an error (see _monitor)
+        self._ring_alive_at = float("-inf")
+        self.probes_sent = 0
 
     # -- ring set-up -----------------------------------------------------------------------
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -236,6 +239,8 @@ class PipelineClient:
     async def _read_results(self, call: AsyncIterator[pb.StepResult]) -> None:
         try:
             async for result in call:
+                if not result.HasField("error"):
+                    self._ring_alive_at = time.monotonic()
                 entry = self._pending.pop(result.step_id, None)
                 if entry is None or entry[0].done():
                     continue
@@ -260,12 +265,24 @@ class PipelineClient:
 
     # -- health ----------------------------------------------------------------------------
     async def _monitor(self) -> None:
+        """Probe every stage each ``health_interval``, except while the ring proves itself:
+        a result computed without error went through every stage and link, so until that
+        result is an interval old, the stages that are up and linked are not probed (under
+        load the probes would only take CPU from the stages). A stage that stalls stops the
+        results, and it is probed an interval after the last one, as soon as without them."""
+        delay = self.health_interval
         while not self._closed:
-            await asyncio.sleep(self.health_interval)
-            await asyncio.gather(*(self._probe(s) for s in self.stages))
+            await asyncio.sleep(delay)
+            age = time.monotonic() - self._ring_alive_at
+            proven = age < self.health_interval
+            delay = self.health_interval - age if proven else self.health_interval
+            await asyncio.gather(
+                *(self._probe(s) for s in self.stages if not (proven and s.up and s.link_ok))
+            )
 
     async def _probe(self, state: StageState) -> None:
         assert state.stub is not None
+        self.probes_sent += 1
         try:
             reply = await state.stub.Health(
                 pb.HealthRequest(), metadata=self._metadata(), timeout=self.health_timeout

@@ -343,6 +343,39 @@ def test_secret_idle_timeout_and_metrics(tiny_export: ExportFn, tmp_path: Path) 
         stop_all(procs)
 
 
+def test_results_stand_in_for_health_probes_while_they_flow(
+    qwen_ring: tuple[Path, list[str]],
+) -> None:
+    """Every stage is probed each interval while the ring is idle, and not at all while
+    results keep coming (each went through every stage); the probes resume when they stop."""
+    _, addresses = qwen_ring
+
+    async def run() -> tuple[int, int, int]:
+        client = PipelineClient(addresses, health_interval=0.2)
+        await client.start()
+        await asyncio.sleep(1.0)
+        idle = client.probes_sent
+        await ring_greedy(client, "warm", PROMPTS[0], 2)
+        await asyncio.sleep(0.3)  # the warm-up's result is an interval old
+        before, steps, ends = client.probes_sent, 0, time.monotonic() + 1.5
+        while time.monotonic() < ends:
+            await ring_greedy(client, f"busy-{steps}", PROMPTS[steps % len(PROMPTS)], 8)
+            steps += 1
+        busy = client.probes_sent - before
+        await asyncio.sleep(1.0)
+        after = client.probes_sent - before - busy
+        for i in range(steps):
+            await client.release(f"busy-{i}")
+        await client.close()
+        assert steps > 5
+        return idle, busy, after
+
+    idle, busy, after = asyncio.run(run())
+    assert idle >= 2 * 3  # 2 stages, about 5 intervals
+    assert busy <= 2  # at most one round, right as the load starts
+    assert after >= 2 * 3
+
+
 def test_killed_stage_fails_fast_and_the_ring_recovers(
     tiny_export: ExportFn, tmp_path: Path
 ) -> None:
