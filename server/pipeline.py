@@ -269,7 +269,8 @@ class PipelineClient:
         a result computed without error went through every stage and link, so until that
         result is an interval old, the stages that are up and linked are not probed (under
         load the probes would only take CPU from the stages). A stage that stalls stops the
-        results, and it is probed an interval after the last one, as soon as without them."""
+        results, and the probes resume when the last one is an interval old (the worst case
+        of fixed ticks too)."""
         delay = self.health_interval
         while not self._closed:
             await asyncio.sleep(delay)
