@@ -44,7 +44,7 @@ def stage_costs(
     def data(n: int) -> np.ndarray:
         if runner.is_first:
             return rng.integers(3, 1000, n)
-        return rng.standard_normal((n, runner.hidden_size)).astype(np.float32)
+        return rng.standard_normal((n, runner.input_width)).astype(np.float32)
 
     sessions = [f"user-{i}" for i in range(max(rows))]
     length = {}
@@ -67,7 +67,7 @@ def stage_costs(
                     length[sid] += 1
     return {
         "stage": index,
-        "layers": [runner.stage.layer_start, runner.stage.layer_end],
+        "layers": runner.stage.span(runner.manifest.model.intermediate_size),
         "pads_one_row_calls": pads,
         "ms": {n: statistics.median(t) * 1000 for n, t in times.items()},
     }

@@ -494,7 +494,7 @@ def main() -> int:
     ]
 
     stages_desc = ", ".join(
-        f"stage {s.index} layers [{s.layer_start}, {s.layer_end}) on core {s.index % 2}"
+        f"stage {s.index} layers {s.span(manifest.model.intermediate_size)} on core {s.index % 2}"
         + (f" ({padding[s.index]})" if s.index < len(padding) else "")
         for s in manifest.stages
     )

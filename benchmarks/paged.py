@@ -360,8 +360,8 @@ def main() -> int:
     ]
     for s in manifest.stages:
         lines.append(
-            f"- stage {s.index} (layers [{s.layer_start}, {s.layer_end})): pinned to core "
-            f"{s.index % (ncpu or 1)} (taskset), 1 inference thread, f32 compute, f16 KV, "
+            f"- stage {s.index} (layers {s.span(manifest.model.intermediate_size)}): pinned to "
+            f"core {s.index % (ncpu or 1)} (taskset), 1 inference thread, f32 compute, f16 KV, "
             "fp16 hidden states"
         )
     lines.append(

@@ -25,7 +25,7 @@ def _input_specs(module: StageModule) -> list[tuple[ov.PartialShape, ov.Type]]:
     if module.first:
         main = (ov.PartialShape([-1, -1]), ov.Type.i64)
     else:
-        main = (ov.PartialShape([-1, -1, facts.hidden_size]), ov.Type.f32)
+        main = (ov.PartialShape([-1, -1, module.input_width]), ov.Type.f32)
     specs = [
         main,
         (ov.PartialShape([-1, -1]), ov.Type.i64),

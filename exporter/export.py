@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from exporter.plan import (
     check_split,
     decode_balanced_split,
     format_plan,
+    is_fractional,
+    mlp_channel_step,
     plan_stages,
     split_for_memory,
 )
@@ -53,7 +56,7 @@ class ExportOptions:
     model: str
     out: Path
     stages: int | None = None
-    split: list[int] | None = None
+    split: list[float] | None = None  # layers per stage; fractional cuts inside an MLP
     node_memory: list[int] | None = None
     weights: WeightSpec = field(default_factory=lambda: WeightSpec(format="fp16"))
     draft: str | None = None
@@ -89,7 +92,7 @@ def _check_output(out: Path, force: bool) -> None:
 
 def _resolve_split(
     options: ExportOptions, facts: ArchitectureFacts, context: int, config: Any
-) -> list[int]:
+) -> Sequence[float]:
     intermediate = int(config.intermediate_size)
     if options.split:
         split = check_split(facts.num_layers, list(options.split))
@@ -177,15 +180,18 @@ def export_model(options: ExportOptions) -> ExportReport:
     context = options.plan_context or facts.max_context
     split = _resolve_split(options, facts, context, config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    plans = plan_stages(
-        facts, split, options.weights.format, int(config.intermediate_size), context, tied
-    )
+    intermediate = int(config.intermediate_size)
+    step = 1
+    if is_fractional(split):
+        weights = options.weights
+        step = mlp_channel_step(facts.model_type, weights.format, weights.group_size)
+    plans = plan_stages(facts, split, options.weights.format, intermediate, context, tied, step)
     if options.node_memory:
         check_fits(plans, options.node_memory, context)
     if not options.quiet:
         print(
             f"plan for {source.model_id} ({facts.model_type}, {facts.num_layers} layers, "
-            f"{options.weights.format}):\n{format_plan(plans, context)}",
+            f"{options.weights.format}):\n{format_plan(plans, context, intermediate)}",
             flush=True,
         )
 
@@ -196,7 +202,7 @@ def export_model(options: ExportOptions) -> ExportReport:
         read_architecture(draft_config)
     phases["resolve"] = time.perf_counter() - started
     if options.reuse:
-        existing = _reusable(out, source, split, options, draft_source)
+        existing = _reusable(out, source, plans, options, draft_source)
         if existing is not None:
             if not options.quiet:
                 print(f"{out} already holds this export; reusing it", flush=True)
@@ -217,7 +223,9 @@ def export_model(options: ExportOptions) -> ExportReport:
         t0 = time.perf_counter()
         stages: list[StageEntry] = []
         for plan in _progress(plans, f"export {source.model_id}", options.quiet):
-            module = StageModule(model, facts, plan.layer_start, plan.layer_end)
+            module = StageModule(
+                model, facts, plan.layer_start, plan.layer_end, plan.mlp_in, plan.mlp_out
+            )
             ov_model = trace_stage(module)
             make_stage_stateful(ov_model, config, options.beam_idx)
             ov_model = compress_stage(ov_model, options.weights, facts.vocab_size)
@@ -228,6 +236,8 @@ def export_model(options: ExportOptions) -> ExportReport:
                     index=plan.index,
                     layer_start=plan.layer_start,
                     layer_end=plan.layer_end,
+                    mlp_in=plan.mlp_in,
+                    mlp_out=plan.mlp_out,
                     directory=folder.name,
                     inputs=[p.get_any_name() for p in ov_model.inputs],
                     outputs=[p.get_any_name() for p in ov_model.outputs],
@@ -276,6 +286,7 @@ def export_model(options: ExportOptions) -> ExportReport:
                 max_context=facts.max_context,
                 layer_types=facts.layer_types,
                 sliding_window=facts.sliding_window,
+                intermediate_size=intermediate,
             ),
             weights=options.weights,
             stages=stages,
@@ -300,7 +311,7 @@ def export_model(options: ExportOptions) -> ExportReport:
 def _reusable(
     out: Path,
     source: ModelSource,
-    split: list[int],
+    plans: list[StagePlan],
     options: ExportOptions,
     draft: ModelSource | None,
 ) -> ShardManifest | None:
@@ -312,7 +323,8 @@ def _reusable(
     same = (
         manifest.source.path == str(source.path)
         and manifest.source.sha256 == source.sha256
-        and [s.num_layers for s in manifest.stages] == split
+        and [(s.layer_start, s.layer_end, s.mlp_in, s.mlp_out) for s in manifest.stages]
+        == [(p.layer_start, p.layer_end, p.mlp_in, p.mlp_out) for p in plans]
         and manifest.weights == options.weights
         and all(s.beam_idx == options.beam_idx for s in manifest.stages)
         and (options.max_context is None or manifest.model.max_context == options.max_context)

@@ -1,5 +1,12 @@
 """Split plans: which layers go to which stage, and what each stage costs in memory.
 
+A split gives each stage a share of the layers (``--split 16,12``). A share may be fractional
+(``15.7,12.3``): the boundary then falls inside a layer's MLP, for stages as even as the work
+allows (layers come in steps of 1/num_layers of the model; an MLP's intermediate channels in
+steps of the weights' quantization group). The earlier stage keeps that layer's attention and
+KV cache and the first channels of its MLP; the later one computes the rest (see
+``protos.manifest.StageEntry``).
+
 Estimates come from the config alone (before any weights load): parameter counts times the
 bytes per parameter of the weight format, and the KV cache at a given context in f16
 (2 bytes per value; the CPU plugin's default u8 cache needs about half of that).
@@ -7,12 +14,15 @@ bytes per parameter of the weight format, and the KV cache at a given context in
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exporter.architectures import ArchitectureFacts
 from exporter.errors import ExportError
+from protos.manifest import layer_span
 
 # OpenVINO runtime, Python, activations and scratch per stage process: a conservative allowance.
 RUNTIME_OVERHEAD_BYTES = 512 * 2**20
@@ -31,18 +41,37 @@ class StagePlan:
     layer_end: int
     weight_bytes: int
     kv_bytes: int
+    mlp_in: int | None = None  # first finishes the previous layer's MLP from this channel on
+    mlp_out: int | None = None  # its last layer's MLP stops at this channel
 
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes + RUNTIME_OVERHEAD_BYTES
 
+    def span(self, intermediate_size: int) -> str:
+        """The layers it computes as the --split shares count them, e.g. [0, 15.76)."""
+        return layer_span(
+            self.layer_start, self.layer_end, self.mlp_in, self.mlp_out, intermediate_size
+        )
+
+
+# A boundary: (layer, channels) - after `layer` whole layers, or with channels > 0 inside layer
+# `layer`'s MLP after its first `channels` intermediate channels (its attention before it).
+Bound = tuple[int, int]
+
 
 def layer_params(facts: ArchitectureFacts, intermediate_size: int) -> int:
+    return attention_params(facts) + mlp_params(facts, intermediate_size)
+
+
+def attention_params(facts: ArchitectureFacts) -> int:
     q = facts.num_heads * facts.head_dim
     kv = facts.num_kv_heads * facts.head_dim
-    attention = facts.hidden_size * (q + 2 * kv) + q * facts.hidden_size
-    mlp = 3 * facts.hidden_size * intermediate_size
-    return attention + mlp
+    return facts.hidden_size * (q + 2 * kv) + q * facts.hidden_size
+
+
+def mlp_params(facts: ArchitectureFacts, intermediate_size: int) -> int:
+    return 3 * facts.hidden_size * intermediate_size
 
 
 def kv_bytes_per_layer(facts: ArchitectureFacts, context: int) -> int:
@@ -94,31 +123,100 @@ def decode_balanced_split(
     return best[2]
 
 
-def check_split(num_layers: int, split: list[int]) -> list[int]:
-    if any(count < 1 for count in split):
-        raise ExportError(f"--split {','.join(map(str, split))}: every stage needs a layer")
-    if sum(split) != num_layers:
+def format_split(split: Sequence[float]) -> str:
+    return ",".join(f"{share:g}" for share in split)
+
+
+def check_split(num_layers: int, split: Sequence[float]) -> list[float]:
+    if any(share <= 0 for share in split):
+        raise ExportError(f"--split {format_split(split)}: every stage needs a layer")
+    if not math.isclose(sum(split), num_layers, abs_tol=1e-6):
         raise ExportError(
-            f"--split {','.join(map(str, split))} adds up to {sum(split)}, "
+            f"--split {format_split(split)} adds up to {sum(split):g}, "
             f"the model has {num_layers} layers"
         )
-    return split
+    return list(split)
+
+
+def is_fractional(split: Sequence[float]) -> bool:
+    return any(not math.isclose(share, round(share), abs_tol=1e-9) for share in split)
+
+
+def mlp_channel_step(model_type: str, weight_format: str, group_size: int | None) -> int:
+    """The step in which a fractional split may cut an MLP's channels, or why it cannot.
+
+    The earlier stage's part plus the later stage's part must be the unsplit MLP with the same
+    weights: in int4 each group of input channels has its own scale, so cuts fall on group
+    edges; int8 (and per-channel int4) scales each output channel over all the MLP's channels,
+    which a cut would change. Gemma 3 normalizes the MLP's output before adding it, so its
+    MLP cannot be summed from parts.
+    """
+    if model_type not in ("llama", "qwen2"):
+        raise ExportError(
+            f"a fractional --split is not supported for {model_type} (llama and qwen2 only)"
+        )
+    if weight_format == "int8" or (weight_format == "int4" and (group_size or 0) <= 0):
+        raise ExportError(
+            "a fractional --split needs fp32, fp16 or group-wise int4 weights "
+            "(per-channel scales span the whole MLP)"
+        )
+    return (group_size or 128) if weight_format == "int4" else 1
+
+
+def split_bounds(
+    num_layers: int, split: Sequence[float], intermediate_size: int, channel_step: int = 1
+) -> list[tuple[int, int, int | None, int | None]]:
+    """Per stage (layer_start, layer_end, mlp_in, mlp_out) from its --split shares."""
+    bounds: list[Bound] = [(0, 0)]
+    total = 0.0
+    for share in split[:-1]:
+        total += share
+        layer = math.floor(total + 1e-9)
+        fraction = total - layer
+        channels = 0
+        if fraction > 1e-9:
+            channels = round(fraction * intermediate_size / channel_step) * channel_step
+            if not 0 < channels < intermediate_size:
+                raise ExportError(
+                    f"--split {format_split(split)}: the boundary at {total:g} rounds to a whole "
+                    f"layer (an MLP's {intermediate_size} channels are cut in steps of "
+                    f"{channel_step}); give {round(total)} instead"
+                )
+        bounds.append((layer, channels))
+    bounds.append((num_layers, 0))
+    stages = []
+    for (start, start_ch), (end, end_ch) in itertools.pairwise(bounds):
+        # a cut inside layer L's MLP leaves L's attention (and KV) to the earlier stage
+        first, last = start + (start_ch > 0), end + (end_ch > 0)
+        if last <= first:
+            raise ExportError(
+                f"--split {format_split(split)}: every stage needs a layer's attention"
+            )
+        stages.append((first, last, start_ch or None, end_ch or None))
+    return stages
 
 
 def plan_stages(
     facts: ArchitectureFacts,
-    split: list[int],
+    split: Sequence[float],
     weight_format: str,
     intermediate_size: int,
     context: int,
     tied_embeddings: bool = False,
+    channel_step: int = 1,
 ) -> list[StagePlan]:
     per_layer = layer_params(facts, intermediate_size) * _LAYER_BYTES[weight_format]
+    per_channel = mlp_params(facts, 1) * _LAYER_BYTES[weight_format]
     edge = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     plans = []
-    start = 0
-    for index, count in enumerate(split):
+    bounds = split_bounds(facts.num_layers, split, intermediate_size, channel_step)
+    for index, (start, end, mlp_in, mlp_out) in enumerate(bounds):
+        count = end - start
         weight = per_layer * count
+        if mlp_in is not None:  # the rest of the layer before
+            weight += per_channel * (intermediate_size - mlp_in)
+        if mlp_out is not None:  # part of its last layer's MLP
+            weight -= per_channel * (intermediate_size - mlp_out)
         if index == 0:
             weight += edge
         if index == len(split) - 1 and not (tied_embeddings and len(split) == 1):
@@ -127,12 +225,13 @@ def plan_stages(
             StagePlan(
                 index=index,
                 layer_start=start,
-                layer_end=start + count,
+                layer_end=end,
                 weight_bytes=int(weight),
                 kv_bytes=kv_bytes_per_layer(facts, context) * count,
+                mlp_in=mlp_in,
+                mlp_out=mlp_out,
             )
         )
-        start += count
     return plans
 
 
@@ -204,11 +303,11 @@ def format_bytes(count: float) -> str:
     return f"{count:.2f} GiB"
 
 
-def format_plan(plans: list[StagePlan], context: int) -> str:
-    lines = [f"{'stage':>5}  {'layers':>10}  {'weights':>11}  {'KV @' + str(context):>12}  total"]
+def format_plan(plans: list[StagePlan], context: int, intermediate_size: int) -> str:
+    lines = [f"{'stage':>5}  {'layers':>14}  {'weights':>11}  {'KV @' + str(context):>12}  total"]
     for plan in plans:
         lines.append(
-            f"{plan.index:>5}  {f'[{plan.layer_start}, {plan.layer_end})':>10}  "
+            f"{plan.index:>5}  {plan.span(intermediate_size):>14}  "
             f"{format_bytes(plan.weight_bytes):>11}  {format_bytes(plan.kv_bytes):>12}  "
             f"{format_bytes(plan.total_bytes)}"
         )

@@ -2,11 +2,13 @@
 
 Inputs (in this order, batch B, new tokens T, past P, total S = P + T):
   stage 0:   ``input_ids`` [B, T] i64          later stages: ``inputs_embeds`` [B, T, H] f32
+             ([B, T, 2H] after a cut inside an MLP: the layer's output so far, the MLP's input)
   ``attention_mask`` [B, S] i64   (1 = visible slot; 0 masks a physical slot out)
   ``position_ids``   [B, T] i64   (absolute, logical positions of the new tokens)
   last stage only: ``num_logits`` [] i64 (logits are computed for the last ``num_logits`` tokens)
   ``past_key_values.{i}.key`` / ``.value`` [B, kv_heads, P, head_dim] for each local layer i
-Outputs: ``logits`` [B, num_logits, V] (last stage) or ``hidden_states`` [B, T, H], then
+Outputs: ``logits`` [B, num_logits, V] (last stage) or ``hidden_states`` [B, T, H] ([B, T, 2H]
+when its last layer's MLP is cut: see :class:`MlpPart`), then
 ``present.{i}.key`` / ``.value``. `optimum`'s ``patch_stateful`` later turns the past/present pairs
 into ReadValue/Assign state and adds ``beam_idx``.
 
@@ -18,6 +20,7 @@ logical position, the running count of visible slots) below the window.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -44,10 +47,64 @@ class _StageCache:
         return key, value
 
 
-class StageModule(nn.Module):
-    """Layers ``[start, end)`` of a causal LM; embeddings only in stage 0, head only in the last."""
+class MlpPart(nn.Module):
+    """Intermediate channels ``[lo, hi)`` of a gated MLP (llama, qwen2):
+    ``down[:, lo:hi] @ (act(gate[lo:hi] x) * up[lo:hi] x)``. The parts of an MLP add up to it;
+    a bias of ``down`` goes with the part from channel 0. Keeps its last input (``seen``): a stage
+    that ends inside an MLP passes it on for the next stage's part."""
 
-    def __init__(self, model: Any, facts: ArchitectureFacts, start: int, end: int) -> None:
+    def __init__(self, mlp: Any, lo: int, hi: int) -> None:
+        super().__init__()
+        self.gate_proj = _linear(mlp.gate_proj.weight[lo:hi], _part(mlp.gate_proj.bias, lo, hi))
+        self.up_proj = _linear(mlp.up_proj.weight[lo:hi], _part(mlp.up_proj.bias, lo, hi))
+        down_bias = mlp.down_proj.bias if lo == 0 else None
+        self.down_proj = _linear(mlp.down_proj.weight[:, lo:hi], down_bias)
+        self.act_fn = mlp.act_fn
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _part(bias: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if bias is None else bias[lo:hi]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    out_features, in_features = weight.shape
+    linear = nn.Linear(in_features, out_features, bias=bias is not None, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+def _with_mlp(layer: nn.Module, mlp: nn.Module) -> nn.Module:
+    """A shallow copy of a decoder layer with another MLP (the source model is left as it is)."""
+    clone = copy.copy(layer)
+    clone._modules = dict(layer._modules)
+    clone._modules["mlp"] = mlp
+    return clone
+
+
+class StageModule(nn.Module):
+    """Layers ``[start, end)`` of a causal LM; embeddings only in stage 0, head only in the last.
+
+    ``mlp_in``: first add the previous layer's MLP channels ``[mlp_in, I)`` (the stage before
+    computed the rest); ``mlp_out``: the last layer's MLP stops at channel ``mlp_out``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        facts: ArchitectureFacts,
+        start: int,
+        end: int,
+        mlp_in: int | None = None,
+        mlp_out: int | None = None,
+    ) -> None:
         super().__init__()
         decoder = model.model
         self.first = start == 0
@@ -55,7 +112,17 @@ class StageModule(nn.Module):
         self.facts = facts
         self.layer_ids = list(range(start, end))
         self.embed_tokens = decoder.embed_tokens if self.first else None
-        self.layers = nn.ModuleList([decoder.layers[i] for i in self.layer_ids])
+        layers = [decoder.layers[i] for i in self.layer_ids]
+        self.finish: MlpPart | None = None
+        if mlp_in is not None:
+            previous = decoder.layers[start - 1].mlp
+            self.finish = MlpPart(previous, mlp_in, previous.gate_proj.out_features)
+        self.head_part: MlpPart | None = None
+        if mlp_out is not None:
+            self.head_part = MlpPart(layers[-1].mlp, 0, mlp_out)
+            layers[-1] = _with_mlp(layers[-1], self.head_part)
+        self.input_width = facts.hidden_size * (2 if mlp_in is not None else 1)
+        self.layers = nn.ModuleList(layers)
         self.rotary_emb = decoder.rotary_emb
         self.norm = decoder.norm if self.last else None
         self.lm_head = model.lm_head if self.last else None
@@ -109,6 +176,11 @@ class StageModule(nn.Module):
         num_logits = rest[0] if self.last else None
         flat_past = rest[1:] if self.last else rest
         hidden = self.embed_tokens(main_input) if self.embed_tokens is not None else main_input
+        if self.finish is not None:  # the previous layer's output so far + its MLP's other part
+            # narrow on axis -1 stays the last axis when the paged transformation re-ranks the
+            # input (hidden[..., a:b] would trace as a fixed axis 2)
+            width = self.facts.hidden_size
+            hidden = hidden.narrow(-1, 0, width) + self.finish(hidden.narrow(-1, width, width))
         past = {
             layer_id: (flat_past[2 * i], flat_past[2 * i + 1])
             for i, layer_id in enumerate(self.layer_ids)
@@ -134,6 +206,9 @@ class StageModule(nn.Module):
         presents: list[torch.Tensor] = []
         for layer_id in self.layer_ids:
             presents += list(cache.present[layer_id])
+        if self.head_part is not None:  # what the next stage's part of the MLP needs
+            assert self.head_part.seen is not None
+            hidden = torch.cat([hidden, self.head_part.seen], dim=-1)
         if self.norm is None or self.lm_head is None or num_logits is None:
             return (hidden, *presents)
         new_tokens = hidden.shape[1]
@@ -152,7 +227,7 @@ class StageModule(nn.Module):
         if self.first:
             main = torch.randint(0, facts.vocab_size, (batch, new), dtype=torch.int64)
         else:
-            main = torch.randn(batch, new, facts.hidden_size, dtype=torch.float32)
+            main = torch.randn(batch, new, self.input_width, dtype=torch.float32)
         inputs = [
             main,
             torch.ones(batch, past + new, dtype=torch.int64),

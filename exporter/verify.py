@@ -209,7 +209,7 @@ def format_report(report: VerifyReport, against: Path | None) -> str:
     m = report.manifest
     head = (
         f"{m.model.model_id}: {m.num_stages} stage(s) "
-        f"{[f'[{s.layer_start},{s.layer_end})' for s in m.stages]}, {m.weights.format} weights"
+        f"{[s.span(m.model.intermediate_size) for s in m.stages]}, {m.weights.format} weights"
     )
     lines = [
         head,

@@ -38,11 +38,25 @@ class FileEntry(_Frozen):
 
 
 class StageEntry(_Frozen):
-    """One pipeline stage: a stateful OpenVINO IR over a half-open layer range."""
+    """One pipeline stage: a stateful OpenVINO IR over a half-open layer range.
+
+    A boundary may fall inside a layer's MLP (a fractional ``--split``, e.g. 15.7,12.3). The
+    earlier stage then holds that layer's attention and KV cache and the MLP's first
+    ``mlp_out`` intermediate channels; it passes the layer's output so far and the MLP's input
+    on, side by side (``[tokens, 2 * hidden]``). The next stage (``mlp_in``, the same number)
+    adds the remaining channels' product before its own layers.
+    """
 
     index: int
     layer_start: int
     layer_end: int
+    mlp_in: int | None = Field(
+        default=None,
+        description="first finishes the previous stage's last layer: MLP channels [mlp_in, I)",
+    )
+    mlp_out: int | None = Field(
+        default=None, description="its last layer's MLP computes only channels [0, mlp_out)"
+    )
     directory: str = Field(description="folder of this stage relative to the export root")
     inputs: list[str]
     outputs: list[str]
@@ -55,9 +69,30 @@ class StageEntry(_Frozen):
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
+    def span(self, intermediate_size: int | None) -> str:
+        """Its layers as --split counts them, e.g. ``[0, 15.76)``."""
+        return layer_span(
+            self.layer_start, self.layer_end, self.mlp_in, self.mlp_out, intermediate_size or 1
+        )
+
+    def input_width(self, hidden_size: int) -> int:
+        """Width of the hidden states this stage takes (stage 0 takes token ids)."""
+        return 2 * hidden_size if self.mlp_in is not None else hidden_size
+
     @property
     def model_xml(self) -> str:
         return f"{self.directory}/model.xml"
+
+
+def layer_span(
+    start: int, end: int, mlp_in: int | None, mlp_out: int | None, intermediate_size: int
+) -> str:
+    """``[start, end)`` where a cut inside layer L's MLP after c channels reads L + c / I."""
+
+    def at(layer: int, channels: int | None) -> str:
+        return str(layer) if channels is None else f"{layer - 1 + channels / intermediate_size:.2f}"
+
+    return f"[{at(start, mlp_in)}, {at(end, mlp_out)})"
 
 
 class ModelSpec(_Frozen):
@@ -74,6 +109,7 @@ class ModelSpec(_Frozen):
     max_context: int
     layer_types: list[str] = Field(description="full_attention / sliding_attention per layer")
     sliding_window: int | None = None
+    intermediate_size: int | None = Field(default=None, description="MLP channels per layer")
 
 
 class TokenizerSpec(_Frozen):
@@ -129,6 +165,20 @@ class ShardManifest(_Frozen):
                     f"expected to start at {expected} and be non-empty"
                 )
             expected = stage.layer_end
+            before = self.stages[i - 1].mlp_out if i else None
+            if stage.mlp_in != before:
+                raise ValueError(
+                    f"stage {i} finishes MLP channels from {stage.mlp_in}, the stage before "
+                    f"it stops at {before}"
+                )
+            channels = self.model.intermediate_size
+            if stage.mlp_out is not None and not (channels and 0 < stage.mlp_out < channels):
+                raise ValueError(
+                    f"stage {i} splits its last layer's MLP at channel {stage.mlp_out}, "
+                    f"which is not inside the layer's {channels} channels"
+                )
+        if self.stages and self.stages[-1].mlp_out is not None:
+            raise ValueError("the last stage cannot split its last layer's MLP")
         if self.stages and expected != self.model.num_layers:
             raise ValueError(f"stages cover {expected} layers of {self.model.num_layers}")
         return self

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from server.options import comma_ints, comma_list, parse_properties
+from server.options import comma_list, comma_numbers, parse_properties
 
 if TYPE_CHECKING:
     from stage_node.runner import RunnerOptions
@@ -61,7 +61,12 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="Hugging Face folder, .gguf file, or a built-in model name")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--stages", type=int, default=None, help="number of stages (default 1)")
-    p.add_argument("--split", type=comma_ints, default=None, help="layers per stage, e.g. 14,14")
+    p.add_argument(
+        "--split",
+        type=comma_numbers,
+        default=None,
+        help="layers per stage, e.g. 14,14; a fraction cuts inside a layer's MLP, e.g. 15.7,12.3",
+    )
     p.add_argument(
         "--node-memory",
         type=comma_list,

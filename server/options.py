@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def comma_list(text: str) -> list[str]:
@@ -12,13 +13,15 @@ def comma_list(text: str) -> list[str]:
     return items
 
 
-def comma_ints(text: str) -> list[int]:
+def comma_numbers(text: str) -> list[float]:
+    """``"16,12"`` -> [16, 12]; ``"15.7,12.3"`` -> [15.7, 12.3] (whole numbers stay ints)."""
     try:
-        return [int(item) for item in comma_list(text)]
+        numbers = [int(item) if item.isdigit() else float(item) for item in comma_list(text)]
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from exc
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+    if not all(math.isfinite(n) for n in numbers):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return numbers
 
 
 def parse_properties(items: list[str]) -> dict[str, str]:

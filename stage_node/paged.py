@@ -262,7 +262,7 @@ class PagedRunner(ShardBase):
             rows = [np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)]
         else:
             rng = np.random.default_rng(0)
-            rows = [rng.standard_normal((1, self.hidden_size)).astype(np.float32) for _ in "ab"]
+            rows = [rng.standard_normal((1, self.input_width)).astype(np.float32) for _ in "ab"]
         alone = [self._probe([row])[0] for row in rows]
         together = self._probe(rows)
         return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))

@@ -125,10 +125,13 @@ class ShardBase:
                 f"{self.model_xml} is missing: copy the stage folder with its manifest"
             )
         self.hidden_size = self.manifest.model.hidden_size
+        # hidden states in: twice as wide after a cut inside an MLP (protos.manifest.StageEntry)
+        self.input_width = self.stage.input_width(self.hidden_size)
         self.max_context = self.manifest.model.max_context
 
     def check_chunk(self, data: np.ndarray) -> np.ndarray:
-        """Validate one step's input; token ids [T] (stage 0) or hidden states [T, H] (f32)."""
+        """Validate one step's input; token ids [T] (stage 0) or hidden states [T, W] (f32):
+        W is ``input_width``."""
         if self.is_first:
             if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
                 raise InvalidStageInput(
@@ -138,9 +141,9 @@ class ShardBase:
             if data.size and (data.min() < 0 or data.max() >= vocab):
                 raise InvalidStageInput(f"token ids must lie in [0, {vocab})")
             return data.astype(np.int64, copy=False)
-        if data.ndim != 2 or data.shape[1] != self.hidden_size:
+        if data.ndim != 2 or data.shape[1] != self.input_width:
             raise InvalidStageInput(
-                f"stage {self.stage.index} takes hidden states [tokens, {self.hidden_size}], "
+                f"stage {self.stage.index} takes hidden states [tokens, {self.input_width}], "
                 f"got {list(data.shape)}"
             )
         if data.dtype not in (np.float32, np.float16):

@@ -96,7 +96,7 @@ def warm_up(runner: ShardRunner | PagedRunner) -> None:
     if runner.is_first:
         prompt = np.zeros(length, dtype=np.int64)
     else:
-        prompt = np.zeros((length, runner.hidden_size), dtype=np.float32)
+        prompt = np.zeros((length, runner.input_width), dtype=np.float32)
     try:
         for start, chunk in ((0, prompt), (length, prompt[:1])):
             if isinstance(runner, PagedRunner):
@@ -157,12 +157,11 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     await server.start()
     stage = runner.stage
     log.info(
-        "stage %d/%d of %s (layers [%d, %d)) serving on %s%s",
+        "stage %d/%d of %s (layers %s) serving on %s%s",
         stage.index,
         runner.manifest.num_stages,
         runner.manifest.model.model_id,
-        stage.layer_start,
-        stage.layer_end,
+        stage.span(runner.manifest.model.intermediate_size),
         settings.listen,
         " with TLS" if credentials else "",
     )

@@ -36,16 +36,24 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 def tiny_export(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Callable[..., Path]
 ) -> ExportFn:
-    """Export a tiny model once per (arch, stages, weights, beam_idx) and reuse it."""
+    """Export a tiny model once per (arch, stages, weights, beam_idx, split) and reuse it
+    (``split``: layers per stage, fractions cutting inside an MLP; ``stages`` must agree)."""
     from exporter.export import ExportOptions, export_model
     from protos.manifest import WeightSpec
 
-    made: dict[tuple[str, int, str, bool], Path] = {}
+    made: dict[tuple[str, int, str, bool, tuple[float, ...] | None], Path] = {}
 
-    def get(arch: str, stages: int, weights: str = "fp32", beam_idx: bool = True) -> Path:
-        key = (arch, stages, weights, beam_idx)
+    def get(
+        arch: str,
+        stages: int,
+        weights: str = "fp32",
+        beam_idx: bool = True,
+        split: tuple[float, ...] | None = None,
+    ) -> Path:
+        key = (arch, stages, weights, beam_idx, split)
         if key not in made:
-            out = tmp_path_factory.mktemp("exports") / f"{arch}-{stages}-{weights}-{beam_idx}"
+            name = f"{arch}-{stages}-{weights}-{beam_idx}" + ("-cut" if split else "")
+            out = tmp_path_factory.mktemp("exports") / name
             spec = WeightSpec(
                 format=weights,  # type: ignore[arg-type]
                 group_size=32 if weights == "int4" else None,
@@ -56,6 +64,7 @@ def tiny_export(
                     model=str(tiny_model(arch)),
                     out=out,
                     stages=stages,
+                    split=list(split) if split else None,
                     weights=spec,
                     beam_idx=beam_idx,
                     quiet=True,

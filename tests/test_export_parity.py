@@ -62,3 +62,39 @@ def test_split_quantized_equals_unsplit_quantized(
         assert result.against is not None
         assert result.against.identical
         assert result.against.max_abs_diff == 0.0
+
+
+# Fractional splits: a boundary inside a layer's MLP (the stage before computes its first
+# channels, the stage after the rest). Against transformers for float weights; int4 against the
+# 1-stage int4 export (the parts of a group-wise int4 MLP are the unsplit MLP's groups).
+CUT_CASES = [
+    ("qwen2", (2.5, 3.5), "fp32"),
+    ("llama", (0.25, 4.5, 1.25), "fp16"),
+    ("qwen2", (1.75, 4.25), "int4"),
+]
+
+
+@pytest.mark.parametrize(("arch", "split", "weights"), CUT_CASES)
+def test_split_inside_an_mlp_equals_unsplit(
+    tiny_export: ExportFn, arch: str, split: tuple[float, ...], weights: str
+) -> None:
+    export_dir = tiny_export(arch, len(split), weights, split=split)
+    quantized = weights == "int4"
+    report = verify_export(
+        export_dir,
+        steps=32,
+        options=EXACT,
+        reference=not quantized,
+        against=tiny_export(arch, 1, weights) if quantized else None,
+        atol=TOLERANCE.get(weights, 1e-5),
+    )
+    stages = report.manifest.stages
+    assert [s.mlp_out is not None for s in stages[:-1]] == [True] * (len(split) - 1)
+    assert [s.mlp_in for s in stages[1:]] == [s.mlp_out for s in stages[:-1]]
+    for result in report.results:
+        comparison = result.against if quantized else result.reference
+        assert comparison is not None and comparison.strict
+        assert comparison.matched == 32, f"{result.prompt!r}: tokens differ at {comparison.matched}"
+        # not 0: the MLP's two parts are summed in another order than the whole
+        assert comparison.max_abs_diff < TOLERANCE.get(weights, 1e-5)
+    assert report.failures() == []

@@ -11,8 +11,11 @@ from exporter.plan import (
     check_split,
     decode_balanced_split,
     even_split,
+    format_plan,
+    mlp_channel_step,
     parse_size,
     plan_stages,
+    split_bounds,
     split_for_memory,
 )
 
@@ -66,6 +69,53 @@ def test_check_split() -> None:
         check_split(28, [20, 7])
     with pytest.raises(ExportError, match="every stage needs a layer"):
         check_split(28, [28, 0])
+    assert check_split(28, [15.7, 12.3]) == [15.7, 12.3]
+    with pytest.raises(ExportError, match=r"adds up to 27\.9"):
+        check_split(28, [15.7, 12.2])
+
+
+def test_fractional_split_cuts_inside_an_mlp() -> None:
+    # 15.76: layers 0-14, layer 15's attention and its first 0.76 * 8960 channels (rounded to
+    # a group of 128: 6784) in stage 0; the other 2176 channels and layers 16-27 in stage 1.
+    assert split_bounds(28, [15.76, 12.24], INTERMEDIATE, 128) == [
+        (0, 16, None, 6784),
+        (16, 28, 6784, None),
+    ]
+    assert split_bounds(28, [16, 12], INTERMEDIATE, 128) == [
+        (0, 16, None, None),
+        (16, 28, None, None),
+    ]
+    # two cuts, one of them inside the first layer
+    assert split_bounds(6, [0.5, 4.25, 1.25], 128, 32) == [
+        (0, 1, None, 64),
+        (1, 5, 64, 96),
+        (5, 6, 96, None),
+    ]
+    with pytest.raises(ExportError, match=r"rounds to a whole layer.*give 16 instead"):
+        split_bounds(28, [15.999, 12.001], INTERMEDIATE, 128)
+    with pytest.raises(ExportError, match="every stage needs a layer's attention"):
+        split_bounds(28, [15.3, 0.4, 12.3], INTERMEDIATE, 1)
+
+
+def test_fractional_split_needs_summable_mlp_parts() -> None:
+    assert mlp_channel_step("qwen2", "int4", 128) == 128
+    assert mlp_channel_step("llama", "fp16", None) == 1
+    with pytest.raises(ExportError, match="not supported for gemma3_text"):
+        mlp_channel_step("gemma3_text", "fp32", None)
+    with pytest.raises(ExportError, match="group-wise int4"):
+        mlp_channel_step("qwen2", "int8", None)
+    with pytest.raises(ExportError, match="group-wise int4"):
+        mlp_channel_step("qwen2", "int4", -1)
+
+
+def test_fractional_plan_moves_mlp_bytes() -> None:
+    whole = plan_stages(QWEN15, [16, 12], "int4", INTERMEDIATE, 4096)
+    cut = plan_stages(QWEN15, [15.76, 12.24], "int4", INTERMEDIATE, 4096, channel_step=128)
+    moved = whole[0].weight_bytes - cut[0].weight_bytes
+    assert moved > 0 and cut[1].weight_bytes - whole[1].weight_bytes == pytest.approx(moved, abs=2)
+    assert [p.kv_bytes for p in cut] == [p.kv_bytes for p in whole]  # layer 15's KV stays
+    table = format_plan(cut, 4096, INTERMEDIATE)
+    assert "[0, 15.76)" in table and "[15.76, 28)" in table
 
 
 def test_parse_size() -> None:

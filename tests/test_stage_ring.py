@@ -73,14 +73,25 @@ def gemma_ring(
     stop_all(procs)
 
 
-@pytest.mark.parametrize("ring", ["qwen_ring", "gemma_ring"])
+@pytest.fixture(scope="module")
+def cut_ring(
+    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[str]]]:
+    """3 stages whose boundaries fall inside MLPs: [tokens, 2 * hidden] on both hops."""
+    export = tiny_export("llama", 3, split=(1.5, 3.25, 1.25))
+    procs, addresses = start_stages(export, tmp_path_factory.mktemp("cut-ring"))
+    yield export, addresses
+    stop_all(procs)
+
+
+@pytest.mark.parametrize("ring", ["qwen_ring", "gemma_ring", "cut_ring"])
 def test_ring_equals_chain_and_transformers(
     ring: str, request: pytest.FixtureRequest, tiny_model: object
 ) -> None:
     from transformers import AutoModelForCausalLM
 
     export, addresses = request.getfixturevalue(ring)
-    arch = "qwen2" if ring == "qwen_ring" else "gemma3"
+    arch = {"qwen_ring": "qwen2", "gemma_ring": "gemma3", "cut_ring": "llama"}[ring]
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch))).eval()  # type: ignore[operator]
     chain = LocalChain(export, EXACT)
 
