@@ -253,29 +253,54 @@ class PagedRunner(ShardBase):
 
     def lone_row_is_invariant(self) -> bool:
         """Whether a row computed alone equals the same row computed beside another, bit for
-        bit, on this machine. It depends on the CPU and the thread count (measured: one thread
-        agreed and two did not on one host; on another, one thread did not, and a two-row call
-        cost 1.4x a one-row call), so each stage asks its own kernels when it loads (before
-        any padding is set up: a padded stage's lone rows are never computed alone)."""
-        rows: list[np.ndarray]
-        if self.is_first:
-            rows = [np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)]
-        else:
-            rng = np.random.default_rng(0)
-            rows = [rng.standard_normal((1, self.input_width)).astype(np.float32) for _ in "ab"]
-        alone = [self._probe([row])[0] for row in rows]
-        together = self._probe(rows)
-        return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
+        bit, on this machine. It depends on the CPU, the thread count and the row's past
+        (measured: one thread agreed and two did not on one host; on another, one thread did
+        not, and a two-row call cost 1.4x a one-row call; on a third, with two threads, rows
+        agreed until a lone sequence's past spanned two KV blocks, which its attention then
+        splits across the threads), so each stage asks its own kernels when it loads (before
+        any padding is set up: a padded stage's lone rows are never computed alone): a first
+        row, and a row after a past of several blocks, the hidden states of a later stage also
+        at a small scale (a difference in attention can vanish in the rounding of a large
+        residual; found on a tiny model whose real inputs were smaller than the probe's)."""
+        rng = np.random.default_rng(0)
 
-    def _probe(self, rows: list[np.ndarray]) -> list[np.ndarray]:
-        steps = [PagedStep(f"__probe-{i}__", row, 0) for i, row in enumerate(rows)]
+        def data(count: int, scale: float) -> np.ndarray:
+            if self.is_first:
+                return rng.integers(1, self.manifest.model.vocab_size, count, dtype=np.int64)
+            return (scale * rng.standard_normal((count, self.input_width))).astype(np.float32)
+
+        size = self.blocks.block_size  # two sessions of past + 1 positions must fit the pool
+        long_past = min(4 * size + 1, self.max_context - 1, self.blocks.num_blocks // 2 * size - 1)
+        cases = {(0, 1.0), (max(0, long_past), 1.0)}
+        if not self.is_first:
+            cases.add((max(0, long_past), 0.01))
+        for past, scale in sorted(cases):
+            rows = [(data(past, scale), data(1, scale)) for _ in "ab"]
+            alone = [self._probe([row])[0] for row in rows]
+            together = self._probe(rows)
+            if not all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True)):
+                return False
+        return True
+
+    def _probe(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """Each (past, row): a session that holds ``past`` (fed alone), then ``row`` on top of
+        it, the rows in one call; the rows' outputs."""
+        sessions = [f"__probe-{i}__" for i in range(len(rows))]
         try:
+            for sid, (past, _) in zip(sessions, rows, strict=True):
+                if len(past):
+                    self.place(PagedStep(sid, past, 0))
+                    self.forward([PagedStep(sid, past, 0)])
+            steps = [
+                PagedStep(sid, row, len(past))
+                for sid, (past, row) in zip(sessions, rows, strict=True)
+            ]
             for step in steps:
                 self.place(step)
             return [out.copy() for out in self.forward(steps)]
         finally:
-            for step in steps:
-                self.release(step.session_id)
+            for sid in sessions:
+                self.release(sid)
 
     # -- sessions (same surface as ShardRunner) ---------------------------------------------
     @property

@@ -288,7 +288,8 @@ def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
     for stage in stages:
         assert set(stage["ms"]) == {"1", "2"} and all(v > 0 for v in stage["ms"].values())
         # the benchmark's answer is the runner's own: a batch-invariant runner pads exactly then
-        runner = PagedRunner(export, stage["stage"], RunnerOptions(), kv_cache_bytes=1 << 22)
+        options = RunnerOptions(threads=1)  # the benchmark's --threads
+        runner = PagedRunner(export, stage["stage"], options, kv_cache_bytes=1 << 22)
         assert stage["pads_one_row_calls"] == (runner.pads_lone_rows)
 
 
