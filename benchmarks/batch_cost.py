@@ -9,13 +9,23 @@ the runtime's defaults otherwise, batch invariance off so the raw kernels are ti
 ``--cores``, sessions holding a ``--context``-token prompt, ``--steps`` decode calls per row count
 in interleaved rounds (median). It also reports whether the stage pads one-row calls.
 
+``--side-by-side``: every stage in its own process pinned to its own core (stage k on core k, as
+the fleet benchmarks run them), all measuring at once, so each stage's time includes the
+contention a running fleet has (memory bandwidth, the shared cache). Either way the report
+suggests the ``--split`` that evens the stages out (each stage's time minus its layers at stage
+0's cost per layer is what it does besides layers, e.g. the output head; the shares that leave
+every stage the same total), to export with a fractional ``--split`` (README "Cuts inside a
+layer").
+
 Usage: python benchmarks/batch_cost.py [--export DIR] [--rows 1,2,4,8] [--threads 1] [--cores 0]
+       [--side-by-side]
 Writes benchmarks/results/batch_cost-<date>.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
@@ -32,8 +42,17 @@ from benchmarks.report import machine, save  # noqa: E402
 
 
 def stage_costs(
-    export: Path, index: int, rows: list[int], threads: int, context: int, steps: int, rounds: int
+    export: Path,
+    index: int,
+    rows: list[int],
+    threads: int,
+    context: int,
+    steps: int,
+    rounds: int,
+    sync: Any = None,
 ) -> dict[str, Any]:
+    """``sync``: a barrier the stages measured side by side wait at before each row count of
+    each round, so that they compute at the same time."""
     from stage_node.paged import PagedRunner, PagedStep
     from stage_node.runner import RunnerOptions
 
@@ -56,6 +75,8 @@ def stage_costs(
     times: dict[int, list[float]] = {n: [] for n in rows}
     for _ in range(rounds):
         for n in rows:
+            if sync is not None:
+                sync.wait()
             for _ in range(steps):
                 batch = [PagedStep(sid, data(1), length[sid]) for sid in sessions[:n]]
                 for step in batch:
@@ -73,6 +94,42 @@ def stage_costs(
     }
 
 
+def _pinned_stage_costs(queue: Any, core: int, args: tuple[Any, ...]) -> None:
+    os.sched_setaffinity(0, {core})
+    queue.put(stage_costs(*args))
+
+
+def side_by_side(export: Path, stages: int, *rest: Any) -> list[dict[str, Any]]:
+    """Every stage measured at once, stage k in a process of its own on core k; each row count
+    of each round starts on all stages together (a barrier)."""
+    spawn = multiprocessing.get_context("spawn")
+    queue: Any = spawn.Queue()
+    barrier = spawn.Barrier(stages)
+    cores = os.cpu_count() or 1
+    procs = [
+        spawn.Process(
+            target=_pinned_stage_costs, args=(queue, k % cores, (export, k, *rest, barrier))
+        )
+        for k in range(stages)
+    ]
+    for proc in procs:
+        proc.start()
+    results = [queue.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return sorted(results, key=lambda r: r["stage"])
+
+
+def suggested_split(shares: list[float], ms: list[float]) -> list[float]:
+    """Shares that even out the stages' times, at stage 0's cost per layer share."""
+    per_share = ms[0] / shares[0]
+    extra = [t - per_share * n for t, n in zip(ms, shares, strict=True)]
+    target = sum(ms) / len(ms)
+    split = [round((target - e) / per_share, 2) for e in extra]
+    split[-1] = round(sum(shares) - sum(split[:-1]), 2)
+    return split
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2d")
@@ -82,22 +139,28 @@ def main() -> int:
     p.add_argument("--context", type=int, default=40, help="prompt tokens per session")
     p.add_argument("--steps", type=int, default=6, help="decode calls per row count per round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--side-by-side", action="store_true", help="all stages at once, stage k on core k"
+    )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     opts = p.parse_args()
     rows = [int(r) for r in opts.rows.split(",") if r]
     first, _, last = opts.cores.partition("-")
     os.sched_setaffinity(0, set(range(int(first), int(last or first) + 1)))
 
-    from protos.manifest import load_manifest
+    from protos.manifest import load_manifest, stage_share
 
     manifest = load_manifest(opts.export)
-    stages = [
-        stage_costs(opts.export, k, rows, opts.threads, opts.context, opts.steps, opts.rounds)
-        for k in range(manifest.num_stages)
-    ]
+    args = (rows, opts.threads, opts.context, opts.steps, opts.rounds)
+    if opts.side_by_side:
+        stages = side_by_side(opts.export, manifest.num_stages, *args)
+        where = "in its own process pinned to CPU k (stage k), all stages at once"
+    else:
+        stages = [stage_costs(opts.export, k, *args) for k in range(manifest.num_stages)]
+        where = f"in one process pinned to CPU(s) {opts.cores}, one after the other"
     lines = [
         f"{manifest.model.model_id} ({manifest.weights.format}), export {opts.export.name}: "
-        f"each stage's PagedRunner in one process pinned to CPU(s) {opts.cores}, "
+        f"each stage's PagedRunner {where}, "
         f"{opts.threads} inference thread(s), f32 compute, f16 KV cache, batch invariance off "
         f"(raw kernels); sessions hold a {opts.context}-token prompt; median of "
         f"{opts.rounds} x {opts.steps} decode calls per row count, rounds interleaved.",
@@ -110,9 +173,8 @@ def main() -> int:
     for s in stages:
         one = s["ms"][rows[0]]
         cells = " | ".join(f"{s['ms'][n]:.1f} ({s['ms'][n] / one:.2f}x)" for n in rows)
-        start, end = s["layers"]
         lines.append(
-            f"| {s['stage']} | [{start}, {end}) | {'yes' if s['pads_one_row_calls'] else 'no'} "
+            f"| {s['stage']} | {s['layers']} | {'yes' if s['pads_one_row_calls'] else 'no'} "
             f"| {cells} |"
         )
     total = {n: sum(s["ms"][n] for s in stages) for n in rows}
@@ -122,7 +184,22 @@ def main() -> int:
         + ", ".join(f"{n}: {n * 1000 / total[n]:.2f}" for n in rows)
         + ".",
     ]
-    save(opts.results, "batch_cost", "\n".join(lines), {"stages": stages, "host": machine()}, opts)
+    data: dict[str, Any] = {"stages": stages, "host": machine()}
+    if manifest.num_stages > 1:
+        channels = manifest.model.intermediate_size or 1
+        shares = [
+            stage_share(e.layer_start, e.layer_end, e.mlp_in, e.mlp_out, channels)
+            for e in manifest.stages
+        ]
+        ms = [s["ms"][rows[0]] for s in stages]
+        data["suggested_split"] = suggested_split(shares, ms)
+        lines += [
+            "",
+            f"Slowest over fastest stage at {rows[0]} row(s): {max(ms) / min(ms):.3f}. "
+            f"Split now: {','.join(f'{n:g}' for n in shares)}; the split that evens them "
+            f"out: `--split {','.join(f'{n:g}' for n in data['suggested_split'])}`.",
+        ]
+    save(opts.results, "batch_cost", "\n".join(lines), data, opts)
     return 0
 
 

@@ -100,8 +100,13 @@ def decode_balanced_split(
     decoder layer of Qwen2.5 1.5B (24 MB) takes 1.74 ms and the int8 head (233 MB) 13.4 ms,
     i.e. ``_DECODE_COST`` 1.25 per int4 byte against 1.0. On that model an even 14/14 split
     leaves the last stage ~50% slower and idles the first half the time when users are
-    interleaved; this gives 18/10 (measured: 17/11 left the last stage 10% slower). Earlier
-    stages get the extra layer when the rest does not divide evenly.
+    interleaved; this gives 18/10 (measured: 17/11 left the last stage 10% slower; with both
+    stages running at once on a Xeon with AMX, 18/10 leaves stage 0 4% slower). The ratio
+    depends on the machine: on another host (f32 compute without AMX) a layer took 5.2 ms and
+    the head 19-21 ms, a ratio of 2.4-2.65, where 16/12 was within 1% and 18/10 left stage 0
+    29% slower (``benchmarks/results/batch_cost-2026-12-01.md``). ``benchmarks/batch_cost.py
+    --side-by-side`` measures a machine and prints the (fractional) ``--split`` that evens its
+    stages out. Earlier stages get the extra layer when the rest does not divide evenly.
     """
     even = even_split(facts.num_layers, stages)
     if stages == 1:

@@ -84,15 +84,32 @@ class StageEntry(_Frozen):
         return f"{self.directory}/model.xml"
 
 
+def boundary(layer: int, channels: int | None, intermediate_size: int) -> float:
+    """Where a stage starts or ends as --split counts layers: a cut inside layer L - 1's MLP
+    after c channels (the stage before ends with L - 1's attention) is at L - 1 + c / I."""
+    return layer if channels is None else layer - 1 + channels / intermediate_size
+
+
 def layer_span(
     start: int, end: int, mlp_in: int | None, mlp_out: int | None, intermediate_size: int
 ) -> str:
     """``[start, end)`` where a cut inside layer L's MLP after c channels reads L + c / I."""
 
     def at(layer: int, channels: int | None) -> str:
-        return str(layer) if channels is None else f"{layer - 1 + channels / intermediate_size:.2f}"
+        return (
+            str(layer)
+            if channels is None
+            else f"{boundary(layer, channels, intermediate_size):.2f}"
+        )
 
     return f"[{at(start, mlp_in)}, {at(end, mlp_out)})"
+
+
+def stage_share(
+    start: int, end: int, mlp_in: int | None, mlp_out: int | None, intermediate_size: int
+) -> float:
+    """The stage's --split share: its layers, a cut MLP counted by its share of channels."""
+    return boundary(end, mlp_out, intermediate_size) - boundary(start, mlp_in, intermediate_size)
 
 
 class ModelSpec(_Frozen):

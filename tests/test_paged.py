@@ -266,8 +266,9 @@ def test_a_solo_step_is_not_padded_and_equals_the_raw_one_row_call(
         assert np.array_equal(logits["pad"], logits["raw"])
 
 
+@pytest.mark.parametrize("mode", [[], ["--side-by-side"]], ids=["one-process", "side-by-side"])
 def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
-    tiny_export: ExportFn, tmp_path: Path
+    tiny_export: ExportFn, tmp_path: Path, mode: list[str]
 ) -> None:
     import json
     import subprocess
@@ -277,13 +278,16 @@ def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
     root = Path(__file__).resolve().parents[1]
     subprocess.run(
         [sys.executable, str(root / "benchmarks" / "batch_cost.py"), "--export", str(export),
-         "--rows", "1,2", "--steps", "2", "--rounds", "1", "--results", str(tmp_path)],
+         "--rows", "1,2", "--steps", "2", "--rounds", "1", "--results", str(tmp_path), *mode],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     (report,) = tmp_path.glob("batch_cost-*.md")
     (data,) = tmp_path.glob("batch_cost-*.json")
     assert report.read_text().startswith("Command: `python ")
-    stages = json.loads(data.read_text())["stages"]
+    assert "the split that evens them out: `--split " in report.read_text()
+    result = json.loads(data.read_text())
+    assert sum(result["suggested_split"]) == pytest.approx(6)
+    stages = result["stages"]
     assert [s["stage"] for s in stages] == [0, 1]
     for stage in stages:
         assert set(stage["ms"]) == {"1", "2"} and all(v > 0 for v in stage["ms"].values())
@@ -291,6 +295,16 @@ def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
         options = RunnerOptions(threads=1)  # the benchmark's --threads
         runner = PagedRunner(export, stage["stage"], options, kv_cache_bytes=1 << 22)
         assert stage["pads_one_row_calls"] == (runner.pads_lone_rows)
+
+
+def test_the_suggested_split_evens_out_the_measured_stage_times() -> None:
+    from benchmarks.batch_cost import suggested_split
+
+    # stage 0: 18 layers at 5 ms; stage 1: 10 layers and a 20 ms head -> 16 + 12 layers = 80 ms
+    assert suggested_split([18, 10], [90.0, 70.0]) == [16.0, 12.0]
+    assert suggested_split([16, 12], [80.0, 80.0]) == [16.0, 12.0]
+    # 3 stages at 1 ms a layer, the last with a 10 ms head: 40 ms in all, 13.33 ms each
+    assert suggested_split([10, 10, 10], [10.0, 10.0, 20.0]) == [13.33, 13.33, 3.34]
 
 
 # -- real stage processes ---------------------------------------------------------------------
