@@ -264,10 +264,20 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     )
     async def ready() -> JSONResponse:
         ok = gateway.service is not None and gateway.pipeline.ready
-        stages = [
-            StageReadiness(index=s.index, address=s.address, up=s.up and s.link_ok, state=s.detail)
-            for s in gateway.pipeline.stages
-        ]
+        ring = gateway.pipeline.stages
+        stages = []
+        for i, s in enumerate(ring):
+            after = ring[(i + 1) % len(ring)]
+            # a broken link to a stage that is down is that stage's failure, not this one's
+            linked = s.link_ok or (after is not s and not after.up)
+            state = (
+                s.detail
+                if s.link_ok or not s.up
+                else f"{s.detail}; its link to {after.address} is down"
+            )
+            stages.append(
+                StageReadiness(index=s.index, address=s.address, up=s.up and linked, state=state)
+            )
         body = Readiness(ready=ok, stages=stages).model_dump()
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -205,18 +205,13 @@ def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(
         envelope = failed.json()["error"]
         assert envelope["code"] == "stage_unavailable" and "stage 1" in envelope["message"]
         assert set(envelope) == {"message", "type", "param", "code"}
-        # The gateway stays up, says which stage is down, and refuses new work with a 503.
-        # (Under CI load stage 0 can miss a 1 s probe while it drops the failed requests; the
-        # next probes find it up again, so read the status until it settles.)
-        deadline = time.monotonic() + 10
-        while True:
-            ready = httpx.get(f"{url}/ready")
-            stages_up = [s["up"] for s in ready.json()["stages"]]
-            if stages_up == [True, False] or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        # The gateway stays up, says which stage is down, and refuses new work with a 503 -
+        # also once its probes have seen stage 0's link to the dead stage 1 broken (they
+        # resume half a second after the last result): that is stage 1's failure.
+        time.sleep(1.5)
+        ready = httpx.get(f"{url}/ready")
         assert ready.status_code == 503
-        assert stages_up == [True, False]
+        assert [s["up"] for s in ready.json()["stages"]] == [True, False]
         assert httpx.get(f"{url}/health").status_code == 200
         refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "stage_unavailable"
