@@ -148,7 +148,7 @@ def main() -> int:
     first, _, last = opts.cores.partition("-")
     os.sched_setaffinity(0, set(range(int(first), int(last or first) + 1)))
 
-    from protos.manifest import load_manifest, stage_share
+    from protos.manifest import load_manifest
 
     manifest = load_manifest(opts.export)
     args = (rows, opts.threads, opts.context, opts.steps, opts.rounds)
@@ -186,11 +186,7 @@ def main() -> int:
     ]
     data: dict[str, Any] = {"stages": stages, "host": machine()}
     if manifest.num_stages > 1:
-        channels = manifest.model.intermediate_size or 1
-        shares = [
-            stage_share(e.layer_start, e.layer_end, e.mlp_in, e.mlp_out, channels)
-            for e in manifest.stages
-        ]
+        shares = [e.share(manifest.model.intermediate_size) for e in manifest.stages]
         ms = [s["ms"][rows[0]] for s in stages]
         data["suggested_split"] = suggested_split(shares, ms)
         lines += [

@@ -75,6 +75,12 @@ class StageEntry(_Frozen):
             self.layer_start, self.layer_end, self.mlp_in, self.mlp_out, intermediate_size or 1
         )
 
+    def share(self, intermediate_size: int | None) -> float:
+        """Its --split share: its layers, a cut MLP counted by its share of channels."""
+        channels = intermediate_size or 1
+        end = boundary(self.layer_end, self.mlp_out, channels)
+        return end - boundary(self.layer_start, self.mlp_in, channels)
+
     def input_width(self, hidden_size: int) -> int:
         """Width of the hidden states this stage takes (stage 0 takes token ids)."""
         return 2 * hidden_size if self.mlp_in is not None else hidden_size
@@ -103,13 +109,6 @@ def layer_span(
         )
 
     return f"[{at(start, mlp_in)}, {at(end, mlp_out)})"
-
-
-def stage_share(
-    start: int, end: int, mlp_in: int | None, mlp_out: int | None, intermediate_size: int
-) -> float:
-    """The stage's --split share: its layers, a cut MLP counted by its share of channels."""
-    return boundary(end, mlp_out, intermediate_size) - boundary(start, mlp_in, intermediate_size)
 
 
 class ModelSpec(_Frozen):

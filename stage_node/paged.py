@@ -270,10 +270,12 @@ class PagedRunner(ShardBase):
             return (scale * rng.standard_normal((count, self.input_width))).astype(np.float32)
 
         size = self.blocks.block_size  # two sessions of past + 1 positions must fit the pool
-        long_past = min(4 * size + 1, self.max_context - 1, self.blocks.num_blocks // 2 * size - 1)
-        cases = {(0, 1.0), (max(0, long_past), 1.0)}
+        long_past = max(
+            0, min(4 * size + 1, self.max_context - 1, self.blocks.num_blocks // 2 * size - 1)
+        )
+        cases = {(0, 1.0), (long_past, 1.0)}
         if not self.is_first:
-            cases.add((max(0, long_past), 0.01))
+            cases.add((long_past, 0.01))
         for past, scale in sorted(cases):
             rows = [(data(past, scale), data(1, scale)) for _ in "ab"]
             alone = [self._probe([row])[0] for row in rows]
@@ -289,8 +291,9 @@ class PagedRunner(ShardBase):
         try:
             for sid, (past, _) in zip(sessions, rows, strict=True):
                 if len(past):
-                    self.place(PagedStep(sid, past, 0))
-                    self.forward([PagedStep(sid, past, 0)])
+                    prefill = PagedStep(sid, past, 0)
+                    self.place(prefill)
+                    self.forward([prefill])
             steps = [
                 PagedStep(sid, row, len(past))
                 for sid, (past, row) in zip(sessions, rows, strict=True)
