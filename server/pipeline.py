@@ -531,8 +531,14 @@ class PipelineClient:
                 self._release_soon({session_id})
             raise
         finally:
-            for i in range(follow + 1):
+            for i, future in enumerate(futures):
                 self._pending.pop(step_id + i, None)
+                # the ring's later steps that were never awaited: a failure of the ring
+                # (_fail_pending) set their exceptions too, and the one awaited raised it
+                if future.done() and not future.cancelled():
+                    future.exception()
+                else:
+                    future.cancel()
 
     async def release(self, *session_ids: str) -> int:
         """Free sessions on every stage that is reachable; returns how many stages answered."""
