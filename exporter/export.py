@@ -213,7 +213,7 @@ def export_model(options: ExportOptions) -> ExportReport:
     if draft_source is not None:
         draft_tok = draft_source.load_tokenizer()
         _check_draft_vocab(tokenizer, config, draft_tok, draft_config)
-    model = source.load_model()
+    model = source.load_model(progress=not options.quiet)
     phases["load"] = time.perf_counter() - t0
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

@@ -6,7 +6,10 @@ Nothing here reaches a model hub: built-in models come from their PyPI chunk pac
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,18 +40,19 @@ class ModelSource:
         except (OSError, ValueError, KeyError) as exc:
             raise ExportError(f"cannot read the model config of {self.path}: {exc}") from exc
 
-    def load_model(self) -> Any:
+    def load_model(self, progress: bool = True) -> Any:
         import torch
         from transformers import AutoModelForCausalLM
 
         where, extra = self._location()
-        model = AutoModelForCausalLM.from_pretrained(
-            where,
-            local_files_only=True,
-            dtype=torch.float32,
-            attn_implementation="sdpa",
-            **extra,
-        )
+        with _gguf_progress(progress or self.kind != "gguf"):
+            model = AutoModelForCausalLM.from_pretrained(
+                where,
+                local_files_only=True,
+                dtype=torch.float32,
+                attn_implementation="sdpa",
+                **extra,
+            )
         return model.eval()
 
     def load_tokenizer(self) -> Any:
@@ -59,6 +63,23 @@ class ModelSource:
             return AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ExportError(f"cannot load a tokenizer from {self.path}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _gguf_progress(show: bool) -> Iterator[None]:
+    """transformers' GGUF reader draws its de-quantize bar with tqdm directly (not through
+    its own switch, ``disable_progress_bar``): hide it unless ``show``."""
+    if show:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def resolve_source(model: str, cache_dir: Path | None = None, progress: bool = True) -> ModelSource:

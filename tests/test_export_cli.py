@@ -209,3 +209,21 @@ def test_cli_end_to_end_in_a_subprocess(tmp_path: Path, tiny_model: Callable[...
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "16/16 tok" in verify.stdout and verify.stdout.strip().endswith("PASS")
+
+
+def test_quiet_hides_the_gguf_reader_progress_bar() -> None:
+    """transformers' GGUF reader calls tqdm directly: a quiet load switches that bar off, and
+    puts the reader's tqdm back afterwards (also after a failed load)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from exporter.source import _gguf_progress
+
+    original = gguf_utils.tqdm
+    with _gguf_progress(False):
+        assert gguf_utils.tqdm(range(2)).disable
+    assert gguf_utils.tqdm is original
+    with pytest.raises(RuntimeError), _gguf_progress(False):
+        raise RuntimeError("load failed")
+    assert gguf_utils.tqdm is original
+    with _gguf_progress(True):
+        assert gguf_utils.tqdm is original
