@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +21,7 @@ from stage_node.metrics import StageMetrics
 from stage_node.paged import GIB, PagedRunner, PagedStep
 from stage_node.runner import RunnerOptions, ShardRunner
 from stage_node.service import StageService
-from stage_node.settings import StageSettings
+from stage_node.settings import StageSettings, pin_process
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ def warm_up(runner: ShardRunner | PagedRunner) -> None:
 async def serve(settings: StageSettings, ready: Callable[[int], None] | None = None) -> None:
     cpus = settings.cpu_list()
     if cpus:
-        os.sched_setaffinity(0, cpus)
+        pin_process(cpus)
     options = RunnerOptions(
         device=settings.device,
         threads=settings.threads,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -99,3 +101,13 @@ def parse_cpus(text: str) -> set[int]:
         first, _, last = part.strip().partition("-")
         cpus.update(range(int(first), int(last or first) + 1))
     return cpus
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Pin every thread of this process to ``cpus``: ``sched_setaffinity(0)`` pins only the
+    calling thread (and the threads it starts later), and a library may have started one
+    already at import. Threads that end meanwhile are skipped."""
+    os.sched_setaffinity(0, cpus)
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.sched_setaffinity(int(task.name), cpus)

@@ -9,6 +9,7 @@ import pytest
 from server.cli import main
 from server.settings import GatewaySettings
 from stage_node.settings import StageSettings
+from tests.conftest import ExportFn
 
 
 def test_gateway_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,3 +71,23 @@ def test_health_probes_follow_the_settings(capsys: pytest.CaptureFixture[str]) -
     assert (pipeline.health_interval, pipeline.health_timeout) == (3, 0.25)
     assert main(["serve", "--stages", "h:1", "--health-interval", "0"]) == 2
     assert "health_interval: Input should be greater than 0" in capsys.readouterr().err
+
+
+def test_cpus_pins_every_thread_of_the_stage_process(tiny_export: ExportFn, tmp_path: Path) -> None:
+    """`--cpus` pins the whole stage process: inference, gRPC and event-loop threads, and the
+    ones a library started at import, before the stage pinned itself."""
+    from tests.processes import start_stages
+
+    procs, _ = start_stages(tiny_export("qwen2", 2), tmp_path, ["--cpus", "0"], stages=[1])
+    try:
+        pid = procs[0].popen.pid
+        allowed = {}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            status = (task / "status").read_text()
+            line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list"))
+            allowed[task.name] = line.split()[-1]
+        assert len(allowed) > 3  # gRPC's threads and the inference pool too
+        assert set(allowed.values()) == {"0"}, allowed
+    finally:
+        for proc in procs:
+            proc.stop()
