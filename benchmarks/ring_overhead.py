@@ -102,7 +102,8 @@ async def ring_once(
 
 def decode_step_bytes(hidden_size: int, dtype: str) -> list[int]:
     """Payload of one decode step on each hop: gateway->stage 0, stage 0->1, stage 1->gateway
-    (a batch of one step; hidden states travel beside the steps of a batch)."""
+    (a batch of one step; hidden states travel beside the steps of a batch). ``hidden_size``:
+    the width stage 1 takes (twice the model's hidden size behind a cut inside an MLP)."""
     import numpy as np
 
     from protos import pipeshard_v1_pb2 as pb
@@ -245,7 +246,9 @@ def main() -> int:
 
     from protos.manifest import load_manifest
 
-    hidden_size = load_manifest(opts.export).model.hidden_size
+    manifest = load_manifest(opts.export)
+    # what stage 1 takes: the hidden size, or twice it where the split cuts inside an MLP
+    hidden_size = manifest.stages[1].input_width(manifest.model.hidden_size)
     base = ring32["ring_ms"]
     lines = [
         f"Real 2-stage export {opts.export.name}, single stream, {opts.tokens} tokens, {ROUNDS} "
