@@ -9,9 +9,9 @@ report gives each layout's inter-token latency p50 and decode tok/s (medians ove
 and the round-by-round ratio of each layout's inter-token p50 to the first layout's.
 
 With one user the stages compute one after the other, so a ring on one core loses no
-parallelism; a difference between the layouts is what handing each token from core to core
-costs on this machine (on a VM whose idle cores halt, a core that waited for the other stage
-may compute its next call slower).
+parallelism; a difference between the layouts is what spreading the ring's processes over the
+cores costs on this machine (cross-core wake-ups, the unpinned gateway and clients sharing the
+stages' cores): on a 2-core VM both stages on one core were faster (README, "AMD EPYC").
 
 Usage: python benchmarks/core_placement.py --export DIR [--layouts 0,1/0,0] [--users 1]
        [--tokens 48] [--rounds 5] [--gateway-flags=--no-batching]
