@@ -88,14 +88,15 @@ def main() -> int:
         for proc in procs:
             proc.stop()
 
-    itl = [[r[i]["itl_p50_ms"] for r in rounds] for i in range(len(layouts))]
-    tok_s = [[r[i]["decode_tok_s"] for r in rounds] for i in range(len(layouts))]
+    def column(key: str, i: int) -> list[float]:
+        return [r[i][key] for r in rounds]
+
     table: list[dict[str, Any]] = [
         {
             "layout": name,
-            "itl_p50_ms": spread(itl[i]),
-            "decode_tok_s": spread(tok_s[i]),
-            "itl_vs_first": ratios(itl[i], itl[0]),
+            "itl_p50_ms": spread(column("itl_p50_ms", i)),
+            "decode_tok_s": spread(column("decode_tok_s", i)),
+            "itl_vs_first": ratios(column("itl_p50_ms", i), column("itl_p50_ms", 0)),
         }
         for i, name in enumerate(names)
     ]

@@ -106,8 +106,7 @@ def parse_cpus(text: str) -> set[int]:
 def pin_process(cpus: set[int]) -> None:
     """Pin every thread of this process to ``cpus``: ``sched_setaffinity(0)`` pins only the
     calling thread (and the threads it starts later), and a library may have started one
-    already at import. Threads that end meanwhile are skipped."""
-    os.sched_setaffinity(0, cpus)
+    already at import. Threads that end meanwhile are skipped (this one is among the tasks)."""
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(ProcessLookupError, FileNotFoundError):
             os.sched_setaffinity(int(task.name), cpus)
