@@ -26,7 +26,8 @@ Systems (``--systems``), one gateway each over the same stage processes, measure
 side: ``batched`` (the gateway's defaults), ``unbatched`` (``--no-batching``: every request
 computed alone, pipelined across the stages, the ring decoding on its own; see the README's
 "No batching") and ``stepped`` (``--no-batching --ring-decode 0``: every step through the
-gateway, as before the ring decoded on its own).
+gateway, as before the ring decoded on its own); ``batched-stepped`` (``--ring-decode-batched
+0``: batching with every step through the gateway) on request.
 
 Usage: python benchmarks/microbatch.py [--export DIR] [--users 1,2,4,8] [--tokens 64]
        [--rounds 2] [--systems batched,unbatched,stepped] [--no-baseline] [--delay-ms D]
@@ -231,11 +232,13 @@ class Baselines:
 # Gateway flags of each system; all run over the same stage processes, side by side.
 SYSTEMS = {
     "batched": [],
+    "batched-stepped": ["--ring-decode", "0"],
     "unbatched": ["--no-batching"],
     "stepped": ["--no-batching", "--ring-decode", "0"],
 }
 LABELS = {
     "batched": "2 stages, batched (default)",
+    "batched-stepped": "2 stages, batched, --ring-decode 0",
     "unbatched": "2 stages, --no-batching",
     "stepped": "2 stages, --no-batching --ring-decode 0",
 }
@@ -383,7 +386,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
+        default="batched,unbatched,stepped",
         help="gateways to compare over the same stages: " + ", ".join(SYSTEMS),
     )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")

@@ -309,6 +309,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "(default 32; 0: every step through the gateway)",
     )
     p.add_argument(
+        "--ring-decode-batched",
+        type=int,
+        help="with batching and no speculation: tokens a micro-batch group decodes on the "
+        "ring on its own after each decode step while no request waits to join a group "
+        "(default 8; 0: every step through the gateway)",
+    )
+    p.add_argument(
         "--resume-grace",
         type=float,
         help="seconds in-flight requests wait for a failed stage to return, then go on (30)",

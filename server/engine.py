@@ -271,15 +271,31 @@ class Engine:
 
     def _follow_budget(self, seq: Sequence, item: Work, plan: _Plan) -> int:
         """Tokens the ring may decode on its own after this step (SchedulerConfig.ring_decode:
-        solo steps without speculation, on a ring whose last stage loops back to stage 0),
-        within max_tokens and the context."""
-        if not (self.solo and self.config.ring_decode and item.samples and not plan.draft):
+        steps without speculation, on a ring whose last stage loops back to stage 0; batched
+        groups only while none waits to join them), within max_tokens and the context."""
+        if not (self.config.ring_decode and item.samples and not plan.draft):
             return 0
         if not self.pipeline.ring_loop:
+            return 0
+        if not self.solo and not self._settled(seq, item):
             return 0
         held = item.start_position + len(plan.tokens)  # positions after this step
         left = seq.max_tokens - len(seq.generated) - 1
         return max(0, min(self.config.ring_decode, left, self.max_context - held))
+
+    def _settled(self, seq: Sequence, item: Work) -> bool:
+        """Batched groups: whether the step may run on the ring by itself. Only while no
+        sequence waits to join a group's decode steps (none queued, every other running one
+        decoding); a prompt's last chunk only where no other sequence shares its group (it
+        would run apart from the group's decode steps, which wait for it)."""
+        if self.scheduler.queued:
+            return False
+        others = [
+            self.scheduler.sequences[sid] for sid in self.scheduler.running if sid != seq.seq_id
+        ]
+        if any(o.phase is not Phase.DECODE for o in others):
+            return False
+        return not item.prefill or all(o.group != seq.group for o in others)
 
     async def _speculate(self, seq: Sequence, item: Work, sampling: SamplingParams) -> _Plan:
         """The step's tokens: the work item's, plus draft proposals when speculating."""

@@ -480,8 +480,8 @@ class PipelineClient:
         turn, each within ``timeout`` of the one before; the consumer stops when it likes
         (the ring's further steps are dropped once the session is released)."""
         self.check_ready()
-        if follow and not (solo and self.ring_loop and not draft_tokens):
-            raise ValueError("the ring decodes on its own only solo decode steps, on a loop")
+        if follow and not (self.ring_loop and not draft_tokens):
+            raise ValueError("the ring decodes on its own only plain decode steps, on a loop")
         timeout = self.step_timeout if timeout is None else timeout
         step_id = next(self._ids)
         for _ in range(follow):  # the ring's own steps take the ids after it

@@ -46,12 +46,18 @@ Policy
   decodes, so a long prompt delays the others by one short chunk per token. Where a call of
   two rows costs much more than a call of one (``benchmarks/batch_cost.py``), this is faster
   for a few users than batching them.
-* **The ring decodes on its own** (``ring_decode``, with ``solo``). A decode step (or a
-  prompt's last chunk) may tell the ring to go on for up to ``ring_decode`` more tokens: the
-  last stage feeds each token it samples straight back to stage 0, so the next step starts
-  without the round trip through the gateway. The gateway takes each token as from a step it
-  sent (:meth:`Scheduler.follow` marks the ring's next step in flight), so the policy above
-  is unchanged: one step per sequence in the ring, prompts under the shared budget.
+* **The ring decodes on its own** (``ring_decode``, with ``solo`` or ``lockstep``). A decode
+  step (or a prompt's last chunk) may tell the ring to go on for up to ``ring_decode`` more
+  tokens: the last stage feeds each token it samples straight back to stage 0, so the next
+  step starts without the round trip through the gateway. The gateway takes each token as
+  from a step it sent (:meth:`Scheduler.follow` marks the ring's next step in flight), so the
+  policy above is unchanged: one step per sequence in the ring, prompts under the shared
+  budget. With ``lockstep`` a group's decode steps go out together and the last stage
+  feeds them back together, so the group stays one batch on its own; the gateway gives
+  such steps a run only while no sequence waits to join a group (none queued, every running
+  one decoding), because a group's decode steps stay in flight for the whole run: a
+  sequence that joins meanwhile prefills at once but starts decoding (with its group) at
+  most ``ring_decode`` tokens later.
 * **Prompt chunks of at least two tokens.** A chunk never holds a single token of a longer
   prompt, nor leaves one behind (:func:`chunk_end`; it may take a token more than its budget):
   where a prompt is cut depends on load, and on some CPUs a one-row call takes another kernel
@@ -139,9 +145,9 @@ class SchedulerConfig:
     # call holds two sequences' rows; prompt tokens then share one budget across the ring
     # (``busy_prefill_chunk`` while any sequence decodes). See "No batching" above.
     solo: bool = False
-    # with solo: decode tokens the ring may then produce on its own after each decode step
-    # (the last stage feeds each token straight back to stage 0; see "The ring decodes on
-    # its own" above); 0: every step goes through the gateway
+    # with solo or lockstep: decode tokens the ring may then produce on its own after each
+    # decode step (the last stage feeds each token straight back to stage 0; see "The ring
+    # decodes on its own" above); 0: every step goes through the gateway
     ring_decode: int = 0
 
     def __post_init__(self) -> None:
@@ -156,8 +162,8 @@ class SchedulerConfig:
             raise ValueError("group_size must be >= 0")
         if self.solo and (self.groups < self.max_running or self.group_size):
             raise ValueError("solo needs a group per running sequence (groups >= max_running)")
-        if self.ring_decode < 0 or (self.ring_decode and not self.solo):
-            raise ValueError("ring_decode must be >= 0, and needs solo")
+        if self.ring_decode < 0 or (self.ring_decode and not (self.solo or self.lockstep)):
+            raise ValueError("ring_decode must be >= 0, and needs solo or lockstep")
         if self.max_queued < 0 or self.queue_timeout <= 0 or self.resume_grace < 0:
             raise ValueError("max_queued and resume_grace must be >= 0 and queue_timeout > 0")
 

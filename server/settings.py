@@ -110,6 +110,14 @@ class GatewaySettings(BaseSettings):
         "to stage 0 without the round trip through the gateway (0: every step through the "
         "gateway)",
     )
+    ring_decode_batched: int = Field(
+        default=8,
+        ge=0,
+        description="with batching (paged stages), no speculation: decode tokens a "
+        "micro-batch group's sequences produce on the ring on their own after each decode "
+        "step, while no request waits to join a group; a request that arrives meanwhile "
+        "starts decoding at most this many tokens later (0: every step through the gateway)",
+    )
     resume_grace: float = Field(
         default=30.0,
         ge=0,
@@ -151,12 +159,13 @@ class GatewaySettings(BaseSettings):
         """The scheduler for a ring of ``stages`` stages: one micro-batch group per stage, or
         ``micro_batch_groups``. On paged stages (batched inference) the groups move in
         lockstep, one opens per PAGED_GROUP_SIZE running sequences (unless the count is
-        fixed), and a group's prompts share a token budget per step
+        fixed), a group's prompts share a token budget per step
         (prefill_chunk, or prefill_chunk_busy while the group decodes) instead of going one
-        chunk at a time. Without ``batching`` every running sequence is a group of its own
-        (SchedulerConfig.solo), on any backend. ``kv_pools``: the paged stages' block pools,
-        which admission, prompt chunks and decode steps must fit (the newest sequence is
-        preempted if not)."""
+        chunk at a time, and the groups decode ``ring_decode_batched`` tokens on the ring on
+        their own while no request waits to join one. Without ``batching`` every running
+        sequence is a group of its own (SchedulerConfig.solo), on any backend. ``kv_pools``:
+        the paged stages' block pools, which admission, prompt chunks and decode steps must
+        fit (the newest sequence is preempted if not)."""
         groups = self.micro_batch_groups or stages
         config = dataclasses.replace(self.scheduler_config(), groups=groups, kv_pools=kv_pools)
         if not self.batching:
@@ -176,6 +185,7 @@ class GatewaySettings(BaseSettings):
                 busy_prefill_chunk=self.prefill_chunk_busy or PAGED_BUSY_PREFILL_CHUNK,
                 lockstep=True,
                 group_size=0 if self.micro_batch_groups else PAGED_GROUP_SIZE,
+                ring_decode=self.ring_decode_batched,
             )
         return config
 

@@ -41,6 +41,7 @@ class Fleet:
     stage_metrics: tuple[int, ...] = ()  # the stages' Prometheus ports
     export: Path | None = None
     stepped_url: str = ""  # --no-batching --ring-decode 0: every step through the gateway
+    batched_stepped_url: str = ""  # --ring-decode-batched 0: batching, every step through it
 
     def client(self, url: str = "") -> openai.OpenAI:
         """A client of the batching gateway, or of the one at ``url``."""
@@ -77,12 +78,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     stepped, stepped_url = start_gateway(
         ring, base / "gateway-stepped.log", [*limits, "--no-batching", "--ring-decode", "0"]
     )
+    batched_stepped, batched_stepped_url = start_gateway(
+        ring, base / "gateway-batched-stepped.log", [*limits, "--ring-decode-batched", "0"]
+    )
     try:
-        yield Fleet(url, addresses, solo_url, tuple(ports), export, stepped_url)
+        yield Fleet(
+            url, addresses, solo_url, tuple(ports), export, stepped_url, batched_stepped_url
+        )
     finally:
         gateway.stop()
         solo.stop()
         stepped.stop()
+        batched_stepped.stop()
         stop_proxy()
         for proc in procs:
             proc.stop()
@@ -319,6 +326,29 @@ def test_the_ring_decoding_on_its_own_equals_every_step_through_the_gateway(flee
 
 def ring_made(tokens: int, ring_decode: int = 32) -> int:
     return tokens - -(-tokens // (ring_decode + 1))
+
+
+def test_batched_groups_decoding_on_the_ring_equal_every_step_through_the_gateway(
+    fleet: Fleet,
+) -> None:
+    """With batching, a group runs on the ring by itself (--ring-decode-batched, default 8)
+    while no request waits to join one: tokens and logprobs are those of the batching gateway
+    sending every step, alone and under load (8 running, 1 queued, joining groups mid-run),
+    and a request alone has every token but each 9th after its first made by the ring."""
+    long = {**request(5), "max_tokens": 80, "logit_bias": {str(EOS): -100}}
+    bodies = [*(request(i) for i in range(7)), {**request(7), "max_tokens": 40}, long]
+    last = fleet.stage_metrics[-1]
+    loops = stage_metric(last, "pipeshard_stage_loop_steps_total")
+    stepped = [completion(fleet.batched_stepped_url, body) for body in bodies]
+    assert stage_metric(last, "pipeshard_stage_loop_steps_total") == loops  # none without it
+    assert len({text for text, _, _ in stepped}) > 5 and stepped[-1][2] == 80
+    assert completion(fleet.url, long) == stepped[-1]
+    made = stage_metric(last, "pipeshard_stage_loop_steps_total") - loops
+    assert made == ring_made(80, 8)
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        looped = list(pool.map(lambda b: completion(fleet.url, b), bodies))
+    assert looped == stepped
+    assert stage_metric(last, "pipeshard_stage_loop_steps_total") - loops > made  # runs again
 
 
 def test_a_client_leaving_while_the_ring_decodes_frees_its_sessions(fleet: Fleet) -> None:

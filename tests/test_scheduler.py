@@ -602,9 +602,36 @@ def test_the_rings_own_steps_are_in_flight_and_end_with_the_sequence() -> None:
     assert s.follow("c") is None and freed(s) == ["c"]
 
 
-def test_the_rings_own_steps_need_solo_and_no_rollback() -> None:
-    with pytest.raises(ValueError, match="needs solo"):
+def test_a_lockstep_group_runs_on_the_ring_and_a_newcomer_waits_for_its_run() -> None:
+    """Batched groups (lockstep) decode on the ring too: each of the group's steps is
+    followed by the ring's own; a sequence that joins the group meanwhile prefills at once,
+    and its decode steps wait until the group's run is over, then go out with the group's."""
+    config = SchedulerConfig(
+        max_running=4, groups=1, lockstep=True, ring_decode=2, max_prefill_in_flight=4
+    )
+    s = Scheduler(config, eos_ids=[EOS])
+    s.add(seq("a", prompt=3, max_tokens=20))
+    s.add(seq("b", prompt=3, max_tokens=20))
+    for w in s.next_work(0.0):
+        s.on_result(w.seq_id, token_for(w))
+    assert sorted(w.seq_id for w in s.next_work(0.0)) == ["a", "b"]  # together
+    for sid in ("a", "b"):
+        s.on_result(sid, [41], session_length=4)
+        assert s.follow(sid) == Work(sid, (41,), 4, prefill=False, samples=True)
+    s.add(seq("c", prompt=3, max_tokens=20))
+    chunk = s.next_work(1.0)
+    assert [(w.seq_id, w.prefill) for w in chunk] == [("c", True)]  # prefills during the run
+    s.on_result("c", token_for(chunk[0]))
+    assert s.next_work(1.0) == []  # its decode step waits for the group's run
+    for sid in ("a", "b"):
+        s.on_result(sid, [42], session_length=5)  # the run's last token: back to the gateway
+    assert sorted(w.seq_id for w in s.next_work(2.0)) == ["a", "b", "c"]
+
+
+def test_the_rings_own_steps_need_solo_or_lockstep_and_no_rollback() -> None:
+    with pytest.raises(ValueError, match="needs solo or lockstep"):
         SchedulerConfig(ring_decode=4)
+    SchedulerConfig(ring_decode=4, lockstep=True)
     s = Scheduler(SchedulerConfig(groups=16, solo=True, ring_decode=4), eos_ids=[EOS])
     s.add(seq("a", prompt=3))
     s.next_work(0.0)
