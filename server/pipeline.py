@@ -473,12 +473,12 @@ class PipelineClient:
         follow: int = 0,
         stop_ids: Sequence[int] = (),
     ) -> AsyncGenerator[StepOutput, None]:
-        """As :meth:`step`, and with ``follow`` (a solo decode step, on a ring with
-        :attr:`ring_loop`) the ring then decodes up to ``follow`` more tokens on its own: the
-        last stage feeds each sampled token straight back to stage 0, without the round trip
-        through the gateway, until a token in ``stop_ids``. Yields each step's output in
-        turn, each within ``timeout`` of the one before; the consumer stops when it likes
-        (the ring's further steps are dropped once the session is released)."""
+        """As :meth:`step`, and with ``follow`` (a decode step without draft tokens, on a
+        ring with :attr:`ring_loop`) the ring then decodes up to ``follow`` more tokens on
+        its own: the last stage feeds each sampled token straight back to stage 0, without
+        the round trip through the gateway, until a token in ``stop_ids``. Yields each
+        step's output in turn, each within ``timeout`` of the one before; the consumer stops
+        when it likes (the ring's further steps are dropped once the session is released)."""
         self.check_ready()
         if follow and not (self.ring_loop and not draft_tokens):
             raise ValueError("the ring decodes on its own only plain decode steps, on a loop")
