@@ -232,13 +232,13 @@ class Baselines:
 # Gateway flags of each system; all run over the same stage processes, side by side.
 SYSTEMS = {
     "batched": [],
-    "batched-stepped": ["--ring-decode", "0"],
+    "batched-stepped": ["--ring-decode-batched", "0"],
     "unbatched": ["--no-batching"],
     "stepped": ["--no-batching", "--ring-decode", "0"],
 }
 LABELS = {
     "batched": "2 stages, batched (default)",
-    "batched-stepped": "2 stages, batched, --ring-decode 0",
+    "batched-stepped": "2 stages, batched, --ring-decode-batched 0",
     "unbatched": "2 stages, --no-batching",
     "stepped": "2 stages, --no-batching --ring-decode 0",
 }
