@@ -5,17 +5,37 @@ Used by the benchmarks (``pipeshard bench`` among them) and by the tests (``test
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 PIPESHARD = str(Path(sys.executable).parent / "pipeshard")
+
+T = TypeVar("T")
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion on one event loop kept for the whole process.
+
+    grpc.aio binds its completion-queue poller to every event loop it is used from and keeps
+    calling into them: with a fresh ``asyncio.run`` per measurement, it later writes to the
+    closed loops and prints "Event loop is closed" tracebacks.
+    """
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        atexit.register(_LOOP.close)
+    return _LOOP.run_until_complete(coro)
 
 
 def free_port() -> int:

@@ -18,7 +18,6 @@ Writes benchmarks/results/ring_overhead[-stateful][-unpinned]-<date>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
 import statistics
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import delay_stages  # noqa: E402
-from benchmarks.processes import free_port, start_stages  # noqa: E402
+from benchmarks.processes import free_port, run_async, start_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
 from benchmarks.workers import PROMPT  # noqa: E402
 
@@ -172,13 +171,13 @@ def run_ring(
             )
             procs += p
         direct = [p.args[p.args.index("--listen") + 1] for p in procs]
-        asyncio.run(ring_once(direct, prompt, tokens))  # warm-up
+        run_async(ring_once(direct, prompt, tokens))  # warm-up
         local.once(prompt, tokens)
         before = [scrape(m) for m in metrics]
         rounds = []
         for _ in range(ROUNDS):
             local_step, local_tokens = local.once(prompt, tokens)
-            ring_step, ring_tokens = asyncio.run(ring_once(direct, prompt, tokens))
+            ring_step, ring_tokens = run_async(ring_once(direct, prompt, tokens))
             rounds.append(
                 {
                     "local_ms": local_step * 1000,
@@ -209,7 +208,7 @@ def run_ring(
         for delay in delays:
             addresses, stop_proxies = delay_stages(direct, delay / 1000)
             try:
-                step, _ = asyncio.run(ring_once(addresses, prompt, tokens))
+                step, _ = run_async(ring_once(addresses, prompt, tokens))
                 runs[f"delay_{delay:g}_ms"] = step * 1000
             finally:
                 stop_proxies()

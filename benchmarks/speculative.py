@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import delay_stages  # noqa: E402
-from benchmarks.processes import start_pinned_stages  # noqa: E402
+from benchmarks.processes import run_async, start_pinned_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ def main() -> int:
     context = manifest.model.max_context
 
     def run(addresses: list[str], tokens: int, users: int, name: str, prop: Any, k: int) -> Any:
-        out = asyncio.run(
+        out = run_async(
             run_config(addresses, prompts, tokens, users, prop, k, eos, context, opts.batching)
         )
         print(
