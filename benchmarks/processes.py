@@ -34,8 +34,19 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
     global _LOOP
     if _LOOP is None:
         _LOOP = asyncio.new_event_loop()
-        atexit.register(_LOOP.close)
+        atexit.register(_close_loop, _LOOP)
     return _LOOP.run_until_complete(coro)
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """What ``asyncio.run`` does at its end: cancel what is left (grpc.aio leaves a task per
+    finished call behind), let it unwind, then close."""
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 def free_port() -> int:
