@@ -84,6 +84,24 @@ class Proc:
             time.sleep(0.1)
         raise TimeoutError(f"{self.args} not ready:\n{self.log.read_text()[-3000:]}")
 
+    def wait_http(self, url: str, timeout: float = 120.0) -> bool:
+        """Poll ``url`` until it answers 200 (True), or the process exits or ``timeout``
+        passes (False)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass  # not listening yet
+            assert self.popen is not None
+            if self.popen.poll() is not None:
+                return False
+            time.sleep(0.1)
+        return False
+
     def signal(self, sig: int) -> None:
         if self.popen is not None and self.popen.poll() is None:
             os.killpg(self.popen.pid, sig)
@@ -186,22 +204,11 @@ def start_gateway(
 
     ``prefix`` goes before the command (e.g. ``taskset -c 0,1``).
     """
-    import httpx
-
     port = free_port()
     args = [PIPESHARD, "serve", "--stages", ",".join(stages), "--listen", f"127.0.0.1:{port}"]
     gateway = Proc([*prefix, *args, *extra], log).start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready").status_code == 200:
-                return gateway, url
-        except httpx.TransportError:
-            pass
-        assert gateway.popen is not None
-        if gateway.popen.poll() is not None:
-            break
-        time.sleep(0.1)
+    if gateway.wait_http(f"{url}/ready", timeout):
+        return gateway, url
     gateway.stop()
     raise TimeoutError(f"gateway not ready:\n{log.read_text()[-3000:]}")

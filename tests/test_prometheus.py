@@ -65,22 +65,6 @@ def wait_for(base: str, expr: str, check: Any, timeout: float = 30.0) -> list[di
         time.sleep(0.5)
 
 
-def wait_ready(proc: Proc, base: str, timeout: float = 60.0) -> None:
-    """Prometheus answers 503 until its storage is open (/-/ready says when it is)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.popen is not None
-        if proc.popen.poll() is not None:
-            pytest.fail(f"prometheus exited:\n{proc.log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/-/ready", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # not listening yet
-        time.sleep(0.2)
-    pytest.fail(f"prometheus not ready after {timeout:.0f} s:\n{proc.log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     base = tmp_path_factory.mktemp("prometheus")
@@ -109,7 +93,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
         base / "prometheus.log",
     ).start()
     try:
-        wait_ready(prometheus, f"http://127.0.0.1:{web}")
+        # Prometheus answers 503 until its storage is open; /-/ready says when it is.
+        if not prometheus.wait_http(f"http://127.0.0.1:{web}/-/ready", timeout=60):
+            pytest.fail(f"prometheus not ready:\n{prometheus.log.read_text()[-3000:]}")
         yield url, f"http://127.0.0.1:{web}"
     finally:
         prometheus.stop()
