@@ -432,9 +432,10 @@ class PipelineClient:
         With ``draft_tokens`` the last stage verifies them instead (speculative decoding) and
         returns the accepted ones plus a correction or bonus token.
 
-        A ring failure (UNAVAILABLE, DEADLINE_EXCEEDED) leaves the session's state unknown, so
-        the session is released on every stage still reachable; other errors (bad input) leave
-        the session as it was.
+        A ring failure (UNAVAILABLE, DEADLINE_EXCEEDED), or a step refused at once because
+        the ring is not whole, leaves the session's state unknown or lost, so the session is
+        released on every stage still reachable; other errors (bad input) leave the session
+        as it was.
         """
         results = self.steps(
             session_id,
@@ -479,7 +480,13 @@ class PipelineClient:
         the round trip through the gateway, until a token in ``stop_ids``. Yields each
         step's output in turn, each within ``timeout`` of the one before; the consumer stops
         when it likes (the ring's further steps are dropped once the session is released)."""
-        self.check_ready()
+        try:
+            self.check_ready()
+        except PipelineError:
+            # a session between steps when the ring broke: what is left of it is of no use
+            if start_position:
+                self._release_soon({session_id})
+            raise
         if follow and not (self.ring_loop and not draft_tokens):
             raise ValueError("the ring decodes on its own only plain decode steps, on a loop")
         timeout = self.step_timeout if timeout is None else timeout

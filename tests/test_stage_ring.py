@@ -401,6 +401,8 @@ def test_killed_stage_fails_fast_and_the_ring_recovers(
             await client.start()
             await ring_greedy(client, "before", PROMPTS[0], 4)
             await client.release("before")
+            # a session between steps when the ring breaks: no step of it is in flight
+            idle = await ring_greedy(client, "idle", PROMPTS[0], 2)
 
             async def generate_forever() -> None:
                 position = 0
@@ -421,9 +423,17 @@ def test_killed_stage_fails_fast_and_the_ring_recovers(
             assert caught.value.code == grpc.StatusCode.UNAVAILABLE
             assert caught.value.stage == 1
             assert not client.ready
+            # The idle session's next step is refused at once, and it is freed too: its KV
+            # on the killed stage is gone, so what stage 0 holds of it is of no use.
+            with pytest.raises(PipelineError) as refused:
+                await client.step("idle", idle[-1:], len(PROMPTS[0]) + 1)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             # Sessions on the surviving stage are released.
-            await asyncio.sleep(0.5)
-            info0 = (await client.stage_infos())[0]
+            for _ in range(50):
+                info0 = (await client.stage_infos())[0]
+                if info0 is not None and info0.sessions_in_use == 0:
+                    break
+                await asyncio.sleep(0.1)
             assert info0 is not None and info0.sessions_in_use == 0
 
             # The stage comes back on the same address: the client reconnects by itself.
