@@ -185,6 +185,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     await stop.wait()
     log.info("stage %d stopping", stage.index)
     reaper.cancel()
+    await service.stop()
     await server.stop(grace=1.0)
     await service.close()
 

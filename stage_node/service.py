@@ -58,6 +58,7 @@ from stage_node.settings import StageSettings
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _RELEASED_KEPT = 4096  # freed session ids remembered (late steps of theirs fail uncounted)
+_DRAIN_S = 5.0  # on stop, how long the steps already in compute get to finish and pass on
 
 
 def fail(step: pb.Step, code: grpc.StatusCode, message: str, stage: int) -> None:
@@ -148,13 +149,18 @@ class Downstream:
         self.queue: asyncio.Queue[Outgoing | object] = asyncio.Queue()
         self.hidden_dtype = HIDDEN_DTYPES[settings.hidden_dtype]
         self.ok = False  # until the stream to the next stage is connected
+        self.closed = False
         self._task: asyncio.Task[None] | None = None
 
     def connect(self) -> None:
+        if self.closed:
+            return
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._pump())
 
     def send(self, step: pb.Step, rows: np.ndarray | None) -> None:
+        if self.closed:  # stopping: the gateway sees the stage go and fails or retries the step
+            return
         self.connect()
         self.queue.put_nowait((step, rows))
 
@@ -196,7 +202,8 @@ class Downstream:
                     await call.write(batch)
                     self.metrics.bytes.labels("out").inc(batch.ByteSize())
                     batch = None
-                raise ConnectionError("the stream to the next stage ended")
+                code, details = await call.code(), await call.details()
+                raise ConnectionError(f"the stream to the next stage ended: {details or code}")
             except asyncio.CancelledError:
                 return
             except Exception as exc:
@@ -214,6 +221,7 @@ class Downstream:
         self.queue.put_nowait(call)
 
     async def close(self) -> None:
+        self.closed, self.ok = True, False
         if self._task is not None:
             self._task.cancel()
         await self.channel.close()
@@ -248,8 +256,10 @@ class StageService(pb_grpc.StageServicer):
         self._worker_tasks: set[asyncio.Task[None]] = set()
         self.downstream: Downstream | None = None
         self.loop: Downstream | None = None  # the last stage's link back to stage 0
-        self.results: dict[str, asyncio.Queue[pb.StepResult]] = {}
+        self.results: dict[str, asyncio.Queue[pb.StepResult | None]] = {}  # None: stopping
         self._released: OrderedDict[str, None] = OrderedDict()
+        self._pushes: set[asyncio.Task[Any]] = set()  # the Push calls reading their streams
+        self._stopping = False
 
     # -- control RPCs ---------------------------------------------------------------------
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.StageInfo:
@@ -358,17 +368,17 @@ class StageService(pb_grpc.StageServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "results come from the last stage"
             )
-        queue: asyncio.Queue[pb.StepResult] = asyncio.Queue()
+        queue: asyncio.Queue[pb.StepResult | None] = asyncio.Queue()
         self.results[request.client_id] = queue  # a reconnecting gateway takes over its id
         await context.send_initial_metadata(())  # tells the gateway it is subscribed
         try:
-            while True:
-                result = await queue.get()
+            while (result := await queue.get()) is not None:
                 self.metrics.bytes.labels("out").inc(result.ByteSize())
                 yield result
         finally:
             if self.results.get(request.client_id) is queue:
                 del self.results[request.client_id]
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"stage {self.index} is stopping")
 
     # -- the data path --------------------------------------------------------------------
     # A session's steps run one after another: the first waits in ``_ready`` for compute, the
@@ -380,12 +390,24 @@ class StageService(pb_grpc.StageServicer):
         self, request_iterator: AsyncIterator[pb.StepBatch], context: Any
     ) -> pb.PushSummary:
         steps = batches = 0
-        async for batch in request_iterator:
-            self.metrics.bytes.labels("in").inc(batch.ByteSize())
-            for step, data in unpack(batch, self.runner.is_first):
-                self._admit(step, data)
-                steps += 1
-            batches += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._pushes.add(task)
+        try:
+            async for batch in request_iterator:
+                self.metrics.bytes.labels("in").inc(batch.ByteSize())
+                for step, data in unpack(batch, self.runner.is_first):
+                    self._admit(step, data)
+                    steps += 1
+                batches += 1
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            # stop() ended the stream: the sender learns why, instead of grpc cancelling
+            # the call at the end of the server's grace period (and logging it as an error)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"stage {self.index} is stopping")
+        finally:
+            self._pushes.discard(task)
         return pb.PushSummary(steps=steps, batches=batches)
 
     def _admit(self, step: pb.Step, data: np.ndarray | Exception) -> None:
@@ -574,6 +596,25 @@ class StageService(pb_grpc.StageServicer):
             message = f"stage {self.index} has no link back to stage 0 for the ring's own steps"
             fail(nxt, code, message, self.index)
             self._deliver(nxt, None)
+
+    async def stop(self) -> None:
+        """End every long-lived stream before the server stops, so that none is left for
+        grpc to cancel: take no more steps (the Push streams end with UNAVAILABLE), let the
+        steps in compute finish and pass on (up to ``_DRAIN_S``), then close the links to
+        the other stages and end the gateways' result streams (UNAVAILABLE too)."""
+        self._stopping = True
+        for task in list(self._pushes):
+            task.cancel()
+        deadline = time.monotonic() + _DRAIN_S
+        while (self._workers or self._ready) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._workers or self._ready:
+            log.warning("stage %d stopped with steps still in compute", self.index)
+        for link in (self.downstream, self.loop):
+            if link is not None:
+                await link.close()
+        for queue in self.results.values():
+            queue.put_nowait(None)
 
     async def close(self) -> None:
         for link in (self.downstream, self.loop):

@@ -457,6 +457,38 @@ def test_killed_stage_fails_fast_and_the_ring_recovers(
         stop_all(procs)
 
 
+def test_stopped_stages_end_their_streams_cleanly(tiny_export: ExportFn, tmp_path: Path) -> None:
+    """SIGTERM with a gateway attached: each stage ends the long-lived streams itself (the
+    senders learn it is stopping) and exits at once, with no error or traceback logged."""
+    export = tiny_export("qwen2", 2)
+    procs, addresses = start_stages(export, tmp_path)
+    try:
+
+        async def run() -> None:
+            client = PipelineClient(addresses, health_interval=0.25)
+            await client.start()
+            await ring_greedy(client, "s", PROMPTS[0], 4)  # every stream is open now
+            for proc in reversed(procs):
+                began = time.monotonic()
+                proc.stop()
+                assert proc.popen is not None and proc.popen.returncode == 0
+                assert time.monotonic() - began < 1.0  # no grace period waited out
+                await asyncio.sleep(0.5)
+            with pytest.raises(PipelineError) as refused:
+                await client.step("s", [1], len(PROMPTS[0]) + 3)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            await client.close()
+
+        asyncio.run(run())
+    finally:
+        stop_all(procs)
+    logs = [p.log.read_text() for p in procs]
+    for log in logs:
+        assert "Traceback" not in log and " ERROR " not in log, log
+    # stage 0's link to stage 1 was told why its stream ended
+    assert "stage 1 is stopping" in logs[0]
+
+
 def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
     """A throw-away CA and a server certificate for 127.0.0.1/localhost, made with openssl."""
     import subprocess
