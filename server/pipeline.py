@@ -97,7 +97,8 @@ class PipelineClient:
         self.manifest_hash: str | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[StepOutput], str]] = {}
-        self._push_queue: asyncio.Queue[pb.Step] = asyncio.Queue()
+        # steps for stage 0, and the Push calls that ended (see _run_push)
+        self._push_queue: asyncio.Queue[pb.Step | object] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._push_task: asyncio.Task[None] | None = None
         self._results_task: asyncio.Task[None] | None = None
@@ -397,19 +398,44 @@ class PipelineClient:
         assert first.stub is not None
         try:
             call = first.stub.Push(metadata=self._metadata())
+            # The call ends only when its stream breaks or stage 0 ends it (stopping). Its end
+            # goes into the queue as a marker: noticed at once, not at the first write after
+            # the stage is back (which would lose that step too).
+            ended = asyncio.ensure_future(call)
+            ended.add_done_callback(lambda f: self._push_ended(call, f))
             while True:
-                steps = [await self._push_queue.get()]
-                # Steps issued in the same scheduler tick travel (and are computed) together.
-                await asyncio.sleep(0)
-                while not self._push_queue.empty():
-                    steps.append(self._push_queue.get_nowait())
-                await call.write(pb.StepBatch(steps=steps))
+                await call.write(pb.StepBatch(steps=await self._push_batch(call, ended)))
         except asyncio.CancelledError:
             pass
         except Exception as exc:
             if not self._closed:
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self._stage_down(first, detail or type(exc).__name__)
+            # what is still queued was failed with the rest (_fail_pending): never send it
+            while not self._push_queue.empty():
+                self._push_queue.get_nowait()
+
+    async def _push_batch(self, call: object, ended: asyncio.Future[object]) -> list[pb.Step]:
+        """The next steps for stage 0: all those issued in the same scheduler tick, which
+        travel (and are computed) together. Raises when ``call`` has ended."""
+        steps: list[pb.Step] = []
+        while not steps:
+            items = [await self._push_queue.get()]
+            await asyncio.sleep(0)
+            while not self._push_queue.empty():
+                items.append(self._push_queue.get_nowait())
+            for item in items:
+                if isinstance(item, pb.Step):
+                    steps.append(item)
+                elif item is call:  # (else an earlier call's end)
+                    error = ended.exception()
+                    raise error or ConnectionError("stage 0 ended the stream")
+        return steps
+
+    def _push_ended(self, call: object, future: asyncio.Future[object]) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved: a broken stream is expected here
+        self._push_queue.put_nowait(call)
 
     async def step(
         self,

@@ -58,7 +58,6 @@ from stage_node.settings import StageSettings
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _RELEASED_KEPT = 4096  # freed session ids remembered (late steps of theirs fail uncounted)
-_DRAIN_S = 5.0  # on stop, how long the steps already in compute get to finish and pass on
 
 
 def fail(step: pb.Step, code: grpc.StatusCode, message: str, stage: int) -> None:
@@ -599,17 +598,13 @@ class StageService(pb_grpc.StageServicer):
 
     async def stop(self) -> None:
         """End every long-lived stream before the server stops, so that none is left for
-        grpc to cancel: take no more steps (the Push streams end with UNAVAILABLE), let the
-        steps in compute finish and pass on (up to ``_DRAIN_S``), then close the links to
-        the other stages and end the gateways' result streams (UNAVAILABLE too)."""
+        grpc to cancel (it logs each as an error): the Push streams in and the gateways'
+        result streams end with UNAVAILABLE "stage N is stopping", and the links to the other
+        stages close. The gateway learns at once and fails or resumes the requests in flight
+        (steps still computing here would reach it too late to count)."""
         self._stopping = True
         for task in list(self._pushes):
             task.cancel()
-        deadline = time.monotonic() + _DRAIN_S
-        while (self._workers or self._ready) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if self._workers or self._ready:
-            log.warning("stage %d stopped with steps still in compute", self.index)
         for link in (self.downstream, self.loop):
             if link is not None:
                 await link.close()

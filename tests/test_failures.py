@@ -280,6 +280,31 @@ def test_requests_survive_a_stage_restart(ring: Ring, mode: list[str]) -> None:
         gateway.stop()
 
 
+def test_a_stage_restarted_as_a_service_is_no_failure(ring: Ring) -> None:
+    """`systemctl restart` of stage 0 mid-stream (SIGTERM, then a new process on the same
+    address): the stream goes on with the uninterrupted text, and the stopped stage logged
+    no error."""
+    gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log")
+    try:
+        body = chat_body(120, stream=True)
+        expected = StreamInBackground(url, body).result()
+        stream = StreamInBackground(url, body)
+        stream.start()
+        assert stream.started.wait(30)
+        stopped = ring.procs[0]
+        stopped.stop()
+        assert stopped.popen is not None and stopped.popen.returncode == 0
+        ring.restart(0)
+        assert stream.result() == expected
+        assert not [e for e in stream.events if '"error"' in e]
+        assert "pipeshard_gateway_resumed_total 1.0" in httpx.get(f"{url}/metrics").text
+        assert ring.wait_sessions_freed() == [0, 0]
+    finally:
+        gateway.stop()
+    log = stopped.log.read_text()
+    assert "stage 0 stopping" in log and "Traceback" not in log and " ERROR " not in log
+
+
 @MODES
 def test_a_session_a_stage_no_longer_holds_is_prefilled_again(ring: Ring, mode: list[str]) -> None:
     """Stage 0 frees a session mid-stream (as after a restart the health checks missed): its
