@@ -18,8 +18,10 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -90,6 +92,35 @@ class Gateway:
     metrics: GatewayMetrics
     service: CompletionService | None = None
     created: int = 0
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, telling the gateway when a stop begins (SIGTERM, SIGINT): requests
+    in flight get ``shutdown_grace`` seconds to finish, then end with a 503 (an error event
+    on a stream). Plain uvicorn would wait for every open connection, so one long
+    generation would hold up the stop until systemd or Docker killed the process and cut
+    the streams off without a word."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None:  # a signal handler: hand over to the event loop
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        service = self.gateway.service
+        if self._draining is None and service is not None:
+            grace = self.gateway.settings.shutdown_grace
+            self._draining = asyncio.create_task(service.engine.shut_down(grace))
 
 
 def make_proposer(settings: GatewaySettings, vocab_size: int) -> Proposer | None:

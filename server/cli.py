@@ -6,6 +6,7 @@ Subcommands import their packages lazily so that the runtime roles never import 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import resource
 import sys
@@ -320,6 +321,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="seconds in-flight requests wait for a failed stage to return, then go on (30)",
     )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        help="on SIGTERM/Ctrl-C: seconds requests in flight get to finish before they end "
+        "with 503 / an error event (5)",
+    )
     p.add_argument("--draft", type=Path, help="draft export folder: speculative decoding")
     p.add_argument(
         "--speculation",
@@ -337,21 +344,25 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.app import create_app
+    from server.app import GatewayServer, create_app
     from server.settings import GatewaySettings
 
     overrides = _overrides(args, GatewaySettings)
     settings = _settings(lambda: GatewaySettings.load(args.config, **overrides))
     host, _, port = settings.listen.rpartition(":")
     logging.getLogger().setLevel(settings.log_level.upper())
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=host.strip("[]"),
         port=int(port),
         log_level=settings.log_level.lower(),
         access_log=False,
     )
-    return 0
+    server = GatewayServer(config, app.state.gateway)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else 3  # uvicorn's exit status for a failed start
 
 
 def _up_parser(sub: argparse._SubParsersAction) -> None:

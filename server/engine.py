@@ -38,10 +38,21 @@ from server.speculative import Acceptance, Proposer, SharedK
 from stage_node.sampling import SampledToken, SamplingParams
 from stage_node.speculative import DraftDistribution
 
-__all__ = ["Engine", "GenerationRequest", "GenerationStats", "QueueFull", "QueueTimeout"]
+__all__ = [
+    "Engine",
+    "GenerationRequest",
+    "GenerationStats",
+    "QueueFull",
+    "QueueTimeout",
+    "ShuttingDown",
+]
 log = logging.getLogger(__name__)
 _EXPIRY_CHECK_S = 0.5
 _RING_CHECK_S = 0.1  # while sequences wait for the ring to heal
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: a request refused, or ended before it finished (HTTP 503)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,7 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._steps: set[asyncio.Task[None]] = set()
         self._releasing: set[asyncio.Task[None]] = set()
+        self.stopping = False  # new requests are refused (shut_down)
         # Speculative decoding: the proposer runs in one thread beside the event loop.
         self.proposer = proposer
         self.fixed_k = spec_k or None
@@ -131,6 +143,8 @@ class Engine:
         step fails for good: with bad input, or when a lost ring does not heal within the
         resume grace (the sequence waits for it, then re-prefills and goes on).
         """
+        if self.stopping:
+            raise ShuttingDown("the server is shutting down")
         self.pipeline.check_ready()
         stats = stats or GenerationStats()
         seq_id = f"{request.request_id}-{choice}"
@@ -388,15 +402,31 @@ class Engine:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.steps_in_flight.set(self.scheduler.in_flight)
 
-    async def close(self) -> None:
+    async def shut_down(self, grace: float) -> None:
+        """The server is stopping: refuse new requests, give the ones in flight ``grace``
+        seconds to finish, then end every one left, queued or running, with ShuttingDown (a
+        503, or an error event on a stream), so that no client waits on a stopped server."""
+        self.stopping = True
+        deadline = time.monotonic() + grace
+        while self.scheduler.sequences and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self._abort_all()
+
+    async def _abort_all(self) -> None:
         tasks = [t for t in (self._loop_task, *self._steps) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         # Sessions of finished and of interrupted sequences are freed, not abandoned.
-        for seq_id in list(self.scheduler.running):
-            self.scheduler.on_error(seq_id, RuntimeError("the gateway is shutting down"))
+        ended = self.scheduler.abort_all(ShuttingDown("the server is shutting down"))
+        if ended:
+            log.warning("shutting down: %d request(s) ended unfinished", len(ended))
+        for seq_id in ended:
             self._end(seq_id)
+
+    async def close(self) -> None:
+        self.stopping = True
+        await self._abort_all()
         releases = self.scheduler.take_releases()
         if releases:
             self._release(releases)

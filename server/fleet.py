@@ -139,7 +139,7 @@ async def _serve(
 ) -> None:
     import uvicorn
 
-    from server.app import create_app
+    from server.app import GatewayServer, create_app
     from server.settings import GatewaySettings
 
     settings = GatewaySettings(
@@ -151,8 +151,9 @@ async def _serve(
         batching=options.batching,
     )
     app = create_app(settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")
+    server = GatewayServer(
+        uvicorn.Config(app, host=options.host, port=options.port, log_level="warning"),
+        app.state.gateway,
     )
     serving = asyncio.create_task(server.serve())
     gateway = app.state.gateway

@@ -321,6 +321,19 @@ class Scheduler:
             self._finish(seq)
             self.forget(seq_id)
 
+    def abort_all(self, error: BaseException) -> list[str]:
+        """End every sequence, queued or running, with ``error`` (the gateway is stopping);
+        the running ones' sessions are queued for release. Returns the ids ended."""
+        ended = []
+        while self.queue:
+            seq = self.sequences[self.queue.popleft()]
+            seq.phase, seq.error = Phase.DONE, error
+            ended.append(seq.seq_id)
+        for sid in list(self.running):
+            self.on_error(sid, error)
+            ended.append(sid)
+        return ended
+
     def forget(self, seq_id: str) -> None:
         """Drop a finished sequence's bookkeeping (its consumer has seen the end)."""
         seq = self.sequences.get(seq_id)

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from server.detokenizer import IncrementalDetokenizer
-from server.engine import Engine, GenerationRequest, GenerationStats, QueueFull, QueueTimeout
+from server.engine import (
+    Engine,
+    GenerationRequest,
+    GenerationStats,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+)
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineError
 from server.protocol import (
@@ -83,6 +90,10 @@ def generation_api_error(exc: BaseException) -> APIError | None:
             type="rate_limit_exceeded",
             code="queue_full",
             headers={"Retry-After": str(math.ceil(exc.retry_after))},
+        )
+    if isinstance(exc, ShuttingDown):
+        return APIError(
+            503, f"{exc}; retry shortly.", type="service_unavailable", code="server_shutting_down"
         )
     if isinstance(exc, QueueTimeout):
         return APIError(

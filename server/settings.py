@@ -124,6 +124,13 @@ class GatewaySettings(BaseSettings):
         description="seconds in-flight requests wait for a failed stage to come back, then "
         "re-prefill and go on (0: fail them at once)",
     )
+    shutdown_grace: float = Field(
+        default=5.0,
+        ge=0,
+        description="when the gateway is stopped (SIGTERM, Ctrl-C): seconds the requests in "
+        "flight get to finish; then the rest end with 503 / an error event (code "
+        "server_shutting_down), so the stop never hangs on a long generation",
+    )
     draft: Path | None = Field(
         default=None, description="draft export folder (export/draft) for speculative decoding"
     )

@@ -305,6 +305,67 @@ def test_a_stage_restarted_as_a_service_is_no_failure(ring: Ring) -> None:
     assert "stage 0 stopping" in log and "Traceback" not in log and " ERROR " not in log
 
 
+def test_a_stopped_gateway_lets_requests_finish(ring: Ring) -> None:
+    """SIGTERM: a stream in flight still ends normally within the shutdown grace, and the
+    gateway exits once it has."""
+    gateway, url = start_gateway(
+        ring.addresses, ring.logs / "gateway.log", ["--shutdown-grace", "30"]
+    )
+    try:
+        body = chat_body(200, stream=True)
+        expected = StreamInBackground(url, body).result()
+        stream = StreamInBackground(url, body)
+        stream.start()
+        assert stream.started.wait(30)
+        gateway.signal(signal.SIGTERM)
+        assert stream.result() == expected
+        assert stream.events[-1] == "data: [DONE]"
+        assert not [e for e in stream.events if '"error"' in e]
+        assert gateway.popen is not None
+        gateway.popen.wait(20)
+    finally:
+        gateway.stop()
+    assert ring.wait_sessions_freed() == [0, 0]
+
+
+def test_a_stopped_gateway_ends_what_the_grace_cannot_finish(ring: Ring) -> None:
+    """SIGTERM while stage 1 is stalled: after the shutdown grace the stream in flight ends
+    with an error event and [DONE], the request waiting for its reply gets a 503 (code
+    server_shutting_down, which the openai client retries), and the gateway exits instead
+    of waiting for them; nothing is logged as an unexpected error."""
+    gateway, url = start_gateway(
+        ring.addresses, ring.logs / "gateway.log", ["--shutdown-grace", "1"]
+    )
+    try:
+        stream = StreamInBackground(url, chat_body(200, stream=True))
+        stream.start()
+        assert stream.started.wait(30)
+        ring.procs[1].signal(signal.SIGSTOP)
+        waiting = InBackground(url, chat_body(20, stream=False))
+        waiting.start()
+        time.sleep(0.3)
+        stopped = time.monotonic()
+        gateway.signal(signal.SIGTERM)
+        stream.join(30)
+        ended = time.monotonic() - stopped
+        assert 1.0 <= ended < 3.0
+        assert stream.events[-1] == "data: [DONE]"
+        error = json.loads(stream.events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
+        refused = waiting.result()
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        assert gateway.popen is not None
+        gateway.popen.wait(10)
+    finally:
+        ring.procs[1].signal(signal.SIGCONT)
+        gateway.stop()
+    assert ring.wait_sessions_freed(3.0, stages=1) == [0]  # stage 0 was told in time
+    log = (ring.logs / "gateway.log").read_text()
+    assert "shutting down: 2 request(s) ended unfinished" in log
+    assert "unexpected error" not in log and "Traceback" not in log
+
+
 @MODES
 def test_a_session_a_stage_no_longer_holds_is_prefilled_again(ring: Ring, mode: list[str]) -> None:
     """Stage 0 frees a session mid-stream (as after a restart the health checks missed): its

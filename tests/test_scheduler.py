@@ -206,6 +206,19 @@ def test_cancelling_a_running_request_releases_after_its_step() -> None:
     assert s.sequences == {}
 
 
+def test_abort_all_ends_queued_and_running_sequences() -> None:
+    s = Scheduler(SchedulerConfig(max_running=2))
+    for name in "abc":
+        s.add(seq(name))
+    s.next_work(0.0)  # a and b run (a's prompt is in the ring: one prefill at a time), c waits
+    error = RuntimeError("stopping")
+    assert sorted(s.abort_all(error)) == ["a", "b", "c"]
+    assert all(x.phase is Phase.DONE and x.error is error for x in s.sequences.values())
+    assert s.queued == 0 and s.running == []
+    assert freed(s) == ["a"]  # only a's session was opened on the stages
+    assert s.next_work(1.0) == []
+
+
 def test_queued_requests_expire() -> None:
     s = Scheduler(SchedulerConfig(max_running=1, queue_timeout=5.0))
     s.add(seq("a", arrival=0.0))
