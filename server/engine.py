@@ -405,10 +405,14 @@ class Engine:
     async def shut_down(self, grace: float) -> None:
         """The server is stopping: refuse new requests, give the ones in flight ``grace``
         seconds to finish, then end every one left, queued or running, with ShuttingDown (a
-        503, or an error event on a stream), so that no client waits on a stopped server."""
+        503, or an error event on a stream), so that no client waits on a stopped server.
+        While the ring is down (its stages stopping too, as on Ctrl-C of ``pipeshard up``)
+        nothing can finish: they end at once."""
         self.stopping = True
         deadline = time.monotonic() + grace
         while self.scheduler.sequences and time.monotonic() < deadline:
+            if not self.pipeline.ready:
+                break
             await asyncio.sleep(0.05)
         await self._abort_all()
 

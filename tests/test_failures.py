@@ -348,7 +348,7 @@ def test_a_stopped_gateway_ends_what_the_grace_cannot_finish(ring: Ring) -> None
         gateway.signal(signal.SIGTERM)
         stream.join(30)
         ended = time.monotonic() - stopped
-        assert 1.0 <= ended < 3.0
+        assert ended < 3.0  # the grace (1 s), or sooner once the stall marks the ring down
         assert stream.events[-1] == "data: [DONE]"
         error = json.loads(stream.events[-2].removeprefix("data: "))["error"]
         assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
