@@ -280,17 +280,23 @@ def test_requests_survive_a_stage_restart(ring: Ring, mode: list[str]) -> None:
         gateway.stop()
 
 
+def expected_and_streaming(url: str, body: dict[str, object]) -> tuple[str, StreamInBackground]:
+    """The text ``body`` streams undisturbed, and the same request streaming again (started:
+    4 events in)."""
+    expected = StreamInBackground(url, body).result()
+    stream = StreamInBackground(url, body)
+    stream.start()
+    assert stream.started.wait(30)
+    return expected, stream
+
+
 def test_a_stage_restarted_as_a_service_is_no_failure(ring: Ring) -> None:
     """`systemctl restart` of stage 0 mid-stream (SIGTERM, then a new process on the same
     address): the stream goes on with the uninterrupted text, and the stopped stage logged
     no error."""
     gateway, url = start_gateway(ring.addresses, ring.logs / "gateway.log")
     try:
-        body = chat_body(120, stream=True)
-        expected = StreamInBackground(url, body).result()
-        stream = StreamInBackground(url, body)
-        stream.start()
-        assert stream.started.wait(30)
+        expected, stream = expected_and_streaming(url, chat_body(120, stream=True))
         stopped = ring.procs[0]
         stopped.stop()
         assert stopped.popen is not None and stopped.popen.returncode == 0
@@ -312,11 +318,7 @@ def test_a_stopped_gateway_lets_requests_finish(ring: Ring) -> None:
         ring.addresses, ring.logs / "gateway.log", ["--shutdown-grace", "30"]
     )
     try:
-        body = chat_body(200, stream=True)
-        expected = StreamInBackground(url, body).result()
-        stream = StreamInBackground(url, body)
-        stream.start()
-        assert stream.started.wait(30)
+        expected, stream = expected_and_streaming(url, chat_body(200, stream=True))
         gateway.signal(signal.SIGTERM)
         assert stream.result() == expected
         assert stream.events[-1] == "data: [DONE]"
