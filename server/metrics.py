@@ -16,6 +16,13 @@ class GatewayMetrics:
             ["endpoint", "status"],
             registry=self.registry,
         )
+        self.choices = Counter(
+            "pipeshard_gateway_choices",
+            "Choices ended, by how: stop, length, cancelled (the client left), error (a stage "
+            "failed, the gateway stopped, ...); a stream that fails after its 200 counts here",
+            ["finish"],
+            registry=self.registry,
+        )
         self.time_to_first_token = Histogram(
             "pipeshard_gateway_time_to_first_token_seconds",
             "From request received to first token sampled",

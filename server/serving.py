@@ -220,6 +220,7 @@ class CompletionService:
         received = time.perf_counter()
         last = received
         finish: FinishReason = "length"
+        outcome: str | None = None  # how the choice ended: its finish reason, cancelled or error
         try:
             async with contextlib.aclosing(
                 self.engine.generate(prep.generation, index, stats)
@@ -243,8 +244,13 @@ class CompletionService:
                         break
                 # Inside the block: the answer goes out before the sessions are released.
                 tail = "" if detok.stopped else detok.finish()
+                outcome = finish
                 yield ChoiceEvent(index, tail, None, finish)
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = outcome or "cancelled"  # the client left (or the request was cancelled)
+            raise
         finally:
+            self.metrics.choices.labels(outcome or "error").inc()
             elapsed = time.perf_counter() - received
             ttft = f"{stats.first_token_s * 1000:.0f} ms" if stats.first_token_s else "-"
             log.info(
@@ -257,7 +263,7 @@ class CompletionService:
                 stats.queued_s * 1000,
                 ttft,
                 elapsed,
-                finish,
+                outcome or "error",
             )
 
     def _token_bytes(self, token_id: int) -> bytes:

@@ -213,6 +213,11 @@ def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(
         assert ready.status_code == 503
         assert [s["up"] for s in ready.json()["stages"]] == [True, False]
         assert httpx.get(f"{url}/health").status_code == 200
+        # both count as choices ended by an error (the stream's 200 hid it from requests_total)
+        assert (
+            'pipeshard_gateway_choices_total{finish="error"} 2.0'
+            in httpx.get(f"{url}/metrics").text
+        )
         refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "stage_unavailable"
         assert ring.wait_sessions_freed(2.0, stages=1) == [0]  # the surviving stage is clean

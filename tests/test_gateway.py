@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -38,6 +39,13 @@ class Fleet:
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def choices(self, finish: str) -> float:
+        """``pipeshard_gateway_choices_total`` for one way of ending (0 before the first)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        pattern = rf'^pipeshard_gateway_choices_total{{finish="{finish}"}} (\S+)$'
+        match = re.search(pattern, text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
 
     def stage_sessions(self) -> list[int]:
         async def infos() -> list[int]:
@@ -354,6 +362,7 @@ def test_disconnect_releases_sessions_on_every_stage(fleet: Fleet) -> None:
         "stream": True,
         "logit_bias": {"2": -100},
     }
+    cancelled, errors = fleet.choices("cancelled"), fleet.choices("error")
     with httpx.stream(
         "POST",
         f"{fleet.url}/v1/chat/completions",
@@ -369,6 +378,11 @@ def test_disconnect_releases_sessions_on_every_stage(fleet: Fleet) -> None:
     while time.monotonic() - closed < 1.0 and max(fleet.stage_sessions()) > 0:
         time.sleep(0.05)
     assert fleet.stage_sessions() == [0, 0]
+    # counted as cancelled (the client left), not as an error or a finished choice
+    while time.monotonic() - closed < 2.0 and fleet.choices("cancelled") == cancelled:
+        time.sleep(0.05)
+    assert fleet.choices("cancelled") == cancelled + 1
+    assert fleet.choices("error") == errors
 
 
 def test_operations_endpoints(fleet: Fleet) -> None:
@@ -397,6 +411,7 @@ def test_operations_endpoints(fleet: Fleet) -> None:
 
 
 def test_end_of_sequence_stops_and_is_counted(fleet: Fleet) -> None:
+    stops, lengths = fleet.choices("stop"), fleet.choices("length")
     for stream in (False, True):
         if stream:
             chunks = list(
@@ -423,3 +438,5 @@ def test_end_of_sequence_stops_and_is_counted(fleet: Fleet) -> None:
             usage = reply.usage
         assert text == "" and reason == "stop"
         assert usage is not None and usage.completion_tokens == 1
+    assert fleet.choices("stop") == stops + 2
+    assert fleet.choices("length") == lengths
