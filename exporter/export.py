@@ -159,17 +159,12 @@ def _check_draft_vocab(target_tok: Any, target_cfg: Any, draft_tok: Any, draft_c
 
 def export_model(options: ExportOptions) -> ExportReport:
     """Run a whole export; raises ExportError (one-line reason) on bad input."""
-    from exporter.convert import compress_stage, make_stage_stateful, save_stage, trace_stage
-    from exporter.stage_module import StageModule
-
     started = time.perf_counter()
     phases: dict[str, float] = {}
     if options.quiet:
-        import nncf
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-        nncf.set_log_level(logging.ERROR)
     out = options.out.expanduser().resolve()
     _check_output(out, options.force or (options.reuse and (out / MANIFEST_NAME).is_file()))
     source = resolve_source(options.model, options.cache_dir, progress=not options.quiet)
@@ -207,6 +202,16 @@ def export_model(options: ExportOptions) -> ExportReport:
             if not options.quiet:
                 print(f"{out} already holds this export; reusing it", flush=True)
             return ExportReport(existing, plans, time.perf_counter() - started, phases)
+
+    # torch, OpenVINO and NNCF only now: a reused export (every `pipeshard up` after the first)
+    # does without them
+    from exporter.convert import compress_stage, make_stage_stateful, save_stage, trace_stage
+    from exporter.stage_module import StageModule
+
+    if options.quiet:
+        import nncf
+
+        nncf.set_log_level(logging.ERROR)
 
     t0 = time.perf_counter()
     tokenizer = source.load_tokenizer()

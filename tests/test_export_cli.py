@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -227,3 +228,52 @@ def test_quiet_hides_the_gguf_reader_progress_bar() -> None:
     assert gguf_utils.tqdm is original
     with _gguf_progress(True):
         assert gguf_utils.tqdm is original
+
+
+def _tiny_gguf(path: Path, layers: int) -> Path:
+    """A GGUF file holding a Qwen2 config (and one tensor): enough to read its config."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_context_length(128)
+    writer.add_embedding_length(32)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(16)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_config_is_read_once_then_cached_until_the_file_changes(tmp_path: Path) -> None:
+    from exporter.source import CONFIG_CACHE, resolve_source
+
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf", layers=2)
+    cache = tmp_path / "cache"
+
+    def read() -> Any:
+        return resolve_source(str(gguf_path), cache, progress=False).load_config()
+
+    config = read()
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("qwen2", 2, 32)
+    [cached] = (cache / CONFIG_CACHE).iterdir()
+    # The next read comes from the cache (an edit there shows), with the same name as before.
+    edited = json.loads(cached.read_text())
+    cached.write_text(json.dumps({**edited, "rms_norm_eps": 0.5}))
+    again = read()
+    assert again.rms_norm_eps == 0.5 and again._name_or_path == config._name_or_path
+    # A file that changes is read again; an unreadable cache entry is read around.
+    _tiny_gguf(gguf_path, layers=3)
+    os.utime(gguf_path, ns=(1, 1))
+    assert read().num_hidden_layers == 3
+    for entry in (cache / CONFIG_CACHE).iterdir():
+        entry.write_text("{not json")
+    assert read().num_hidden_layers == 3
