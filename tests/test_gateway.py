@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -440,3 +441,31 @@ def test_end_of_sequence_stops_and_is_counted(fleet: Fleet) -> None:
         assert usage is not None and usage.completion_tokens == 1
     assert fleet.choices("stop") == stops + 2
     assert fleet.choices("length") == lengths
+
+
+def test_servers_benchmark_compares_running_servers(fleet: Fleet, tmp_path: Path) -> None:
+    """benchmarks/servers.py against real servers (here the one gateway under two names)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "servers.py"),
+            "--server", f"a={fleet.url}",
+            "--server", f"b={fleet.url}/",
+            "--users", "1,2",
+            "--rounds", "2",
+            "--tokens", "4",
+            "--api-key", KEY,
+            "--results", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    [md] = tmp_path.glob("servers-*.md")
+    [raw] = tmp_path.glob("servers-*.json")
+    table = md.read_text()
+    assert "| 1 | " in table and "| 2 | " in table and "identical on every server" in table
+    data = json.loads(raw.read_text())
+    assert data["model"] == fleet.model
+    assert [len(v) for v in data["rates"]["b"].values()] == [2, 2]
+    assert all(rate > 0 for runs in data["rates"]["a"].values() for rate in runs)
