@@ -243,17 +243,23 @@ def _assemble(
     return written, digest.hexdigest()
 
 
-def _write_marker(model: BuiltinModel, path: Path) -> None:
-    marker = path.with_name(path.name + _MARKER_SUFFIX)
-    fd, tmp = tempfile.mkstemp(prefix=f".{marker.name}.", suffix=".tmp", dir=path.parent)
+def write_cache_file(path: Path, text: str) -> None:
+    """Write a small file of the cache whole or not at all (a temporary file in the same
+    folder, moved into place), readable by every user of the shared cache."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"{model.sha256}  {path.name}\n")
+            f.write(text)
         os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, marker)
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_marker(model: BuiltinModel, path: Path) -> None:
+    marker = path.with_name(path.name + _MARKER_SUFFIX)
+    write_cache_file(marker, f"{model.sha256}  {path.name}\n")
 
 
 def fetch_builtin(

@@ -10,8 +10,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +55,13 @@ class ModelSource:
         except (OSError, ValueError, KeyError) as exc:
             raise ExportError(f"cannot read the model config of {self.path}: {exc}") from exc
         if cached is not None:
-            _write_atomically(cached, config.to_json_string())
+            from exporter.default_models import write_cache_file
+
+            try:  # a cache that cannot be written is no error
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                write_cache_file(cached, config.to_json_string())
+            except OSError as exc:
+                log.debug("cannot cache %s: %s", cached, exc)
         return config
 
     def _cached_config_path(self) -> Path | None:
@@ -103,24 +107,6 @@ class ModelSource:
             raise ExportError(f"cannot load a tokenizer from {self.path}: {exc}") from exc
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write a cache file whole or not at all; a cache that cannot be written is no error."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    except OSError as exc:
-        log.debug("cannot cache %s: %s", path, exc)
-        return
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.debug("cannot cache %s: %s", path, exc)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
 @contextlib.contextmanager
 def _gguf_progress(show: bool) -> Iterator[None]:
     """transformers' GGUF reader draws its de-quantize bar with tqdm directly (not through
@@ -142,26 +128,24 @@ def resolve_source(model: str, cache_dir: Path | None = None, progress: bool = T
     """Turn the MODEL argument into a local source, fetching a built-in model if named."""
     from exporter import default_models
 
-    def configs() -> Path:
-        return (cache_dir or default_models.default_cache_dir()) / CONFIG_CACHE
-
+    cache = cache_dir or default_models.default_cache_dir()
+    configs = cache / CONFIG_CACHE
     builtin = default_models.resolve_builtin(model)
     if builtin is not None:
-        cache = cache_dir or default_models.default_cache_dir()
         gguf = default_models.fetch_builtin(builtin, cache, progress=progress)
-        return ModelSource("gguf", gguf, builtin.name, builtin.sha256, cache / CONFIG_CACHE)
+        return ModelSource("gguf", gguf, builtin.name, builtin.sha256, configs)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
-                return ModelSource("gguf", ggufs[0].resolve(), ggufs[0].stem, None, configs())
+                return ModelSource("gguf", ggufs[0].resolve(), ggufs[0].stem, None, configs)
             raise ExportError(f"{path} has no config.json: not a Hugging Face model folder")
         return ModelSource("hf_dir", path.resolve(), path.resolve().name)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ExportError(f"{path} is a file but not a .gguf model")
-        return ModelSource("gguf", path.resolve(), path.stem, None, configs())
+        return ModelSource("gguf", path.resolve(), path.stem, None, configs)
     raise ExportError(
         f"model {model!r} not found: give a Hugging Face folder, a .gguf file, or a built-in "
         f"name ({', '.join(default_models.builtin_names())})"

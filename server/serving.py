@@ -250,7 +250,8 @@ class CompletionService:
             outcome = outcome or "cancelled"  # the client left (or the request was cancelled)
             raise
         finally:
-            self.metrics.choices.labels(outcome or "error").inc()
+            outcome = outcome or "error"
+            self.metrics.choices.labels(outcome).inc()
             elapsed = time.perf_counter() - received
             ttft = f"{stats.first_token_s * 1000:.0f} ms" if stats.first_token_s else "-"
             log.info(
@@ -263,7 +264,7 @@ class CompletionService:
                 stats.queued_s * 1000,
                 ttft,
                 elapsed,
-                outcome or "error",
+                outcome,
             )
 
     def _token_bytes(self, token_id: int) -> bytes:
