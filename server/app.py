@@ -186,6 +186,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             proposer=make_proposer(settings, manifest.model.vocab_size),
             spec_k=settings.spec_k,
             spec_max_k=settings.spec_max_k,
+            spec_max_users=settings.speculation_max_users,
         )
         model = settings.model_name or manifest.model.model_id
         gateway.service = CompletionService(

@@ -335,6 +335,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--spec-k", type=int, help="draft tokens per step (0: adaptive, default)")
     p.add_argument("--spec-max-k", type=int, help="largest adaptive K (8)")
+    p.add_argument(
+        "--speculation-max-users",
+        type=int,
+        help="speculate only while at most N requests decode at once, plain decoding above "
+        "(0: no limit, default)",
+    )
     p.add_argument("--draft-device", help="OpenVINO device of the draft (CPU)")
     p.add_argument("--draft-threads", type=int, help="draft inference threads (0: auto)")
     p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (draft)")

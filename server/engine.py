@@ -90,6 +90,7 @@ class Engine:
         proposer: Proposer | None = None,
         spec_k: int = 0,
         spec_max_k: int = 8,
+        spec_max_users: int = 0,
     ) -> None:
         self.pipeline = pipeline
         self.eos_ids = eos_ids
@@ -113,6 +114,10 @@ class Engine:
         self.proposer = proposer
         self.fixed_k = spec_k or None
         self.max_k = spec_max_k
+        # Above this many requests decoding at once every step is plain (0: no limit): where
+        # the draft shares cores with the stages, it costs more than it saves once the ring
+        # is full (benchmarks/results/servers-*.md).
+        self.spec_max_users = spec_max_users
         self._adaptive = SharedK(spec_max_k, self.fixed_k)  # server-wide costs, by concurrency
         self._acceptance: dict[str, Acceptance] = {}  # each request's own acceptance rate
         self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
@@ -206,9 +211,16 @@ class Engine:
         sampling = stream.sampling if stream is not None else SamplingParams()
         # The stage needs the generated tokens only for presence/frequency penalties.
         penalised = sampling.presence_penalty or sampling.frequency_penalty
-        if item.prefill and item.start_position == 0 and self.proposer is not None:
-            # the draft takes in the prompt while the stages prefill it (once: not on resumes)
-            self._in_draft_pool(self.proposer.warm, item.seq_id, seq.prompt)
+        proposer = self.proposer
+        if (
+            proposer is not None
+            and item.prefill
+            and item.start_position == 0
+            and self._speculating(len(self.scheduler.sequences))
+        ):
+            # the draft takes in the prompt while the stages prefill it (once: not on resumes;
+            # not while speculation pauses for load: it catches up if it ever proposes)
+            self._in_draft_pool(proposer.warm, item.seq_id, seq.prompt)
         try:
             began = time.perf_counter()  # the step's time includes waiting for the draft
             plan = await self._speculate(seq, item, sampling)
@@ -318,6 +330,9 @@ class Engine:
         greedy = sampling.temperature == 0.0
         own = self._acceptance.get(seq.seq_id)
         level = sum(1 for s in self.scheduler.sequences.values() if s.phase is Phase.DECODE)
+        if not self._speculating(level):
+            # plain: the draft catches up on these tokens when speculation resumes
+            return _Plan(item.tokens, level=level)
         k = self._adaptive.choose(level, greedy, own.rate if own is not None else None)
         # no proposals beyond max_tokens or the context (greedy also gets a bonus token)
         k = min(k, seq.max_tokens - len(seq.generated) - int(greedy))
@@ -338,6 +353,12 @@ class Engine:
             self.metrics.spec_k.observe(len(draft))
             self.metrics.draft_seconds.observe(proposal.seconds)
         return _Plan(fed, tuple(draft), proposal.dists, proposal.seconds, level)
+
+    def _speculating(self, users: int) -> bool:
+        """Whether to speculate with this many requests decoding (speculation_max_users)."""
+        if self.proposer is None:
+            return False
+        return not self.spec_max_users or users <= self.spec_max_users
 
     def _learn(
         self, seq_id: str, plan: _Plan, emitted: list[SampledToken], pass_s: float, step_s: float

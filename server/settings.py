@@ -142,6 +142,13 @@ class GatewaySettings(BaseSettings):
         default=0, ge=0, le=16, description="draft tokens per step; 0 = adaptive per request"
     )
     spec_max_k: int = Field(default=8, ge=1, le=16, description="largest adaptive K")
+    speculation_max_users: int = Field(
+        default=0,
+        ge=0,
+        description="speculate only while at most this many requests decode at once; with "
+        "more, every step decodes plain (and the ring decodes on its own) until they are "
+        "fewer again; 0 = no limit (adaptive K decides at every load)",
+    )
     draft_device: str = Field(default="CPU", description="OpenVINO device of the draft")
     draft_threads: int = Field(default=0, ge=0, description="draft inference threads (0: auto)")
     ov_cache_dir: Path | None = Field(

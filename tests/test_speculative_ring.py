@@ -18,8 +18,8 @@ from protos.manifest import WeightSpec, load_manifest
 from server.engine import Engine, GenerationRequest
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient
-from server.scheduler import SchedulerConfig
-from server.speculative import DraftProposer, NgramProposer, Proposer
+from server.scheduler import Phase, SchedulerConfig
+from server.speculative import DraftProposer, NgramProposer, Proposal, Proposer
 from stage_node.chain import LocalChain
 from stage_node.sampling import SamplingParams
 from tests.conftest import EXACT
@@ -211,3 +211,68 @@ def test_gateway_with_draft_serves_the_same_text(exports: dict[int, Path], tmp_p
         gateway.stop()
         for proc in procs:
             proc.stop()
+
+
+class _Watched:
+    """The draft, noting how many requests were decoding at each proposal."""
+
+    def __init__(self, proposer: DraftProposer) -> None:
+        self.proposer = proposer
+        self.engine: Engine | None = None
+        self.decoding: list[int] = []
+
+    def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
+        assert self.engine is not None
+        sequences = self.engine.scheduler.sequences.values()
+        self.decoding.append(sum(1 for s in sequences if s.phase is Phase.DECODE))
+        return self.proposer.propose(seq_id, context, k, params)
+
+    def warm(self, seq_id: str, prompt: list[int]) -> None:
+        self.proposer.warm(seq_id, prompt)
+
+    def release(self, seq_id: str) -> None:
+        self.proposer.release(seq_id)
+
+
+def test_speculation_pauses_above_its_user_limit_and_output_is_unchanged(
+    exports: dict[int, Path], tmp_path: Path
+) -> None:
+    """speculation_max_users = 1: while several requests decode every step is plain; the one
+    that goes on alone speculates again (its draft catching up on the plain tokens)."""
+    expected = plain_greedy(exports[2])
+    lengths = [TOKENS, 8, 8, 8]  # the first decodes alone after the others end
+    procs, addresses = start_stages(exports[2], tmp_path, ["--kv-backend", "paged"])
+    watched = _Watched(make_draft_proposer(exports))
+
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        engine = Engine(
+            client,
+            frozenset(),
+            256,
+            SchedulerConfig(prefill_chunk=4, max_prefill_in_flight=4),
+            proposer=watched,
+            spec_max_users=1,
+        )
+        watched.engine = engine
+
+        async def one(i: int) -> list[int]:
+            request = GenerationRequest(f"m{i}", PROMPTS[i], lengths[i], GREEDY)
+            return [t.token_id async for t in engine.generate(request)]
+
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
+        finally:
+            await engine.close()
+            await client.close()
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        for proc in procs:
+            proc.stop()
+    assert got == [tokens[:n] for tokens, n in zip(expected, lengths, strict=True)]
+    assert watched.decoding, "the request left alone speculated"
+    assert max(watched.decoding) == 1, watched.decoding
+    assert watched.proposer.runner.session_count == 0
