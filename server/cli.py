@@ -401,6 +401,14 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-draft", action="store_true", help="no draft, no speculative decoding")
     p.add_argument(
+        "--speculation-max-users",
+        type=int,
+        default=1,
+        help="the gateway's --speculation-max-users: speculate only while at most N requests "
+        "decode at once (default 1: here the draft shares the cores with the stages; 0: no "
+        "limit)",
+    )
+    p.add_argument(
         "--no-batching",
         dest="batching",
         action="store_false",
@@ -413,6 +421,8 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
 def _run_up(args: argparse.Namespace) -> int:
     from server.fleet import FleetOptions, run_fleet
 
+    if args.speculation_max_users < 0:
+        raise ValueError("--speculation-max-users must be 0 (no limit) or more")
     options = FleetOptions(
         model=args.model,
         export=args.export,
@@ -425,6 +435,7 @@ def _run_up(args: argparse.Namespace) -> int:
         api_keys=args.api_keys,
         log_dir=args.log_dir,
         draft=None if args.no_draft else args.draft,
+        speculation_max_users=args.speculation_max_users,
         batching=args.batching,
     )
     if args.exports_dir is not None:

@@ -44,6 +44,9 @@ class FleetOptions:
     # The draft for speculative decoding, exported beside the target; "auto": the built-in
     # pair's draft for the default model, none for other models; None: no draft.
     draft: str | None = "auto"
+    # The gateway's speculation_max_users. On one machine the draft shares the cores with the
+    # stages: once two requests decode, plain decoding serves more (servers-*.md results).
+    speculation_max_users: int = 1
 
     def draft_model(self) -> str | None:
         if self.draft == "auto":
@@ -148,6 +151,7 @@ async def _serve(
         api_keys=options.api_keys,  # type: ignore[arg-type]
         draft=draft,
         draft_threads=options.threads,
+        speculation_max_users=options.speculation_max_users,
         batching=options.batching,
     )
     app = create_app(settings)
@@ -168,10 +172,16 @@ async def _serve(
     if not serving.done():
         url = f"http://{options.host}:{options.port}"
         auth = f" -H 'Authorization: Bearer {options.api_keys[0]}'" if options.api_keys else ""
+        speculation = ""
+        if draft:
+            limit = options.speculation_max_users
+            users = f"{limit} request{'s' if limit > 1 else ''}" if limit else ""
+            speculation = ", speculative decoding with the draft" + (
+                f" while at most {users} decode{'s' if limit == 1 else ''}" if users else ""
+            )
         print(
             f"pipeshard is serving {gateway.service.model} on {url} "
-            f"({len(addresses)} stages"
-            f"{', speculative decoding with the draft' if draft else ''}). Try:\n"
+            f"({len(addresses)} stages{speculation}). Try:\n"
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f'    -d \'{{"model": "{gateway.service.model}", "stream": true, '
             '"messages": [{"role": "user", "content": "Write a Python hello world."}]}\'\n'

@@ -68,7 +68,7 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
             time.sleep(0.2)
         banner = (tmp_path / "up.log").read_text()
         assert f"http://127.0.0.1:{port}" in banner and "curl -N" in banner
-        assert "speculative decoding with the draft" in banner
+        assert "speculative decoding with the draft while at most 1 request decodes" in banner
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             json={
