@@ -175,6 +175,14 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             codec = load_codec(settings.tokenizer, manifest)
         else:
             codec = codec_from_files(await gateway.pipeline.tokenizer_files(), manifest)
+        proposer = make_proposer(settings, manifest.model.vocab_size)
+        spec_max_users, why = settings.speculation_limit(isinstance(proposer, DraftProposer))
+        if proposer is not None and spec_max_users:
+            log.info(
+                "speculation only while at most %d request(s) decode at once (%s)",
+                spec_max_users,
+                why,
+            )
         engine = Engine(
             gateway.pipeline,
             codec.eos_ids,
@@ -183,10 +191,10 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
                 manifest.num_stages, gateway.pipeline.paged, gateway.pipeline.kv_pools
             ),
             gateway.metrics,
-            proposer=make_proposer(settings, manifest.model.vocab_size),
+            proposer=proposer,
             spec_k=settings.spec_k,
             spec_max_k=settings.spec_max_k,
-            spec_max_users=settings.speculation_max_users,
+            spec_max_users=spec_max_users,
         )
         model = settings.model_name or manifest.model.model_id
         gateway.service = CompletionService(

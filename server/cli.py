@@ -337,9 +337,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-max-k", type=int, help="largest adaptive K (8)")
     p.add_argument(
         "--speculation-max-users",
-        type=int,
         help="speculate only while at most N requests decode at once, plain decoding above "
-        "(0: no limit, default)",
+        "(0: no limit; auto, the default: 1 where a stage runs on this machine, else 0)",
     )
     p.add_argument("--draft-device", help="OpenVINO device of the draft (CPU)")
     p.add_argument("--draft-threads", type=int, help="draft inference threads (0: auto)")
@@ -402,11 +401,10 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-draft", action="store_true", help="no draft, no speculative decoding")
     p.add_argument(
         "--speculation-max-users",
-        type=int,
-        default=1,
+        default="auto",
         help="the gateway's --speculation-max-users: speculate only while at most N requests "
-        "decode at once (default 1: here the draft shares the cores with the stages; 0: no "
-        "limit)",
+        "decode at once (auto, the default: 1, as the draft shares the cores with the stages "
+        "here; 0: no limit)",
     )
     p.add_argument(
         "--no-batching",
@@ -420,9 +418,12 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_up(args: argparse.Namespace) -> int:
     from server.fleet import FleetOptions, run_fleet
+    from server.settings import speculation_users
 
-    if args.speculation_max_users < 0:
-        raise ValueError("--speculation-max-users must be 0 (no limit) or more")
+    try:
+        limit = speculation_users(args.speculation_max_users)
+    except ValueError as exc:
+        raise ValueError(f"--speculation-max-users {exc}") from None
     options = FleetOptions(
         model=args.model,
         export=args.export,
@@ -435,7 +436,7 @@ def _run_up(args: argparse.Namespace) -> int:
         api_keys=args.api_keys,
         log_dir=args.log_dir,
         draft=None if args.no_draft else args.draft,
-        speculation_max_users=args.speculation_max_users,
+        speculation_max_users=limit,
         batching=args.batching,
     )
     if args.exports_dir is not None:

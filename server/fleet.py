@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -44,9 +45,9 @@ class FleetOptions:
     # The draft for speculative decoding, exported beside the target; "auto": the built-in
     # pair's draft for the default model, none for other models; None: no draft.
     draft: str | None = "auto"
-    # The gateway's speculation_max_users. On one machine the draft shares the cores with the
-    # stages: once two requests decode, plain decoding serves more (servers-*.md results).
-    speculation_max_users: int = 1
+    # The gateway's speculation_max_users ("auto": 1 here, as every stage runs on this
+    # machine: once two requests decode, plain decoding serves more; servers-*.md results).
+    speculation_max_users: int | Literal["auto"] = "auto"
 
     def draft_model(self) -> str | None:
         if self.draft == "auto":
@@ -174,7 +175,7 @@ async def _serve(
         auth = f" -H 'Authorization: Bearer {options.api_keys[0]}'" if options.api_keys else ""
         speculation = ""
         if draft:
-            limit = options.speculation_max_users
+            limit = gateway.service.engine.spec_max_users
             users = f"{limit} request{'s' if limit > 1 else ''}" if limit else ""
             speculation = ", speculative decoding with the draft" + (
                 f" while at most {users} decode{'s' if limit == 1 else ''}" if users else ""

@@ -15,6 +15,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from server.hosts import stages_here
 from server.scheduler import SchedulerConfig
 from stage_node.settings import default_ov_cache
 
@@ -142,12 +143,12 @@ class GatewaySettings(BaseSettings):
         default=0, ge=0, le=16, description="draft tokens per step; 0 = adaptive per request"
     )
     spec_max_k: int = Field(default=8, ge=1, le=16, description="largest adaptive K")
-    speculation_max_users: int = Field(
-        default=0,
-        ge=0,
+    speculation_max_users: int | Literal["auto"] = Field(
+        default="auto",
         description="speculate only while at most this many requests decode at once; with "
         "more, every step decodes plain (and the ring decodes on its own) until they are "
-        "fewer again; 0 = no limit (adaptive K decides at every load)",
+        "fewer again; 0 = no limit (adaptive K decides at every load); auto = 1 where a stage "
+        "runs on this machine (the draft shares its cores), else 0",
     )
     draft_device: str = Field(default="CPU", description="OpenVINO device of the draft")
     draft_threads: int = Field(default=0, ge=0, description="draft inference threads (0: auto)")
@@ -155,6 +156,18 @@ class GatewaySettings(BaseSettings):
         default_factory=default_ov_cache, description="OpenVINO model cache for the draft"
     )
     log_level: str = Field(default="INFO")
+
+    def speculation_limit(self, draft_model: bool = True) -> tuple[int, str]:
+        """speculation_max_users resolved, and why. "auto": 1 where the draft model shares the
+        cores of a stage on this machine, else 0 (prompt lookup uses no model)."""
+        if self.speculation_max_users != "auto":
+            return self.speculation_max_users, "speculation_max_users"
+        if not draft_model:
+            return 0, "auto: no draft model"
+        here = stages_here(self.stages)
+        if not here:
+            return 0, "auto: no stage runs on this machine"
+        return 1, f"auto: stage {here[0]} ({self.stages[here[0]]}) runs on this machine"
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -212,6 +225,11 @@ class GatewaySettings(BaseSettings):
             )
         return self
 
+    @field_validator("speculation_max_users", mode="before")
+    @classmethod
+    def _check_speculation_max_users(cls, value: Any) -> Any:
+        return speculation_users(value)
+
     @field_validator("stages", "api_keys", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
@@ -258,3 +276,16 @@ class GatewaySettings(BaseSettings):
 
 
 _CONFIG_FILE: dict[str, Path | None] = {"path": None}
+
+
+def speculation_users(value: Any) -> int | Literal["auto"]:
+    """A speculation_max_users value: "auto" or a number of requests, 0 (no limit) or more."""
+    if value == "auto":
+        return "auto"
+    try:
+        users = int(value)
+    except (TypeError, ValueError):
+        users = -1
+    if users < 0 or isinstance(value, bool | float):
+        raise ValueError(f"must be auto or a number of requests, 0 (no limit) or more: {value!r}")
+    return users

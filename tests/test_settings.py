@@ -91,3 +91,37 @@ def test_cpus_pins_every_thread_of_the_stage_process(tiny_export: ExportFn, tmp_
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_speculation_pauses_under_load_where_a_stage_shares_the_machine(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """speculation_max_users "auto": 1 where a stage runs on this machine (the draft shares
+    its cores), 0 (no limit) where none does or no draft model runs; a number wins."""
+    import socket
+
+    here = GatewaySettings(stages=["127.0.0.1:1", "203.0.113.9:2"])
+    assert here.speculation_max_users == "auto"
+    limit, why = here.speculation_limit()
+    assert limit == 1 and "stage 0 (127.0.0.1:1) runs on this machine" in why
+    assert here.speculation_limit(draft_model=False)[0] == 0  # prompt lookup: no model
+    # this machine's own (non-loopback) address counts as here, other hosts do not
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
+        route.connect(("203.0.113.9", 9))  # no packet is sent: this picks the outgoing address
+        own = route.getsockname()[0]
+    assert GatewaySettings(stages=["203.0.113.9:1", f"{own}:2"]).speculation_limit()[0] == 1
+    away = GatewaySettings(stages=["203.0.113.9:1", "no-such-host.invalid:2"])
+    assert away.speculation_limit() == (0, "auto: no stage runs on this machine")
+    assert (
+        GatewaySettings(stages=["127.0.0.1:1"], speculation_max_users=3).speculation_limit()[0] == 3
+    )
+    monkeypatch.setenv("PIPESHARD_GATEWAY_SPECULATION_MAX_USERS", "0")
+    assert GatewaySettings(stages=["127.0.0.1:1"]).speculation_limit()[0] == 0
+    monkeypatch.setenv("PIPESHARD_GATEWAY_SPECULATION_MAX_USERS", "auto")
+    assert GatewaySettings(stages=["127.0.0.1:1"]).speculation_limit()[0] == 1
+    monkeypatch.delenv("PIPESHARD_GATEWAY_SPECULATION_MAX_USERS")
+    for bad in ("-1", "many"):
+        assert main(["serve", "--stages", "h:1", "--speculation-max-users", bad]) == 2
+        assert "speculation_max_users" in capsys.readouterr().err
+        assert main(["up", "--speculation-max-users", bad]) == 2
+        assert "--speculation-max-users must be auto or a number" in capsys.readouterr().err

@@ -207,6 +207,9 @@ def test_gateway_with_draft_serves_the_same_text(exports: dict[int, Path], tmp_p
         steps = "pipeshard_gateway_spec_k_count"
         proposed = [line for line in metrics.splitlines() if line.startswith(steps)]
         assert proposed and float(proposed[0].split()[1]) > 0
+        # the stages run on this machine: speculation pauses once two requests decode
+        log = (tmp_path / "gateway.log").read_text()
+        assert "speculation only while at most 1 request(s) decode at once (auto: stage 0" in log
     finally:
         gateway.stop()
         for proc in procs:
