@@ -75,6 +75,7 @@ class ExportReport:
     plans: list[StagePlan]
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
+    reused: bool = False  # --reuse found this export already in place
 
 
 def _progress(iterable: Any, desc: str, quiet: bool, total: int | None = None) -> Any:
@@ -201,7 +202,7 @@ def export_model(options: ExportOptions) -> ExportReport:
         if existing is not None:
             if not options.quiet:
                 print(f"{out} already holds this export; reusing it", flush=True)
-            return ExportReport(existing, plans, time.perf_counter() - started, phases)
+            return ExportReport(existing, plans, time.perf_counter() - started, phases, True)
 
     # torch, OpenVINO and NNCF only now: a reused export (every `pipeshard up` after the first)
     # does without them

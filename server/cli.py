@@ -129,7 +129,7 @@ def _run_export(args: argparse.Namespace) -> int:
             cache_dir=args.cache_dir,
         )
     )
-    if not args.quiet:
+    if not args.quiet and not report.reused:  # a reuse said so already
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in report.phases.items())
         print(
@@ -351,7 +351,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from server.app import GatewayServer, create_app
     from server.settings import GatewaySettings
+    from server.tokenization import keep_torch_out
 
+    keep_torch_out()
     overrides = _overrides(args, GatewaySettings)
     settings = _settings(lambda: GatewaySettings.load(args.config, **overrides))
     host, _, port = settings.listen.rpartition(":")

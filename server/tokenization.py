@@ -7,6 +7,8 @@ works on token ids only; text and templates stay in the HTTP layer.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,18 @@ from tokenizers import Tokenizer
 from protos.manifest import ShardManifest
 
 log = logging.getLogger(__name__)
+
+
+def keep_torch_out() -> None:
+    """Run this gateway process without torch, as the runtime image does, even where the
+    export extra installed it: transformers imports torch whenever it finds it (measured: 2.8
+    s and 250 MiB resident against 1.4 s and 67 MiB), though the tokenizer and the chat
+    template never use it. Call before transformers is imported, only in a process that runs
+    no export (torch already loaded is left alone)."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # importlib then finds none
+    # and no "PyTorch was not found. Models won't be available" notice at start
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 @dataclass

@@ -91,3 +91,31 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
     time.sleep(0.5)
     assert not [pid for pid in stage_pids if alive(pid)]
     assert (tmp_path / "exports").is_dir() and any((tmp_path / "exports").iterdir())
+
+
+def test_up_reports_a_failed_export_and_starts_nothing(tmp_path: Path) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    up = subprocess.run(
+        [
+            PIPESHARD,
+            "up",
+            "--model",
+            str(broken),
+            "--exports-dir",
+            str(tmp_path / "exports"),
+            "--port",
+            str(free_port()),
+            "--stage-port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert up.returncode == 2, up.stderr
+    assert "pipeshard export: error:" in up.stderr  # the export's own reason
+    assert f"pipeshard up: error: the export of {broken} failed (exit status 2" in up.stderr
+    assert "Traceback" not in up.stderr
+    assert not (tmp_path / "exports" / "broken-model-2stage-int4" / "manifest.json").exists()

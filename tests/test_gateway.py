@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -59,6 +59,11 @@ class Fleet:
         return asyncio.run(infos())
 
 
+@dataclass
+class ProcessFleet(Fleet):
+    pids: list[int] = field(default_factory=list)  # the gateway's, then every stage's
+
+
 def export_chat_model(base: Path, stages: int = 2) -> tuple[Path, Path]:
     """A tiny Qwen2 with a chat template, exported to fp32 stages: (source, export)."""
     source = make_model("qwen2", base / "chat-model", chat_template=CHAT_TEMPLATE)
@@ -83,7 +88,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         ["--api-key", KEY, "--api-key", "second-key", "--max-body-bytes", "65536"],
     )
     try:
-        yield Fleet(url, "chat-model", source, export, addresses)
+        pids = [p.popen.pid for p in (gateway, *procs) if p.popen is not None]
+        yield ProcessFleet(url, "chat-model", source, export, addresses, pids)
     finally:
         gateway.stop()
         for proc in procs:
@@ -124,6 +130,16 @@ def test_greedy_text_equals_pipeline_and_unsplit_model(fleet: Fleet) -> None:
     assert reply.usage.completion_tokens == (len(expected) + 1 if eos in reference else 20)
     assert reply.choices[0].finish_reason == ("stop" if eos in reference else "length")
     assert len(expected) >= 8  # the comparison is about real text
+
+
+def test_the_gateway_and_the_stages_run_without_torch(fleet: Fleet) -> None:
+    """Only the exporter needs torch. It is installed here (the export extra), and
+    transformers imports it wherever it finds it, unless the gateway keeps it out."""
+    fleet.client().chat.completions.create(model=fleet.model, messages=MESSAGES, max_tokens=2)
+    assert isinstance(fleet, ProcessFleet) and len(fleet.pids) == 3
+    for pid in fleet.pids:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps and "libopenvino" in maps, pid
 
 
 def test_streaming_matches_non_streaming_and_usage(fleet: Fleet) -> None:
