@@ -7,6 +7,7 @@ weights), so it is often but not always right: steps accept some tokens and roll
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -72,6 +73,9 @@ def generate(
     sampling: SamplingParams = GREEDY,
     concurrent: bool = False,
     metrics: GatewayMetrics | None = None,
+    lengths: list[int] | None = None,  # max_tokens of each prompt (TOKENS)
+    spec_max_users: int = 0,
+    on_engine: Callable[[Engine], None] | None = None,
 ) -> list[list[int]]:
     async def run() -> list[list[int]]:
         client = PipelineClient(addresses)
@@ -84,10 +88,14 @@ def generate(
             metrics,
             proposer=proposer,
             spec_k=spec_k,
+            spec_max_users=spec_max_users,
         )
+        if on_engine is not None:
+            on_engine(engine)
 
         async def one(i: int, prompt: list[int]) -> list[int]:
-            request = GenerationRequest(f"r{i}-{spec_k}", prompt, TOKENS, sampling)
+            tokens = lengths[i] if lengths else TOKENS
+            request = GenerationRequest(f"r{i}-{spec_k}", prompt, tokens, sampling)
             return [t.token_id async for t in engine.generate(request)]
 
         try:
@@ -246,32 +254,16 @@ def test_speculation_pauses_above_its_user_limit_and_output_is_unchanged(
     lengths = [TOKENS, 8, 8, 8]  # the first decodes alone after the others end
     procs, addresses = start_stages(exports[2], tmp_path, ["--kv-backend", "paged"])
     watched = _Watched(make_draft_proposer(exports))
-
-    async def run() -> list[list[int]]:
-        client = PipelineClient(addresses)
-        await client.start()
-        engine = Engine(
-            client,
-            frozenset(),
-            256,
-            SchedulerConfig(prefill_chunk=4, max_prefill_in_flight=4),
-            proposer=watched,
-            spec_max_users=1,
-        )
-        watched.engine = engine
-
-        async def one(i: int) -> list[int]:
-            request = GenerationRequest(f"m{i}", PROMPTS[i], lengths[i], GREEDY)
-            return [t.token_id async for t in engine.generate(request)]
-
-        try:
-            return list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
-        finally:
-            await engine.close()
-            await client.close()
-
     try:
-        got = asyncio.run(run())
+        got = generate(
+            addresses,
+            watched,
+            0,
+            concurrent=True,
+            lengths=lengths,
+            spec_max_users=1,
+            on_engine=lambda engine: setattr(watched, "engine", engine),
+        )
     finally:
         for proc in procs:
             proc.stop()
