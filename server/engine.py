@@ -220,7 +220,9 @@ class Engine:
         ):
             # the draft takes in the prompt while the stages prefill it (once: not on resumes;
             # not while speculation pauses for load: it catches up if it ever proposes)
-            self._in_draft_pool(proposer.warm, item.seq_id, seq.prompt)
+            task = asyncio.create_task(self._warm(proposer, seq))
+            self._steps.add(task)
+            task.add_done_callback(self._steps.discard)
         try:
             began = time.perf_counter()  # the step's time includes waiting for the draft
             plan = await self._speculate(seq, item, sampling)
@@ -378,6 +380,18 @@ class Engine:
         if self.metrics is not None:
             self.metrics.spec_proposed.inc(len(plan.draft))
             self.metrics.spec_accepted.inc(accepted)
+
+    async def _warm(self, proposer: Proposer, seq: Sequence) -> None:
+        """The draft takes in the prompt one chunk per turn of its thread (proposals of other
+        requests queued meanwhile go first), while the sequence lives."""
+        loop = asyncio.get_running_loop()
+        try:
+            while seq.phase is not Phase.DONE:
+                pool = self._draft_pool
+                if await loop.run_in_executor(pool, proposer.warm, seq.seq_id, seq.prompt):
+                    return
+        except Exception:
+            log.warning("draft warm-up of %s failed", seq.seq_id, exc_info=True)
 
     def _in_draft_pool(self, fn: Callable[..., object], *args: object) -> None:
         future = asyncio.get_running_loop().run_in_executor(self._draft_pool, fn, *args)

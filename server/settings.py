@@ -167,7 +167,10 @@ class GatewaySettings(BaseSettings):
         here = stages_here(self.stages)
         if not here:
             return 0, "auto: no stage runs on this machine"
-        return 1, f"auto: stage {here[0]} ({self.stages[here[0]]}) runs on this machine"
+        return 1, (
+            f"auto: stage {here[0]} ({self.stages[here[0]]}) runs on this machine and the "
+            "draft takes its cores; --speculation-max-users 0 lifts the limit"
+        )
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

@@ -485,3 +485,25 @@ def test_servers_benchmark_compares_running_servers(fleet: Fleet, tmp_path: Path
     assert data["model"] == fleet.model
     assert [len(v) for v in data["rates"]["b"].values()] == [2, 2]
     assert all(rate > 0 for runs in data["rates"]["a"].values() for rate in runs)
+
+
+def test_long_prompt_benchmark_measures_a_streaming_users_pauses(fleet: Fleet) -> None:
+    """benchmarks/long_prompt.py against the real gateway: B's long prompt is counted, and A's
+    gaps while B was in flight are measured."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "long_prompt.py"),
+            "--url", fleet.url,
+            "--prompt-tokens", "128",  # the tiny model holds 256 positions
+            "--tokens", "48",
+            "--delay", "0.2",
+            "--api-key", KEY,
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["b_prompt_tokens"] > 100 and result["b_seconds"] > 0
+    assert result["a_median_gap_ms"] is not None and result["a_median_gap_ms"] >= 0

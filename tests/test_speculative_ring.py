@@ -20,7 +20,7 @@ from server.engine import Engine, GenerationRequest
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient
 from server.scheduler import Phase, SchedulerConfig
-from server.speculative import DraftProposer, NgramProposer, Proposal, Proposer
+from server.speculative import DRAFT_CHUNK, DraftProposer, NgramProposer, Proposal, Proposer
 from stage_node.chain import LocalChain
 from stage_node.sampling import SamplingParams
 from tests.conftest import EXACT
@@ -57,8 +57,9 @@ def draft_dir(exports: dict[int, Path]) -> Path:
     return exports[2] / "draft"
 
 
-def make_draft_proposer(exports: dict[int, Path]) -> DraftProposer:
-    return DraftProposer(draft_dir(exports), EXACT, load_manifest(exports[2]).model.vocab_size)
+def make_draft_proposer(exports: dict[int, Path], chunk: int = DRAFT_CHUNK) -> DraftProposer:
+    vocab = load_manifest(exports[2]).model.vocab_size
+    return DraftProposer(draft_dir(exports), EXACT, vocab, chunk)
 
 
 def plain_greedy(export: Path) -> list[list[int]]:
@@ -238,8 +239,8 @@ class _Watched:
         self.decoding.append(sum(1 for s in sequences if s.phase is Phase.DECODE))
         return self.proposer.propose(seq_id, context, k, params)
 
-    def warm(self, seq_id: str, prompt: list[int]) -> None:
-        self.proposer.warm(seq_id, prompt)
+    def warm(self, seq_id: str, prompt: list[int]) -> bool:
+        return self.proposer.warm(seq_id, prompt)
 
     def release(self, seq_id: str) -> None:
         self.proposer.release(seq_id)
@@ -253,7 +254,7 @@ def test_speculation_pauses_above_its_user_limit_and_output_is_unchanged(
     expected = plain_greedy(exports[2])
     lengths = [TOKENS, 8, 8, 8]  # the first decodes alone after the others end
     procs, addresses = start_stages(exports[2], tmp_path, ["--kv-backend", "paged"])
-    watched = _Watched(make_draft_proposer(exports))
+    watched = _Watched(make_draft_proposer(exports, chunk=3))  # catch-ups in several calls
     try:
         got = generate(
             addresses,
@@ -271,3 +272,26 @@ def test_speculation_pauses_above_its_user_limit_and_output_is_unchanged(
     assert watched.decoding, "the request left alone speculated"
     assert max(watched.decoding) == 1, watched.decoding
     assert watched.proposer.runner.session_count == 0
+
+
+def test_the_draft_takes_in_long_prompts_and_catch_ups_a_chunk_at_a_time(
+    exports: dict[int, Path],
+) -> None:
+    """A chunk per call, so that other requests' proposals run in between; what it then
+    proposes is what a draft that took everything in at once proposes."""
+    whole, chunked = make_draft_proposer(exports), make_draft_proposer(exports, chunk=4)
+    prompt = [5, 9, 13, 2, 40, 41, 42, 3, 12, 13, 14, 7, 8]  # 12 to take in: 3 calls
+    assert [chunked.warm("a", prompt) for _ in range(3)] == [False, False, True]
+    assert chunked.warm("a", prompt)  # nothing left
+    assert whole.warm("a", prompt)  # one call
+    proposed = chunked.propose("a", prompt, 3, GREEDY).tokens
+    assert len(proposed) == 3 and proposed == whole.propose("a", prompt, 3, GREEDY).tokens
+    # 9 tokens decoded without the draft (plain steps): caught up in chunks of 4, then it proposes
+    longer = [*prompt, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    first = chunked.propose("a", longer, 3, GREEDY)
+    assert first.tokens == []  # took in 4 of the 9
+    second = chunked.propose("a", longer, 3, GREEDY)  # 5 left: within a chunk and one
+    assert second.tokens and second.tokens == whole.propose("a", longer, 3, GREEDY).tokens
+    for proposer in (whole, chunked):
+        proposer.release("a")
+        assert proposer.runner.session_count == 0
