@@ -337,6 +337,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-max-k", type=int, help="largest adaptive K (8)")
     p.add_argument(
         "--speculation-max-users",
+        metavar="N|auto",
         help="speculate only while at most N requests decode at once, plain decoding above "
         "(0: no limit; auto, the default: 1 where a stage runs on this machine, else 0)",
     )
@@ -403,6 +404,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-draft", action="store_true", help="no draft, no speculative decoding")
     p.add_argument(
         "--speculation-max-users",
+        metavar="N|auto",
         default="auto",
         help="the gateway's --speculation-max-users: speculate only while at most N requests "
         "decode at once (auto, the default: 1, as the draft shares the cores with the stages "
