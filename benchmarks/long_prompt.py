@@ -14,34 +14,25 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.microbatch import one_user
 
 
 def _stream(
     url: str, model: str, tokens: int, out: dict[str, Any], headers: dict[str, str]
 ) -> None:
-    body = {
-        "model": model,
-        "stream": True,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "messages": [{"role": "user", "content": "Write a long Python tutorial about classes."}],
-    }
-    arrivals = []
-    with httpx.stream(
-        "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=900
-    ) as reply:
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    arrivals.append(time.perf_counter())
-    out["a"] = arrivals
+    prompt = "Write a long Python tutorial about classes."
+    streamed = one_user(url, model, prompt, tokens, [], headers)
+    out["a"] = [arrived for arrived, _ in streamed["arrivals"]]
 
 
 def _long(

@@ -81,7 +81,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
 
 
-def one_user(url: str, model: str, prompt: str, tokens: int, eos: list[int]) -> dict[str, Any]:
+def one_user(
+    url: str,
+    model: str,
+    prompt: str,
+    tokens: int,
+    eos: list[int],
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -94,7 +101,9 @@ def one_user(url: str, model: str, prompt: str, tokens: int, eos: list[int]) -> 
     start = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
     usage = 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600
+    ) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
         for line in response.iter_lines():

@@ -329,12 +329,12 @@ class Engine:
         """The step's tokens: the work item's, plus draft proposals when speculating."""
         if item.prefill or self.proposer is None:
             return _Plan(item.tokens)
-        greedy = sampling.temperature == 0.0
-        own = self._acceptance.get(seq.seq_id)
         level = sum(1 for s in self.scheduler.sequences.values() if s.phase is Phase.DECODE)
         if not self._speculating(level):
             # plain: the draft catches up on these tokens when speculation resumes
             return _Plan(item.tokens, level=level)
+        greedy = sampling.temperature == 0.0
+        own = self._acceptance.get(seq.seq_id)
         k = self._adaptive.choose(level, greedy, own.rate if own is not None else None)
         # no proposals beyond max_tokens or the context (greedy also gets a bonus token)
         k = min(k, seq.max_tokens - len(seq.generated) - int(greedy))
@@ -387,8 +387,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         try:
             while seq.phase is not Phase.DONE:
-                pool = self._draft_pool
-                if await loop.run_in_executor(pool, proposer.warm, seq.seq_id, seq.prompt):
+                warm = proposer.warm
+                if await loop.run_in_executor(self._draft_pool, warm, seq.seq_id, seq.prompt):
                     return
         except Exception:
             log.warning("draft warm-up of %s failed", seq.seq_id, exc_info=True)

@@ -181,12 +181,11 @@ async def _serve(
     if not serving.done():
         url = f"http://{options.host}:{options.port}"
         auth = f" -H 'Authorization: Bearer {options.api_keys[0]}'" if options.api_keys else ""
-        speculation = ""
-        if draft:
-            limit = gateway.service.engine.spec_max_users
-            users = f"{limit} request{'s' if limit > 1 else ''}" if limit else ""
-            speculation = ", speculative decoding with the draft" + (
-                f" while at most {users} decode{'s' if limit == 1 else ''}" if users else ""
+        speculation = ", speculative decoding with the draft" if draft else ""
+        limit = gateway.service.engine.spec_max_users
+        if draft and limit:
+            speculation += (
+                f" while at most {limit} request{'s decode' if limit > 1 else ' decodes'}"
             )
         print(
             f"pipeshard is serving {gateway.service.model} on {url} "

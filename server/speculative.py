@@ -131,7 +131,8 @@ class DraftProposer:
         wanted = prompt[:-1]
         with self._lock:
             held, synced = self._held.get(seq_id, ([], 0))
-            if synced != len(held) or held != wanted[: len(held)] or len(held) >= len(wanted):
+            # held is always the sequence's own start, unless proposals went on from there
+            if synced != len(held) or len(held) >= len(wanted):
                 return True  # taken in, or proposals already went on from there
             self._take_in(seq_id, held, wanted[len(held) : len(held) + self.chunk])
             return len(held) >= len(wanted)
