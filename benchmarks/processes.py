@@ -84,15 +84,15 @@ class Proc:
             time.sleep(0.1)
         raise TimeoutError(f"{self.args} not ready:\n{self.log.read_text()[-3000:]}")
 
-    def wait_http(self, url: str, timeout: float = 120.0) -> bool:
+    def wait_http(self, url: str, timeout: float = 120.0, verify: str | bool = True) -> bool:
         """Poll ``url`` until it answers 200 (True), or the process exits or ``timeout``
-        passes (False)."""
+        passes (False). ``verify``: httpx's (a CA bundle for HTTPS with a private CA)."""
         import httpx
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(url).status_code == 200:
+                if httpx.get(url, verify=verify).status_code == 200:
                     return True
             except httpx.TransportError:
                 pass  # not listening yet
@@ -199,16 +199,19 @@ def start_gateway(
     extra: Sequence[str] = (),
     timeout: float = 120.0,
     prefix: Sequence[str] = (),
+    https_ca: Path | None = None,
 ) -> tuple[Proc, str]:
     """`pipeshard serve` over ``stages`` on a free port; returns it and its URL once ready.
 
-    ``prefix`` goes before the command (e.g. ``taskset -c 0,1``).
+    ``prefix`` goes before the command (e.g. ``taskset -c 0,1``). ``https_ca``: the gateway
+    serves HTTPS (``extra`` has its --tls-cert/--tls-key), verified with this CA bundle.
     """
     port = free_port()
     args = [PIPESHARD, "serve", "--stages", ",".join(stages), "--listen", f"127.0.0.1:{port}"]
     gateway = Proc([*prefix, *args, *extra], log).start()
-    url = f"http://127.0.0.1:{port}"
-    if gateway.wait_http(f"{url}/ready", timeout):
+    url = f"{'https' if https_ca else 'http'}://127.0.0.1:{port}"
+    verify = str(https_ca) if https_ca else True
+    if gateway.wait_http(f"{url}/ready", timeout, verify):
         return gateway, url
     gateway.stop()
     raise TimeoutError(f"gateway not ready:\n{log.read_text()[-3000:]}")

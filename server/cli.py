@@ -217,7 +217,9 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--session-idle-timeout", type=float, help="seconds (default 300)")
     p.add_argument("--hidden-dtype", choices=["fp16", "fp32"], help="hidden states sent on")
     p.add_argument("--secret", help="shared secret required on every call")
-    p.add_argument("--tls-cert", type=Path, help="PEM certificate to serve with")
+    p.add_argument(
+        "--tls-cert", type=Path, help="PEM certificate to serve gRPC (and --metrics-port) with"
+    )
     p.add_argument("--tls-key", type=Path, help="PEM key of --tls-cert")
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify the next stage (TLS to it)")
     p.add_argument("--tls-server-name", help="name expected in the next stage's certificate")
@@ -246,7 +248,13 @@ def _settings(make: Callable[[], Any]) -> Any:
     try:
         return make()
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            # a whole-model check has no field: its message alone, without pydantic's prefix
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+            if e["loc"]
+            else e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
+        )
         raise ValueError(f"bad settings: {problems}") from None
 
 
@@ -266,6 +274,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--secret", help="the stages' shared secret")
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify the stages (TLS)")
     p.add_argument("--tls-server-name", help="name expected in stage certificates")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate (chain): serve HTTPS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--step-timeout", type=float, help="seconds one pipeline step may take")
     p.add_argument("--start-timeout", type=float, help="seconds to wait for the stages")
     p.add_argument(
@@ -366,6 +376,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         port=int(port),
         log_level=settings.log_level.lower(),
         access_log=False,
+        ssl_certfile=settings.tls_cert,  # HTTPS when set (both or neither)
+        ssl_keyfile=settings.tls_key,
     )
     server = GatewayServer(config, app.state.gateway)
     with contextlib.suppress(KeyboardInterrupt):

@@ -165,7 +165,14 @@ async def _serve(
     )
     app = create_app(settings)
     server = GatewayServer(
-        uvicorn.Config(app, host=options.host, port=options.port, log_level="warning"),
+        uvicorn.Config(
+            app,
+            host=options.host,
+            port=options.port,
+            log_level="warning",
+            ssl_certfile=settings.tls_cert,  # from PIPESHARD_GATEWAY_TLS_CERT/_KEY, if set
+            ssl_keyfile=settings.tls_key,
+        ),
         app.state.gateway,
     )
     serving = asyncio.create_task(server.serve())
@@ -179,7 +186,7 @@ async def _serve(
         if server.started and gateway.service is not None and gateway.pipeline.ready:
             break
     if not serving.done():
-        url = f"http://{options.host}:{options.port}"
+        url = f"{settings.scheme}://{options.host}:{options.port}"
         auth = f" -H 'Authorization: Bearer {options.api_keys[0]}'" if options.api_keys else ""
         speculation = ", speculative decoding with the draft" if draft else ""
         limit = gateway.service.engine.spec_max_users

@@ -17,7 +17,7 @@ from pydantic_settings import (
 
 from server.hosts import stages_here
 from server.scheduler import SchedulerConfig
-from stage_node.settings import default_ov_cache
+from stage_node.settings import check_tls_pair, default_ov_cache
 
 # Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
 # 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.
@@ -48,6 +48,10 @@ class GatewaySettings(BaseSettings):
     secret: SecretStr | None = Field(default=None, description="shared secret of the stages")
     tls_ca: Path | None = Field(default=None, description="CA bundle to verify the stages (TLS)")
     tls_server_name: str | None = Field(default=None, description="name in stage certificates")
+    tls_cert: Path | None = Field(
+        default=None, description="PEM certificate (chain) to serve HTTPS with, with tls_key"
+    )
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
     step_timeout: float = Field(
         default=60.0, gt=0, description="seconds one pipeline step may take"
     )
@@ -218,6 +222,15 @@ class GatewaySettings(BaseSettings):
                 ring_decode=self.ring_decode_batched,
             )
         return config
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert is not None else "http"
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> GatewaySettings:
+        check_tls_pair(self.tls_cert, self.tls_key)
+        return self
 
     @model_validator(mode="after")
     def _check_batching(self) -> GatewaySettings:

@@ -75,10 +75,8 @@ class StageGuard(grpc.aio.ServerInterceptor):
 
 
 def _server_credentials(settings: StageSettings) -> grpc.ServerCredentials | None:
-    if settings.tls_cert is None and settings.tls_key is None:
-        return None
     if settings.tls_cert is None or settings.tls_key is None:
-        raise ValueError("TLS needs both --tls-cert and --tls-key")
+        return None  # both or neither: StageSettings checked the pair
     return grpc.ssl_server_credentials(
         [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())]
     )
@@ -140,7 +138,13 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     manifest_json = (settings.shards / MANIFEST_NAME).read_bytes()
     metrics = StageMetrics()
     if settings.metrics_port is not None:
-        start_http_server(settings.metrics_port, registry=metrics.registry)
+        # With a certificate, /metrics is served over HTTPS with it too.
+        start_http_server(
+            settings.metrics_port,
+            registry=metrics.registry,
+            certfile=str(settings.tls_cert) if settings.tls_cert else None,
+            keyfile=str(settings.tls_key) if settings.tls_key else None,
+        )
 
     secret = settings.secret.get_secret_value() if settings.secret else None
     server = grpc.aio.server(interceptors=[StageGuard(secret, digest)], options=CHANNEL_OPTIONS)

@@ -4,15 +4,41 @@ from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def default_ov_cache() -> Path:
     return Path.home() / ".cache" / "pipeshard" / "ov-cache"
+
+
+def check_tls_pair(cert: Path | None, key: Path | None) -> None:
+    """A certificate and key to serve TLS with: both or neither, and loadable together. A
+    wrong path, a file that is not PEM or a key of another certificate is one clear error at
+    start, not a traceback from inside gRPC or uvicorn. Raises ValueError."""
+    if cert is None and key is None:
+        return
+    if cert is None or key is None:
+        raise ValueError("TLS needs both tls_cert and tls_key (--tls-cert and --tls-key)")
+    for path in (cert, key):
+        if not path.is_file():
+            raise ValueError(f"TLS file {path} does not exist")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except OSError as exc:  # ssl.SSLError included; also an unreadable file
+        if getattr(exc, "reason", None) == "KEY_VALUES_MISMATCH":
+            reason = "the key does not belong to the certificate"
+        elif isinstance(exc, ssl.SSLError):
+            reason = "they are not a PEM certificate and its PEM private key"
+        else:
+            reason = exc.strerror or str(exc)
+        raise ValueError(
+            f"cannot serve TLS with certificate {cert} and key {key}: {reason}"
+        ) from None
 
 
 class StageSettings(BaseSettings):
@@ -82,6 +108,11 @@ class StageSettings(BaseSettings):
         if not host or not port.isdigit():
             raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> StageSettings:
+        check_tls_pair(self.tls_cert, self.tls_key)
+        return self
 
     def resolved_kv_backend(self) -> Literal["stateful", "paged"]:
         """``auto``: paged, which the benchmark shows faster from 2 concurrent users on

@@ -13,6 +13,7 @@ import pwd
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from server.metrics import GatewayMetrics
 from server.settings import GatewaySettings
 from stage_node.metrics import StageMetrics
 from stage_node.settings import StageSettings
+from tests.conftest import make_certificates
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -518,6 +520,28 @@ def test_dockerfile_healthcheck_works_for_both_roles(tmp_path: Path) -> None:
         }
         assert healthy("serve", gateway_env)
         assert not healthy("stage", gateway_env)  # same env, stage role: checks the stage port
+        # a gateway serving HTTPS (its certificate in the environment) is checked over HTTPS
+        assert not healthy("serve", gateway_env | {"PIPESHARD_GATEWAY_TLS_CERT": "/x.pem"})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    _, cert, key = make_certificates(tmp_path / "tls")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        https_env = {
+            "PIPESHARD_GATEWAY_LISTEN": f"0.0.0.0:{server.server_address[1]}",
+            "PIPESHARD_GATEWAY_TLS_CERT": str(cert),
+        }
+        assert healthy("serve", https_env)
+        assert not healthy(
+            "serve", {"PIPESHARD_GATEWAY_LISTEN": https_env["PIPESHARD_GATEWAY_LISTEN"]}
+        )
     finally:
         server.shutdown()
         server.server_close()

@@ -21,8 +21,8 @@ from exporter.verify import reference_greedy
 from protos.manifest import WeightSpec
 from server.pipeline import PipelineClient
 from stage_node.chain import LocalChain
-from tests.conftest import EXACT
-from tests.processes import start_gateway, start_stages
+from tests.conftest import EXACT, make_certificates
+from tests.processes import free_port, start_gateway, start_stages
 from tests.test_stage_ring import ring_greedy
 from tests.tiny_models import CHAT_TEMPLATE, make_model
 
@@ -507,3 +507,63 @@ def test_long_prompt_benchmark_measures_a_streaming_users_pauses(fleet: Fleet) -
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["b_prompt_tokens"] > 100 and result["b_seconds"] > 0
     assert result["a_median_gap_ms"] is not None and result["a_median_gap_ms"] >= 0
+
+
+def test_tls_everywhere_https_gateway_over_tls_stages(fleet: Fleet, tmp_path: Path) -> None:
+    """Stages serving gRPC and /metrics over TLS, a gateway verifying them and serving HTTPS:
+    the openai client and curl trust the CA and get the same greedy text as plain HTTP; a
+    client without the CA is refused; plain HTTP to the HTTPS port gets no answer."""
+    ca, cert, key = make_certificates(tmp_path)
+    pair = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    tls = [*pair, "--tls-ca", str(ca)]
+    metrics_port = free_port()
+    stage_procs, addresses = start_stages(fleet.export, tmp_path, tls, stages=[0])
+    last, [last_address] = start_stages(
+        fleet.export, tmp_path, [*tls, "--metrics-port", str(metrics_port)], stages=[1]
+    )
+    stage_procs += last
+    gateway, url = start_gateway(
+        [*addresses, last_address],
+        tmp_path / "gateway.log",
+        [*tls, "--api-key", KEY],
+        https_ca=ca,
+    )
+    try:
+        assert url.startswith("https://")
+        with httpx.Client(verify=str(ca)) as https:
+            client = openai.OpenAI(
+                base_url=f"{url}/v1", api_key=KEY, max_retries=0, http_client=https
+            )
+            reply = client.chat.completions.create(
+                model=fleet.model, messages=MESSAGES, max_tokens=8, temperature=0
+            )
+            scraped = https.get(f"https://127.0.0.1:{metrics_port}/metrics").text
+        plain = fleet.client().chat.completions.create(
+            model=fleet.model, messages=MESSAGES, max_tokens=8, temperature=0
+        )
+        assert reply.choices[0].message.content == plain.choices[0].message.content
+        assert "pipeshard_stage_" in scraped
+
+        body = json.dumps(
+            {"model": fleet.model, "messages": MESSAGES, "max_tokens": 8, "stream": True}
+        )
+        curl = ["curl", "-sN", "-H", f"Authorization: Bearer {KEY}", "-d", body]
+        out = subprocess.run(
+            [*curl, "--cacert", str(ca), f"{url}/v1/chat/completions"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert out.endswith("data: [DONE]\n\n")
+        untrusted = subprocess.run(
+            [*curl, f"{url}/v1/chat/completions"], capture_output=True, timeout=60
+        )
+        assert untrusted.returncode == 60  # curl: peer certificate cannot be authenticated
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url.replace('https', 'http')}/health", timeout=5)
+    finally:
+        gateway.stop()
+        for proc in stage_procs:
+            proc.stop()
+    assert "Traceback" not in (tmp_path / "gateway.log").read_text()

@@ -9,7 +9,7 @@ import pytest
 from server.cli import main
 from server.settings import GatewaySettings
 from stage_node.settings import StageSettings
-from tests.conftest import ExportFn
+from tests.conftest import ExportFn, make_certificates
 
 
 def test_gateway_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,3 +125,31 @@ def test_speculation_pauses_under_load_where_a_stage_shares_the_machine(
         assert "speculation_max_users" in capsys.readouterr().err
         assert main(["up", "--speculation-max-users", bad]) == 2
         assert "--speculation-max-users must be auto or a number" in capsys.readouterr().err
+
+
+def test_a_bad_tls_pair_is_one_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """serve and stage check their certificate and key at start: both given, files that
+    exist, PEM, and a key that belongs to the certificate."""
+    _, cert, key = make_certificates(tmp_path)
+    _, other_cert, other_key = make_certificates(tmp_path / "other")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    cases = [
+        (["--tls-cert", str(cert)], "needs both tls_cert and tls_key"),
+        (["--tls-cert", str(cert), "--tls-key", str(tmp_path / "no.key")], "does not exist"),
+        (["--tls-cert", str(junk), "--tls-key", str(key)], "not a PEM certificate"),
+        (["--tls-cert", str(cert), "--tls-key", str(other_key)], "does not belong"),
+        (["--tls-cert", str(other_cert), "--tls-key", str(key)], "does not belong"),
+    ]
+    for flags, reason in cases:
+        assert main(["serve", "--stages", "h:1", *flags]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert main(["stage", "--shards", str(tmp_path), "--stage", "0", *flags]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    settings = GatewaySettings(stages=["h:1"], tls_cert=cert, tls_key=key)
+    assert settings.scheme == "https"
+    assert GatewaySettings(stages=["h:1"]).scheme == "http"

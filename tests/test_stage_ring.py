@@ -19,7 +19,7 @@ from protos.manifest import manifest_hash
 from protos.transport import call_metadata
 from server.pipeline import PipelineClient, PipelineError
 from stage_node.chain import LocalChain
-from tests.conftest import EXACT, ExportFn
+from tests.conftest import EXACT, ExportFn, make_certificates
 from tests.processes import Proc, start_stages
 
 PROMPTS = [
@@ -487,63 +487,6 @@ def test_stopped_stages_end_their_streams_cleanly(tiny_export: ExportFn, tmp_pat
         assert "Traceback" not in log and " ERROR " not in log, log
     # stage 0's link to stage 1 was told why its stream ended
     assert "stage 1 is stopping" in logs[0]
-
-
-def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A throw-away CA and a server certificate for 127.0.0.1/localhost, made with openssl."""
-    import subprocess
-
-    ca_key, ca, key, csr, cert = (
-        folder / n for n in ("ca.key", "ca.pem", "s.key", "s.csr", "s.pem")
-    )
-    ext = folder / "san.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        str(ca_key),
-        "-out",
-        str(ca),
-        "-days",
-        "1",
-        "-subj",
-        "/CN=pipeshard test CA",
-    )
-    run(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        str(key),
-        "-out",
-        str(csr),
-        "-subj",
-        "/CN=localhost",
-    )
-    run(
-        "x509",
-        "-req",
-        "-in",
-        str(csr),
-        "-CA",
-        str(ca),
-        "-CAkey",
-        str(ca_key),
-        "-CAcreateserial",
-        "-out",
-        str(cert),
-        "-days",
-        "1",
-        "-extfile",
-        str(ext),
-    )
-    return ca, cert, key
 
 
 def test_tls_on_every_hop(tiny_export: ExportFn, tmp_path: Path) -> None:
