@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +158,25 @@ def _check_draft_vocab(target_tok: Any, target_cfg: Any, draft_tok: Any, draft_c
         raise ExportError("the draft's tokenizer vocabulary differs from the target's")
 
 
-def export_model(options: ExportOptions) -> ExportReport:
-    """Run a whole export; raises ExportError (one-line reason) on bad input."""
+@dataclass
+class _Resolved:
+    """What an export is made of, read from the configs (no weights, no torch): the plan."""
+
+    out: Path
+    source: ModelSource
+    config: Any
+    facts: ArchitectureFacts
+    plans: list[StagePlan]
+    intermediate: int
+    plan_text: str  # the plan as a table, printed unless quiet
+    draft_source: ModelSource | None
+    draft_config: Any
+    started: float
+    phases: dict[str, float]
+
+
+def _resolve(options: ExportOptions) -> _Resolved:
     started = time.perf_counter()
-    phases: dict[str, float] = {}
     if options.quiet:
         import transformers
 
@@ -184,25 +199,62 @@ def export_model(options: ExportOptions) -> ExportReport:
     plans = plan_stages(facts, split, options.weights.format, intermediate, context, tied, step)
     if options.node_memory:
         check_fits(plans, options.node_memory, context)
-    if not options.quiet:
-        print(
-            f"plan for {source.model_id} ({facts.model_type}, {facts.num_layers} layers, "
-            f"{options.weights.format}):\n{format_plan(plans, context, intermediate)}",
-            flush=True,
-        )
+    plan_text = (
+        f"plan for {source.model_id} ({facts.model_type}, {facts.num_layers} layers, "
+        f"{options.weights.format}):\n{format_plan(plans, context, intermediate)}"
+    )
 
-    draft_source = draft_config = draft_tok = None
+    draft_source = draft_config = None
     if options.draft:
         draft_source = resolve_source(options.draft, options.cache_dir, not options.quiet)
         draft_config = draft_source.load_config()
         read_architecture(draft_config)
-    phases["resolve"] = time.perf_counter() - started
+    phases = {"resolve": time.perf_counter() - started}
+    return _Resolved(
+        out,
+        source,
+        config,
+        facts,
+        plans,
+        intermediate,
+        plan_text,
+        draft_source,
+        draft_config,
+        started,
+        phases,
+    )
+
+
+def _reused(options: ExportOptions, r: _Resolved) -> ExportReport | None:
+    existing = _reusable(r.out, r.source, r.plans, options, r.draft_source)
+    if existing is None:
+        return None
+    if not options.quiet:
+        print(f"{r.plan_text}\n{r.out} already holds this export; reusing it", flush=True)
+    return ExportReport(existing, r.plans, time.perf_counter() - r.started, r.phases, True)
+
+
+def reusable_export(options: ExportOptions) -> ExportReport | None:
+    """The export already in ``options.out`` that these options would write (saying so with
+    the plan, as ``--reuse`` does), or None (printing nothing) where export_model would have
+    to export. Reads configs only, so it needs no torch: the gateway of `pipeshard up`
+    checks this itself and runs the export in a child only where one is needed. Raises
+    ExportError on bad input."""
+    return _reused(options, _resolve(replace(options, reuse=True)))
+
+
+def export_model(options: ExportOptions) -> ExportReport:
+    """Run a whole export; raises ExportError (one-line reason) on bad input."""
+    r = _resolve(options)
     if options.reuse:
-        existing = _reusable(out, source, plans, options, draft_source)
-        if existing is not None:
-            if not options.quiet:
-                print(f"{out} already holds this export; reusing it", flush=True)
-            return ExportReport(existing, plans, time.perf_counter() - started, phases, True)
+        reused = _reused(options, r)
+        if reused is not None:
+            return reused
+    if not options.quiet:
+        print(r.plan_text, flush=True)
+    out, source, config, facts, plans = r.out, r.source, r.config, r.facts, r.plans
+    intermediate, draft_source, draft_config = r.intermediate, r.draft_source, r.draft_config
+    started, phases = r.started, r.phases
 
     # torch, OpenVINO and NNCF only now: a reused export (every `pipeshard up` after the first)
     # does without them
@@ -341,7 +393,6 @@ def _reusable(
 
 
 def _with_context(facts: ArchitectureFacts, max_context: int) -> ArchitectureFacts:
-    from dataclasses import replace
 
     if max_context < 1:
         raise ExportError(f"--max-context must be positive, got {max_context}")

@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.engine import Engine
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineClient
+from server.pipeline import PipelineClient, PipelineError
 from server.protocol import (
     APIError,
     ChatCompletion,
@@ -92,6 +92,18 @@ class Gateway:
     metrics: GatewayMetrics
     service: CompletionService | None = None
     created: int = 0
+    start_error: str | None = None  # why the start failed (a stage missing, a bad draft)
+
+
+class StartFailed(Exception):
+    """The gateway cannot start for a reason it has logged in one line (a stage missing after
+    start_timeout, a draft that is no export or does not fit the target). Its traceback is
+    kept out of uvicorn's log: it would only repeat the line."""
+
+
+class _HideStartFailedTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "StartFailed" in record.getMessage())
 
 
 class GatewayServer(uvicorn.Server):
@@ -104,6 +116,9 @@ class GatewayServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
         super().__init__(config)
         self.gateway = gateway
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        if not any(isinstance(f, _HideStartFailedTraceback) for f in uvicorn_log.filters):
+            uvicorn_log.addFilter(_HideStartFailedTraceback())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
 
@@ -123,8 +138,9 @@ class GatewayServer(uvicorn.Server):
             self._draining = asyncio.create_task(service.engine.shut_down(grace))
 
 
-def make_proposer(settings: GatewaySettings, vocab_size: int) -> Proposer | None:
-    """The speculative-decoding proposer the settings ask for (None: no speculation)."""
+def make_proposer(settings: GatewaySettings, vocab_size: int | None) -> Proposer | None:
+    """The speculative-decoding proposer the settings ask for (None: no speculation).
+    ``vocab_size``: the target's, checked against a draft's (None: the caller checks it)."""
     mode = settings.speculation
     if mode == "auto":
         mode = "draft" if settings.draft is not None else "off"
@@ -170,12 +186,37 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        manifest = await gateway.pipeline.start(timeout=settings.start_timeout)
+        try:
+            engine, model, stages = await start()
+        except (PipelineError, ValueError) as exc:
+            gateway.start_error = str(exc)
+            log.error("cannot start: %s", exc)
+            raise StartFailed(str(exc)) from None
+        log.info("serving %s over %d stage(s)", model, stages)
+        yield
+        await engine.close()
+        await gateway.pipeline.close()
+
+    async def start() -> tuple[Engine, str, int]:
+        """Connect to the stages and load the draft: the engine, the model id, the stages."""
+        # The draft compiles (or loads from the OpenVINO cache) while the stages start, not
+        # after: `pipeshard up` serves seconds sooner. Either failing ends the start at once.
+        starting = asyncio.ensure_future(gateway.pipeline.start(timeout=settings.start_timeout))
+        drafting = asyncio.ensure_future(asyncio.to_thread(make_proposer, settings, None))
+        done, _ = await asyncio.wait({starting, drafting}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                starting.cancel()  # a draft still compiling runs out in its thread
+                drafting.cancel()
+                await asyncio.gather(starting, drafting, return_exceptions=True)
+                raise task.exception()  # type: ignore[misc]
+        manifest, proposer = starting.result(), drafting.result()
+        if isinstance(proposer, DraftProposer):
+            proposer.check_target(manifest.model.vocab_size)
         if settings.tokenizer is not None:
             codec = load_codec(settings.tokenizer, manifest)
         else:
             codec = codec_from_files(await gateway.pipeline.tokenizer_files(), manifest)
-        proposer = make_proposer(settings, manifest.model.vocab_size)
         spec_max_users, why = settings.speculation_limit(isinstance(proposer, DraftProposer))
         if proposer is not None and spec_max_users:
             log.info(
@@ -201,10 +242,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             engine, codec, model, manifest.model.max_context, gateway.metrics
         )
         gateway.created = int(time.time())
-        log.info("serving %s over %d stage(s)", model, manifest.num_stages)
-        yield
-        await engine.close()
-        await gateway.pipeline.close()
+        return engine, model, manifest.num_stages
 
     app = FastAPI(title="pipeshard", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gateway

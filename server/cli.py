@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from server.options import comma_list, comma_numbers, parse_properties
 
 if TYPE_CHECKING:
+    from exporter.export import ExportOptions
     from stage_node.runner import RunnerOptions
 
 
@@ -100,9 +101,10 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no plan, no progress bars")
 
 
-def _run_export(args: argparse.Namespace) -> int:
-    from exporter.export import ExportOptions, export_model
-    from exporter.plan import format_bytes, parse_size
+def export_options(args: argparse.Namespace) -> ExportOptions:
+    """`pipeshard export`'s parsed arguments as the exporter's options."""
+    from exporter.export import ExportOptions
+    from exporter.plan import parse_size
     from protos.manifest import WeightSpec
 
     int4 = args.weights == "int4"
@@ -111,24 +113,29 @@ def _run_export(args: argparse.Namespace) -> int:
         group_size=args.group_size if int4 else None,
         symmetric=args.sym if int4 else None,
     )
-    report = export_model(
-        ExportOptions(
-            model=args.model,
-            out=args.out,
-            stages=args.stages,
-            split=args.split,
-            node_memory=[parse_size(s) for s in args.node_memory] if args.node_memory else None,
-            weights=weights,
-            draft=args.draft,
-            beam_idx=not args.no_beam_idx,
-            force=args.force,
-            reuse=args.reuse,
-            quiet=args.quiet,
-            max_context=args.max_context,
-            plan_context=args.plan_context,
-            cache_dir=args.cache_dir,
-        )
+    return ExportOptions(
+        model=args.model,
+        out=args.out,
+        stages=args.stages,
+        split=args.split,
+        node_memory=[parse_size(s) for s in args.node_memory] if args.node_memory else None,
+        weights=weights,
+        draft=args.draft,
+        beam_idx=not args.no_beam_idx,
+        force=args.force,
+        reuse=args.reuse,
+        quiet=args.quiet,
+        max_context=args.max_context,
+        plan_context=args.plan_context,
+        cache_dir=args.cache_dir,
     )
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from exporter.export import export_model
+    from exporter.plan import format_bytes
+
+    report = export_model(export_options(args))
     if not args.quiet and not report.reused:  # a reuse said so already
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in report.phases.items())

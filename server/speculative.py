@@ -72,23 +72,33 @@ class DraftProposer:
     """The draft model: one OpenVINO session per sequence, kept in step with the target."""
 
     def __init__(
-        self, export_dir: Path, options: RunnerOptions, vocab_size: int, chunk: int = DRAFT_CHUNK
+        self,
+        export_dir: Path,
+        options: RunnerOptions,
+        vocab_size: int | None,
+        chunk: int = DRAFT_CHUNK,
     ) -> None:
+        """``vocab_size``: the target's (None: check_target later, before the first use)."""
         self.chunk = chunk
         manifest = load_manifest(export_dir)
         if manifest.num_stages != 1:
             raise ValueError(f"the draft at {export_dir} must be a 1-stage export")
-        if manifest.model.vocab_size != vocab_size:
-            raise ValueError(
-                f"the draft's vocabulary ({manifest.model.vocab_size}) differs from the "
-                f"target's ({vocab_size}); a draft must share the target's tokenizer"
-            )
+        self.vocab_size = manifest.model.vocab_size
+        if vocab_size is not None:
+            self.check_target(vocab_size)
         self.model_id = manifest.model.model_id
         self.runner = ShardRunner(export_dir, 0, options, manifest=manifest)
         # Per sequence: the tokens its draft session holds, and how many of them came from the
         # sequence itself (the rest are proposals, which may have been rejected since).
         self._held: dict[str, tuple[list[int], int]] = {}
         self._lock = threading.Lock()  # one inference at a time on the gateway
+
+    def check_target(self, vocab_size: int) -> None:
+        if self.vocab_size != vocab_size:
+            raise ValueError(
+                f"the draft's vocabulary ({self.vocab_size}) differs from the target's "
+                f"({vocab_size}); a draft must share the target's tokenizer"
+            )
 
     def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()

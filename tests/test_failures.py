@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +21,7 @@ import pytest
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata
-from tests.processes import Proc, start_gateway, start_stages
+from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_stages
 from tests.test_gateway import MESSAGES, export_chat_model
 
 NO_EOS = {"2": -100}  # the tiny model's end-of-sequence token never comes
@@ -450,3 +452,30 @@ def test_a_stalled_stage_times_out_and_the_gateway_keeps_answering(
         assert ring.wait_sessions_freed() == [0, 0]
     finally:
         gateway.stop()
+
+
+def test_a_gateway_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
+    """A stage that is not there after start_timeout, and a draft folder that is no export
+    (found while the stages are still awaited, so at once): one log line each, no traceback,
+    uvicorn's exit status for a failed start."""
+
+    def serve(*extra: str) -> tuple[float, str, int]:
+        started = time.monotonic()
+        stages, listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        done = subprocess.run(
+            [PIPESHARD, "serve", "--stages", stages, "--listen", listen, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return time.monotonic() - started, done.stdout + done.stderr, done.returncode
+
+    _, out, code = serve("--start-timeout", "2")
+    assert code == 3 and "Traceback" not in out, out
+    assert re.search(r"ERROR server\.app: cannot start: stage 0 at \S+ is missing", out), out
+    not_an_export = tmp_path / "not-an-export"
+    not_an_export.mkdir()
+    elapsed, out, code = serve("--start-timeout", "60", "--draft", str(not_an_export))
+    assert code == 3 and "Traceback" not in out, out
+    assert "cannot start: " in out and "not a pipeshard export folder" in out, out
+    assert elapsed < 30  # not after the stages' 60 s

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -10,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.conftest import ExportFn
 from tests.processes import PIPESHARD, free_port
 from tests.tiny_models import CHAT_TEMPLATE, make_model
 
@@ -119,3 +123,66 @@ def test_up_reports_a_failed_export_and_starts_nothing(tmp_path: Path) -> None:
     assert f"pipeshard up: error: the export of {broken} failed (exit status 2" in up.stderr
     assert "Traceback" not in up.stderr
     assert not (tmp_path / "exports" / "broken-model-2stage-int4" / "manifest.json").exists()
+
+
+def test_up_reports_a_gateway_that_cannot_start_and_stops_its_stages(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """An export whose draft folder holds no export: the stages start, the gateway cannot;
+    `up` says why in one line, exits 2 and leaves no stage running."""
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export("llama", 2), export)
+    manifest = json.loads((export / "manifest.json").read_text())
+    manifest["draft"] = {"directory": "draft", "model_id": "gone", "manifest_sha256": "0" * 64}
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    (export / "draft").mkdir()
+    up = subprocess.Popen(
+        [
+            PIPESHARD,
+            "up",
+            "--export",
+            str(export),
+            "--port",
+            str(free_port()),
+            "--stage-port",
+            str(free_port()),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stage_pids: set[int] = set()
+    deadline = time.monotonic() + 120
+    while up.poll() is None and time.monotonic() < deadline:
+        for pid in children(up.pid) - stage_pids:
+            with contextlib.suppress(FileNotFoundError):  # other children come and go
+                if " stage " in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "):
+                    stage_pids.add(pid)
+        time.sleep(0.05)
+    out, err = up.communicate(timeout=60)
+    assert up.returncode == 2, out + err
+    assert "pipeshard up: error: the gateway did not start: " in err, err
+    assert "not a pipeshard export folder" in err and "Traceback" not in out + err, out + err
+    assert len(stage_pids) == 2
+    assert not [pid for pid in stage_pids if alive(pid)]
+
+
+def test_startup_benchmark_times_up_to_serving(tiny_export: ExportFn, tmp_path: Path) -> None:
+    from benchmarks.startup import main as startup
+
+    port = free_port()
+    command = (
+        f"{PIPESHARD} up --export {tiny_export('llama', 2)} --port {port} "
+        f"--stage-port {free_port()}"
+    )
+    args = ["--variant", f"tiny={command}", "--rounds", "1", "--port", str(port)]
+    assert startup([*args, "--out", str(tmp_path), "--name", "startup"]) == 0
+    [table] = tmp_path.glob("startup-*.md")
+    row = next(line for line in table.read_text().splitlines() if line.startswith("| tiny |"))
+    reuse, ready, serving, reply = (cell.strip() for cell in row.split("|")[2:6])
+    assert reuse == "-"  # --export: nothing to check
+    assert 0 < float(ready.split()[0]) <= float(serving.split()[0]) <= float(reply.split()[0])
+    [data] = tmp_path.glob("startup-*.json")
+    assert json.loads(data.read_text())["runs"]["tiny"][0]["serving"] > 0

@@ -295,3 +295,15 @@ def test_the_draft_takes_in_long_prompts_and_catch_ups_a_chunk_at_a_time(
     for proposer in (whole, chunked):
         proposer.release("a")
         assert proposer.runner.session_count == 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused(exports: dict[int, Path]) -> None:
+    """Checked at construction, or (the gateway, which compiles the draft while the stages
+    start) once the target's vocabulary is known."""
+    vocab = load_manifest(exports[2]).model.vocab_size
+    with pytest.raises(ValueError, match=rf"draft's vocabulary \({vocab}\) differs"):
+        DraftProposer(draft_dir(exports), EXACT, vocab + 1)
+    later = DraftProposer(draft_dir(exports), EXACT, None)
+    later.check_target(vocab)
+    with pytest.raises(ValueError, match=rf"differs from the target's \({vocab + 44}\)"):
+        later.check_target(vocab + 44)
