@@ -332,6 +332,7 @@ class Engine:
         level = sum(1 for s in self.scheduler.sequences.values() if s.phase is Phase.DECODE)
         if not self._speculating(level):
             # plain: the draft catches up on these tokens when speculation resumes
+            self._count_step("paused")
             return _Plan(item.tokens, level=level)
         greedy = sampling.temperature == 0.0
         own = self._acceptance.get(seq.seq_id)
@@ -340,6 +341,7 @@ class Engine:
         k = min(k, seq.max_tokens - len(seq.generated) - int(greedy))
         k = min(k, self.max_context - item.start_position - 2)
         if k < 1:
+            self._count_step("plain")
             return _Plan(item.tokens, level=level)
         context = [*seq.prompt, *seq.generated]
         proposal = await asyncio.get_running_loop().run_in_executor(
@@ -347,7 +349,9 @@ class Engine:
         )
         draft = proposal.tokens
         if not draft:
+            self._count_step("plain")
             return _Plan(item.tokens, level=level)
+        self._count_step("speculative")
         # Greedy: feed every proposal and verify one more position (the bonus). Sampling: every
         # position tests a proposal, so the output does not depend on k.
         fed = (*item.tokens, *(draft if greedy else draft[:-1]))
@@ -355,6 +359,10 @@ class Engine:
             self.metrics.spec_k.observe(len(draft))
             self.metrics.draft_seconds.observe(proposal.seconds)
         return _Plan(fed, tuple(draft), proposal.dists, proposal.seconds, level)
+
+    def _count_step(self, mode: str) -> None:
+        if self.metrics is not None:
+            self.metrics.spec_steps.labels(mode=mode).inc()
 
     def _speculating(self, users: int) -> bool:
         """Whether to speculate with this many requests decoding (speculation_max_users)."""

@@ -66,6 +66,14 @@ class GatewayMetrics:
             "Draft tokens the target accepted; accepted / proposed is the acceptance rate",
             registry=self.registry,
         )
+        self.spec_steps = Counter(
+            "pipeshard_gateway_spec_steps",
+            "Decode steps where a proposer is configured, by mode: speculative (proposals "
+            "verified), paused (plain: more requests decode than speculation_max_users), "
+            "plain (no proposal: the draft still taking in a prompt, or K chosen 0)",
+            ["mode"],
+            registry=self.registry,
+        )
         self.spec_k = Histogram(
             "pipeshard_gateway_spec_k",
             "Draft tokens proposed per speculative step (K)",

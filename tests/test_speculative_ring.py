@@ -255,12 +255,14 @@ def test_speculation_pauses_above_its_user_limit_and_output_is_unchanged(
     lengths = [TOKENS, 8, 8, 8]  # the first decodes alone after the others end
     procs, addresses = start_stages(exports[2], tmp_path, ["--kv-backend", "paged"])
     watched = _Watched(make_draft_proposer(exports, chunk=3))  # catch-ups in several calls
+    metrics = GatewayMetrics()
     try:
         got = generate(
             addresses,
             watched,
             0,
             concurrent=True,
+            metrics=metrics,
             lengths=lengths,
             spec_max_users=1,
             on_engine=lambda engine: setattr(watched, "engine", engine),
@@ -271,6 +273,18 @@ def test_speculation_pauses_above_its_user_limit_and_output_is_unchanged(
     assert got == [tokens[:n] for tokens, n in zip(expected, lengths, strict=True)]
     assert watched.decoding, "the request left alone speculated"
     assert max(watched.decoding) == 1, watched.decoding
+    steps = {
+        mode: metrics.registry.get_sample_value(
+            "pipeshard_gateway_spec_steps_total", {"mode": mode}
+        )
+        or 0
+        for mode in ("speculative", "paused", "plain")
+    }
+    # paused while several decoded; alone, each call of the draft either proposed
+    # (speculative) or caught up a chunk (plain, as a step where K was 0; with chunks of 3
+    # the lone request may finish before its draft has caught up)
+    assert steps["paused"] > 0, steps
+    assert steps["speculative"] <= len(watched.decoding) <= steps["speculative"] + steps["plain"]
     assert watched.proposer.runner.session_count == 0
 
 
