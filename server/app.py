@@ -138,9 +138,9 @@ class GatewayServer(uvicorn.Server):
             self._draining = asyncio.create_task(service.engine.shut_down(grace))
 
 
-def make_proposer(settings: GatewaySettings, vocab_size: int | None) -> Proposer | None:
-    """The speculative-decoding proposer the settings ask for (None: no speculation).
-    ``vocab_size``: the target's, checked against a draft's (None: the caller checks it)."""
+def make_proposer(settings: GatewaySettings) -> Proposer | None:
+    """The speculative-decoding proposer the settings ask for (None: no speculation). A draft
+    is not checked against the target here (its vocabulary: DraftProposer.check_target)."""
     mode = settings.speculation
     if mode == "auto":
         mode = "draft" if settings.draft is not None else "off"
@@ -156,7 +156,7 @@ def make_proposer(settings: GatewaySettings, vocab_size: int | None) -> Proposer
         cache_dir=settings.ov_cache_dir,
         max_sessions=4 * settings.max_concurrent,
     )
-    proposer = DraftProposer(settings.draft, options, vocab_size)
+    proposer = DraftProposer(settings.draft, options, None)
     log.info("speculative decoding with draft %s on %s", proposer.model_id, settings.draft_device)
     return proposer
 
@@ -202,15 +202,13 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         # The draft compiles (or loads from the OpenVINO cache) while the stages start, not
         # after: `pipeshard up` serves seconds sooner. Either failing ends the start at once.
         starting = asyncio.ensure_future(gateway.pipeline.start(timeout=settings.start_timeout))
-        drafting = asyncio.ensure_future(asyncio.to_thread(make_proposer, settings, None))
-        done, _ = await asyncio.wait({starting, drafting}, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if task.exception() is not None:
-                starting.cancel()  # a draft still compiling runs out in its thread
-                drafting.cancel()
-                await asyncio.gather(starting, drafting, return_exceptions=True)
-                raise task.exception()  # type: ignore[misc]
-        manifest, proposer = starting.result(), drafting.result()
+        drafting = asyncio.ensure_future(asyncio.to_thread(make_proposer, settings))
+        try:
+            manifest, proposer = await asyncio.gather(starting, drafting)
+        except BaseException:
+            starting.cancel()  # a draft still compiling runs out in its thread
+            drafting.cancel()
+            raise
         if isinstance(proposer, DraftProposer):
             proposer.check_target(manifest.model.vocab_size)
         if settings.tokenizer is not None:

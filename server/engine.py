@@ -392,10 +392,9 @@ class Engine:
     async def _warm(self, proposer: Proposer, seq: Sequence) -> None:
         """The draft takes in the prompt one chunk per turn of its thread (proposals of other
         requests queued meanwhile go first), while the sequence lives."""
-        loop = asyncio.get_running_loop()
+        loop, warm = asyncio.get_running_loop(), proposer.warm
         try:
             while seq.phase is not Phase.DONE:
-                warm = proposer.warm
                 if await loop.run_in_executor(self._draft_pool, warm, seq.seq_id, seq.prompt):
                     return
         except Exception:
