@@ -538,6 +538,19 @@ class StageService(pb_grpc.StageServicer):
 
     def _forward(self, step: pb.Step, output: Any) -> None:
         if self.downstream is None:
+            if step.HasField("error"):
+                # Typically the last stage's link back to stage 0 re-sending a ring step
+                # (Step.follow) to a restarted stage 0 before the gateway linked it: the
+                # session was lost with the process this one replaced, and the gateway has
+                # failed or resumed the request already. Nothing is lost by dropping it.
+                log.warning(
+                    "stage %d is not linked to a next stage yet; dropping a failed step of "
+                    "session %s (%s)",
+                    self.index,
+                    step.session_id,
+                    step.error.message,
+                )
+                return
             log.error("stage %d is not linked to a next stage; dropping step", self.index)
             self.metrics.errors.labels(grpc.StatusCode.UNAVAILABLE.name).inc()
             return

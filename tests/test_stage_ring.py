@@ -294,6 +294,46 @@ def test_ring_refuses_mismatched_missing_and_misordered_stages(
         stop_all(procs)
 
 
+def test_a_step_reaching_an_unlinked_stage_is_dropped_by_its_kind(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """A restarted stage 0 can get the last stage's ring step of a session lost with the old
+    process before the gateway links it: that failed step is dropped with a warning, not
+    logged as an error (a computed step with nowhere to go still is one)."""
+    export = tiny_export("qwen2", 2)
+    procs, addresses = start_stages(export, tmp_path, stages=[0])
+    try:
+
+        async def push(*steps: pb.Step) -> None:
+            async with grpc.aio.insecure_channel(addresses[0]) as channel:
+                stub = pb_grpc.StageStub(channel)
+                metadata = call_metadata(None, manifest_hash(export))
+
+                async def feed() -> AsyncIterator[pb.StepBatch]:
+                    yield pb.StepBatch(steps=list(steps))
+
+                await stub.Push(feed(), metadata=metadata)
+
+        def wait_log(text: str) -> str:
+            deadline = time.monotonic() + 10
+            while text not in (log := procs[0].log.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return log
+
+        ring_step = pb.Step(
+            session_id="lost", step_id=7, token_ids=[5], num_tokens=1, start_position=4
+        )
+        asyncio.run(push(ring_step))
+        log = wait_log("dropping a failed step of session lost")
+        assert "not linked to a next stage yet; dropping a failed step of session lost" in log
+        assert " ERROR " not in log, log
+        computed = pb.Step(session_id="new", step_id=8, token_ids=[5, 6], num_tokens=2)
+        asyncio.run(push(computed))
+        assert "ERROR stage_node.service: stage 0 is not linked" in wait_log(" ERROR ")
+    finally:
+        stop_all(procs)
+
+
 def test_secret_idle_timeout_and_metrics(tiny_export: ExportFn, tmp_path: Path) -> None:
     import urllib.request
 
