@@ -167,6 +167,31 @@ def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse
     )
 
 
+def gateway_server(app: FastAPI, log_level: str) -> GatewayServer:
+    """uvicorn serving ``app`` (made by :func:`create_app`) on its settings' listen address,
+    over HTTPS when they name a certificate. Warns when that address is open to the network
+    with no API key."""
+    gateway: Gateway = app.state.gateway
+    settings = gateway.settings
+    host, _, port = settings.listen.rpartition(":")
+    if settings.open_to_the_network:
+        log.warning(
+            "listening on %s with no API key: anyone who can reach it can use the model "
+            "(give --api-key, or listen on 127.0.0.1)",
+            settings.listen,
+        )
+    config = uvicorn.Config(
+        app,
+        host=host.strip("[]"),
+        port=int(port),
+        log_level=log_level,
+        access_log=False,
+        ssl_certfile=settings.tls_cert,  # HTTPS when set (both or neither)
+        ssl_keyfile=settings.tls_key,
+    )
+    return GatewayServer(config, gateway)
+
+
 def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None) -> FastAPI:
     secret = settings.secret.get_secret_value() if settings.secret else None
     gateway = Gateway(

@@ -365,28 +365,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from server.app import GatewayServer, create_app
+    from server.app import create_app, gateway_server
     from server.settings import GatewaySettings
     from server.tokenization import keep_torch_out
 
     keep_torch_out()
     overrides = _overrides(args, GatewaySettings)
     settings = _settings(lambda: GatewaySettings.load(args.config, **overrides))
-    host, _, port = settings.listen.rpartition(":")
     logging.getLogger().setLevel(settings.log_level.upper())
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=host.strip("[]"),
-        port=int(port),
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        ssl_certfile=settings.tls_cert,  # HTTPS when set (both or neither)
-        ssl_keyfile=settings.tls_key,
-    )
-    server = GatewayServer(config, app.state.gateway)
+    server = gateway_server(create_app(settings), settings.log_level.lower())
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     return 0 if server.started else 3  # uvicorn's exit status for a failed start
@@ -403,6 +390,12 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exports-dir", type=Path, help="where exports are cached")
     p.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
     p.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the gateway's address (default 127.0.0.1; 0.0.0.0: every interface, with "
+        "--api-key); the stages listen on 127.0.0.1 only",
+    )
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--stage-port", type=int, default=50051, help="first stage's port")
     p.add_argument("--threads", type=int, default=0, help="inference threads per stage")
@@ -452,6 +445,7 @@ def _run_up(args: argparse.Namespace) -> int:
         export=args.export,
         stages=args.stages,
         weights=args.weights,
+        host=args.host,
         port=args.port,
         stage_port=args.stage_port,
         threads=args.threads,

@@ -155,33 +155,22 @@ async def _serve(
     procs: list[subprocess.Popen[bytes]],
     draft: Path | None = None,
 ) -> None:
-    import uvicorn
-
-    from server.app import GatewayServer, create_app
+    from server.app import create_app, gateway_server
     from server.settings import GatewaySettings
 
+    host = f"[{options.host}]" if ":" in options.host else options.host  # IPv6
     settings = GatewaySettings(
         stages=addresses,
-        listen=f"{options.host}:{options.port}",
+        listen=f"{host}:{options.port}",
         api_keys=options.api_keys,  # type: ignore[arg-type]
         draft=draft,
         draft_threads=options.threads,
         speculation_max_users=options.speculation_max_users,
         batching=options.batching,
     )
-    app = create_app(settings)
-    server = GatewayServer(
-        uvicorn.Config(
-            app,
-            host=options.host,
-            port=options.port,
-            log_level="warning",
-            ssl_certfile=settings.tls_cert,  # from PIPESHARD_GATEWAY_TLS_CERT/_KEY, if set
-            ssl_keyfile=settings.tls_key,
-        ),
-        app.state.gateway,
-    )
-    gateway = app.state.gateway
+    # HTTPS with PIPESHARD_GATEWAY_TLS_CERT/_KEY, if set
+    server = gateway_server(create_app(settings), "warning")
+    gateway = server.gateway
 
     async def serve() -> None:
         try:
@@ -202,19 +191,23 @@ async def _serve(
         if server.started and gateway.service is not None and gateway.pipeline.ready:
             break
     if not serving.done():
-        url = f"{settings.scheme}://{options.host}:{options.port}"
+        service = gateway.service
+        assert service is not None
+        url = settings.url
         auth = f" -H 'Authorization: Bearer {options.api_keys[0]}'" if options.api_keys else ""
+        if settings.tls_cert is not None:  # a self-signed certificate is its own CA
+            auth += f" --cacert {settings.tls_cert}"
         speculation = ", speculative decoding with the draft" if draft else ""
-        limit = gateway.service.engine.spec_max_users
+        limit = service.engine.spec_max_users
         if draft and limit:
             speculation += (
                 f" while at most {limit} request{'s decode' if limit > 1 else ' decodes'}"
             )
         print(
-            f"pipeshard is serving {gateway.service.model} on {url} "
+            f"pipeshard is serving {service.model} on {url} "
             f"({len(addresses)} stages{speculation}). Try:\n"
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-            f'    -d \'{{"model": "{gateway.service.model}", "stream": true, '
+            f'    -d \'{{"model": "{service.model}", "stream": true, '
             '"messages": [{"role": "user", "content": "Write a Python hello world."}]}\'\n'
             "Stop with Ctrl-C.",
             flush=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,7 +18,7 @@ from pydantic_settings import (
 
 from server.hosts import stages_here
 from server.scheduler import SchedulerConfig
-from stage_node.settings import check_tls_pair, default_ov_cache
+from stage_node.settings import check_listen, check_tls_pair, default_ov_cache
 
 # Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
 # 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.
@@ -226,6 +227,30 @@ class GatewaySettings(BaseSettings):
     @property
     def scheme(self) -> str:
         return "https" if self.tls_cert is not None else "http"
+
+    @property
+    def url(self) -> str:
+        """Where a client on this machine reaches the gateway (loopback for a wildcard
+        listen address)."""
+        host, _, port = self.listen.rpartition(":")
+        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
+        return f"{self.scheme}://{host}:{port}"
+
+    @property
+    def open_to_the_network(self) -> bool:
+        """Listening beyond loopback with no API key: anyone who reaches the port can use it."""
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if self.api_keys or host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name
+            return True
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        return check_listen(value)
 
     @model_validator(mode="after")
     def _check_tls(self) -> GatewaySettings:

@@ -16,6 +16,15 @@ def default_ov_cache() -> Path:
     return Path.home() / ".cache" / "pipeshard" / "ov-cache"
 
 
+def check_listen(value: str) -> str:
+    """A listen address HOST:PORT (an IPv6 host in brackets: ``[::]:8000``). Raises
+    ValueError."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
+    return value
+
+
 def check_tls_pair(cert: Path | None, key: Path | None) -> None:
     """A certificate and key to serve TLS with: both or neither, and loadable together. A
     wrong path, a file that is not PEM or a key of another certificate is one clear error at
@@ -104,10 +113,7 @@ class StageSettings(BaseSettings):
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
-        host, _, port = value.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
-        return value
+        return check_listen(value)
 
     @model_validator(mode="after")
     def _check_tls(self) -> StageSettings:

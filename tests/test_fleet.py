@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import ExportFn
+from tests.conftest import ExportFn, make_certificates
 from tests.processes import PIPESHARD, free_port
 from tests.tiny_models import CHAT_TEMPLATE, make_model
 
@@ -34,7 +35,28 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def listening(port: int) -> str | None:
+    """The address a socket listens on at ``port`` (from /proc/net/tcp and tcp6, where
+    grpc's IPv4 sockets are v4-mapped), if any."""
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                # 32-bit words in host (little-endian) order
+                words = [address[i : i + 8] for i in range(0, len(address), 8)]
+                raw = b"".join(bytes.fromhex(word)[::-1] for word in words)
+                ip = ipaddress.ip_address(raw)
+                mapped = getattr(ip, "ipv4_mapped", None)
+                return str(mapped or ip)
+    return None
+
+
 def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A fleet on every interface over HTTPS (the certificate from the environment): the
+    banner's curl command works as printed; SIGTERM stops every process."""
+    ca, cert, key = make_certificates(tmp_path / "tls")
+    tls = {"PIPESHARD_GATEWAY_TLS_CERT": str(cert), "PIPESHARD_GATEWAY_TLS_KEY": str(key)}
     source = make_model("llama", tmp_path / "tiny-chat", chat_template=CHAT_TEMPLATE)
     draft = make_model("llama", tmp_path / "tiny-draft", seed=1, chat_template=CHAT_TEMPLATE)
     port, stage_port = free_port(), free_port()
@@ -49,6 +71,8 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
             "2",
             "--weights",
             "fp32",
+            "--host",
+            "0.0.0.0",
             "--port",
             str(port),
             "--stage-port",
@@ -62,7 +86,7 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **tls},
     )
     try:
         deadline = time.monotonic() + 240
@@ -71,20 +95,32 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
             time.sleep(0.2)
         banner = (tmp_path / "up.log").read_text()
-        assert f"http://127.0.0.1:{port}" in banner and "curl -N" in banner
+        url = f"https://127.0.0.1:{port}"
+        assert f"on {url} " in banner and f"--cacert {cert}" in banner
+        curl = banner[banner.index("  curl -N") : banner.index("Stop with Ctrl-C.")]
+        streamed = subprocess.run(
+            ["bash", "-c", curl.replace("curl -N", "curl -sSN --max-time 60")],
+            capture_output=True,
+            text=True,
+        )
+        assert streamed.returncode == 0, streamed.stderr
+        assert streamed.stdout.rstrip().endswith("data: [DONE]"), streamed.stdout
+        assert "listening on 0.0.0.0" in banner and "with no API key" in banner
+        assert listening(port) == "0.0.0.0" and listening(stage_port) == "127.0.0.1"
         assert "speculative decoding with the draft while at most 1 request decodes" in banner
         reply = httpx.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
+            f"{url}/v1/chat/completions",
             json={
                 "model": "tiny-chat",
                 "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 4,
             },
             timeout=60,
+            verify=str(ca),
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        metrics = httpx.get(f"{url}/metrics", verify=str(ca)).text
         assert "pipeshard_gateway_spec_k_count" in metrics
         stage_pids = children(up.pid)
         assert len(stage_pids) == 2

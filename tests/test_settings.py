@@ -50,6 +50,28 @@ def test_bad_settings_are_one_line_errors(
     assert "listen address must be HOST:PORT" in capsys.readouterr().err
     assert main(["serve", "--stages", "h:1", "--no-batching", "--micro-batch-groups", "2"]) == 2
     assert "do not go together" in capsys.readouterr().err
+    for listen in ("8000", "localhost", "h:99999"):
+        assert main(["serve", "--stages", "h:1", "--listen", listen]) == 2
+        assert "listen address must be HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_gateway_says_where_it_is_and_whether_it_is_open() -> None:
+    """settings.url is where a client here reaches the gateway; open_to_the_network is a
+    listen address beyond loopback with no API key (serve and up warn about it)."""
+    cases = [
+        ("127.0.0.1:8000", "http://127.0.0.1:8000", False),
+        ("localhost:8000", "http://localhost:8000", False),
+        ("[::1]:8000", "http://[::1]:8000", False),
+        ("0.0.0.0:8000", "http://127.0.0.1:8000", True),
+        ("[::]:9000", "http://[::1]:9000", True),
+        ("192.168.1.20:8000", "http://192.168.1.20:8000", True),
+        ("gateway.lan:8000", "http://gateway.lan:8000", True),
+    ]
+    for listen, url, open_ in cases:
+        settings = GatewaySettings(stages=["h:1"], listen=listen)
+        assert (settings.url, settings.open_to_the_network) == (url, open_), listen
+        keyed = GatewaySettings(stages=["h:1"], listen=listen, api_keys=["k"])
+        assert not keyed.open_to_the_network
 
 
 def test_no_batching_gives_every_running_request_a_group_of_its_own() -> None:
