@@ -93,6 +93,14 @@ class Gateway:
     service: CompletionService | None = None
     created: int = 0
     start_error: str | None = None  # why the start failed (a stage missing, a bad draft)
+    starting: asyncio.Future[Any] | None = None  # the start, while it runs
+
+    def abort_start(self, reason: str) -> None:
+        """End a start still in progress as a failed one, for ``reason`` (`pipeshard up`: a
+        stage process it started has exited)."""
+        if self.starting is not None and not self.starting.done():
+            self.start_error = reason
+            self.starting.cancel()
 
 
 class StartFailed(Exception):
@@ -211,12 +219,18 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gateway.starting = asyncio.ensure_future(start())
         try:
-            engine, model, stages = await start()
+            engine, model, stages = await gateway.starting
         except (PipelineError, ValueError) as exc:
             gateway.start_error = str(exc)
             log.error("cannot start: %s", exc)
             raise StartFailed(str(exc)) from None
+        except asyncio.CancelledError:
+            if gateway.start_error is None:  # the lifespan itself is cancelled
+                raise
+            log.error("cannot start: %s", gateway.start_error)
+            raise StartFailed(gateway.start_error) from None
         log.info("serving %s over %d stage(s)", model, stages)
         yield
         await engine.close()

@@ -9,6 +9,7 @@ stage processes are tied to this one (they get SIGTERM if it dies), so none is l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import signal
@@ -17,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from stage_node.settings import bind_problem
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -103,6 +106,22 @@ def ensure_export(options: FleetOptions) -> Path:
     return out
 
 
+def check_ports_free(options: FleetOptions, stages: int) -> None:
+    """Raise ValueError naming the option to change when the gateway's port or a stage's is
+    taken (another fleet, most likely) or the gateway's host is not this machine's."""
+    wanted = [(options.host, options.port, "--port")]
+    wanted += [("127.0.0.1", options.stage_port + i, "--stage-port") for i in range(stages)]
+    for host, port, option in wanted:
+        problem = bind_problem(host, port)
+        if problem == "address already in use":
+            raise ValueError(
+                f"cannot listen on port {port} of {host}: {problem} (another pipeshard up?); "
+                f"choose another with {option}"
+            )
+        if problem is not None:
+            raise ValueError(f"cannot listen on {host}: {problem} (see --host)")
+
+
 def start_stages(export: Path, options: FleetOptions, count: int) -> list[subprocess.Popen[bytes]]:
     procs = []
     for index in range(count):
@@ -184,10 +203,23 @@ async def _serve(
     serving = asyncio.create_task(serve())
     while not serving.done():
         await asyncio.sleep(0.2)
-        dead = [p.args for p in procs if p.poll() is not None]
+        dead = [i for i, p in enumerate(procs) if p.poll() is not None]
         if dead:
+            index = dead[0]
+            where = (
+                f"its log: {options.log_dir / f'stage-{index}.log'}"
+                if options.log_dir is not None
+                else "see its log above"
+            )
+            why = (
+                f"stage {index} exited during start-up (exit status {procs[index].returncode}; "
+                f"{where})"
+            )
             server.should_exit = True
-            raise RuntimeError(f"a stage process exited during start-up: {dead[0]!r}")
+            gateway.abort_start(why)  # the gateway's start ends cleanly, as a failed one
+            with contextlib.suppress(ValueError):
+                await serving
+            raise ValueError(why)
         if server.started and gateway.service is not None and gateway.pipeline.ready:
             break
     if not serving.done():
@@ -220,6 +252,9 @@ def run_fleet(options: FleetOptions) -> int:
     from server.tokenization import keep_torch_out
 
     keep_torch_out()  # this process is the gateway: no torch (exports run in a child)
+    # before an export of minutes and the stages' compiles: a port in use fails at once
+    count = load_manifest(options.export).num_stages if options.export else options.stages
+    check_ports_free(options, count)
     export = ensure_export(options)
     manifest = load_manifest(export)
     procs = start_stages(export, options, manifest.num_stages)

@@ -21,7 +21,7 @@ from stage_node.metrics import StageMetrics
 from stage_node.paged import GIB, PagedRunner, PagedStep
 from stage_node.runner import RunnerOptions, ShardRunner
 from stage_node.service import StageService
-from stage_node.settings import StageSettings, pin_process
+from stage_node.settings import StageSettings, bind_problem, pin_process
 
 log = logging.getLogger(__name__)
 
@@ -139,24 +139,39 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     metrics = StageMetrics()
     if settings.metrics_port is not None:
         # With a certificate, /metrics is served over HTTPS with it too.
-        start_http_server(
-            settings.metrics_port,
-            registry=metrics.registry,
-            certfile=str(settings.tls_cert) if settings.tls_cert else None,
-            keyfile=str(settings.tls_key) if settings.tls_key else None,
-        )
+        try:
+            start_http_server(
+                settings.metrics_port,
+                registry=metrics.registry,
+                certfile=str(settings.tls_cert) if settings.tls_cert else None,
+                keyfile=str(settings.tls_key) if settings.tls_key else None,
+            )
+        except OSError as exc:
+            raise ValueError(
+                f"cannot serve metrics on port {settings.metrics_port}: {str(exc.strerror).lower()}"
+            ) from None
 
     secret = settings.secret.get_secret_value() if settings.secret else None
-    server = grpc.aio.server(interceptors=[StageGuard(secret, digest)], options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(
+        interceptors=[StageGuard(secret, digest)],
+        # gRPC's default SO_REUSEPORT would let a second stage (another fleet, an old process
+        # that has not exited) bind the same port and take a share of the connections
+        options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+    )
     service = StageService(runner, settings, metrics, digest, manifest_json)
     pb_grpc.add_StageServicer_to_server(service, server)
     credentials = _server_credentials(settings)
-    if credentials is None:
-        port = server.add_insecure_port(settings.listen)
-    else:
-        port = server.add_secure_port(settings.listen, credentials)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(settings.listen)
+        else:
+            port = server.add_secure_port(settings.listen, credentials)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise ValueError(f"cannot listen on {settings.listen}")
+        host, _, number = settings.listen.rpartition(":")
+        why = bind_problem(host, int(number)) or "gRPC refused the address"
+        raise ValueError(f"cannot listen on {settings.listen}: {why}")
     await server.start()
     stage = runner.stage
     log.info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import ssl
 from pathlib import Path
 from typing import Literal
@@ -23,6 +24,23 @@ def check_listen(value: str) -> str:
     if not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
     return value
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a server cannot listen on ``host:port`` (``address already in use``, ...), as the
+    operating system says it; None when it can. Binds as the servers do (SO_REUSEADDR: a
+    port left in TIME_WAIT by a process just stopped is free)."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except socket.gaierror as exc:
+            return f"unknown host {host!r} ({exc.strerror})"
+        except OSError as exc:
+            return str(exc.strerror).lower()
+    return None
 
 
 def check_tls_pair(cert: Path | None, key: Path | None) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -161,17 +162,9 @@ def test_up_reports_a_failed_export_and_starts_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "exports" / "broken-model-2stage-int4" / "manifest.json").exists()
 
 
-def test_up_reports_a_gateway_that_cannot_start_and_stops_its_stages(
-    tiny_export: ExportFn, tmp_path: Path
-) -> None:
-    """An export whose draft folder holds no export: the stages start, the gateway cannot;
-    `up` says why in one line, exits 2 and leaves no stage running."""
-    export = tmp_path / "export"
-    shutil.copytree(tiny_export("llama", 2), export)
-    manifest = json.loads((export / "manifest.json").read_text())
-    manifest["draft"] = {"directory": "draft", "model_id": "gone", "manifest_sha256": "0" * 64}
-    (export / "manifest.json").write_text(json.dumps(manifest))
-    (export / "draft").mkdir()
+def up_watching_stages(export: Path, logs: Path) -> tuple[int, str, set[int]]:
+    """Run `pipeshard up --export` until it exits: its status, its output and the stage
+    processes it started."""
     up = subprocess.Popen(
         [
             PIPESHARD,
@@ -183,7 +176,7 @@ def test_up_reports_a_gateway_that_cannot_start_and_stops_its_stages(
             "--stage-port",
             str(free_port()),
             "--log-dir",
-            str(tmp_path / "logs"),
+            str(logs),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -198,11 +191,107 @@ def test_up_reports_a_gateway_that_cannot_start_and_stops_its_stages(
                     stage_pids.add(pid)
         time.sleep(0.05)
     out, err = up.communicate(timeout=60)
-    assert up.returncode == 2, out + err
-    assert "pipeshard up: error: the gateway did not start: " in err, err
-    assert "not a pipeshard export folder" in err and "Traceback" not in out + err, out + err
+    return up.returncode, out + err, stage_pids
+
+
+def test_up_reports_a_gateway_that_cannot_start_and_stops_its_stages(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """An export whose draft folder holds no export: the stages start, the gateway cannot;
+    `up` says why in one line, exits 2 and leaves no stage running."""
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export("llama", 2), export)
+    manifest = json.loads((export / "manifest.json").read_text())
+    manifest["draft"] = {"directory": "draft", "model_id": "gone", "manifest_sha256": "0" * 64}
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    (export / "draft").mkdir()
+    code, output, stage_pids = up_watching_stages(export, tmp_path / "logs")
+    assert code == 2, output
+    assert "pipeshard up: error: the gateway did not start: " in output, output
+    assert "not a pipeshard export folder" in output and "Traceback" not in output, output
     assert len(stage_pids) == 2
     assert not [pid for pid in stage_pids if alive(pid)]
+
+
+def test_up_reports_a_stage_that_exits_while_starting(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """Stage 1's weights are gone: it exits while the gateway waits for it; `up` names the
+    stage and its log in one line (the gateway's start ends as a failed one, no traceback),
+    exits 2 and stops stage 0."""
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export("llama", 2), export)
+    for weights in (export / "stage-1").glob("*.bin"):
+        weights.unlink()
+    code, output, stage_pids = up_watching_stages(export, tmp_path / "logs")
+    assert code == 2, output
+    log = tmp_path / "logs" / "stage-1.log"
+    why = f"stage 1 exited during start-up (exit status 1; its log: {log})"
+    assert f"pipeshard up: error: {why}" in output, output
+    assert "Traceback" not in output, output
+    assert "Traceback" in log.read_text()  # the stage's own reason is in its log
+    assert len(stage_pids) == 2
+    assert not [pid for pid in stage_pids if alive(pid)]
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """Another fleet holds the gateway's port, or a stage's: `up` says which option to
+    change, at once (no stage started); so does a gateway host that is not this machine's.
+    A stage started on a port another stage holds exits with the reason instead of sharing
+    the port (gRPC's default SO_REUSEPORT would let it)."""
+    export = tiny_export("llama", 2)
+    with socket.socket() as taken:
+        # as a gRPC server binds (SO_REUSEPORT): a second one could share the port
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        in_use = f"cannot listen on port {port} of 127.0.0.1: address already in use"
+        cases = [
+            (
+                ["--port", str(port)],
+                f"{in_use} (another pipeshard up?); choose another with --port",
+            ),
+            (
+                ["--port", str(free_port()), "--stage-port", str(port - 1)],
+                "choose another with --stage-port",
+            ),
+            (
+                ["--host", "192.0.2.1"],
+                "cannot listen on 192.0.2.1: cannot assign requested address",
+            ),
+        ]
+        for flags, message in cases:
+            up = subprocess.run(
+                [PIPESHARD, "up", "--export", str(export), *flags],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert up.returncode == 2 and message in up.stderr, up.stderr
+            assert "stage 0" not in up.stdout + up.stderr  # no stage was started
+        stage = subprocess.run(
+            [
+                PIPESHARD,
+                "stage",
+                "--shards",
+                str(export),
+                "--stage",
+                "0",
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert stage.returncode == 2, stage.stderr
+    assert (
+        f"pipeshard stage: error: cannot listen on 127.0.0.1:{port}: address already in use"
+        in stage.stderr
+    )
 
 
 def test_startup_benchmark_times_up_to_serving(tiny_export: ExportFn, tmp_path: Path) -> None:
