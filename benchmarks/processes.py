@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -49,10 +50,22 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_port(count: int = 1) -> int:
+    """A port on 127.0.0.1 that is free now, and the ``count - 1`` after it too (for
+    `pipeshard up --stage-port`, whose stages take consecutive ports)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = int(sock.getsockname()[1])
+            if base + count > 65536:
+                continue
+            with contextlib.ExitStack() as held:
+                try:
+                    for port in range(base + 1, base + count):
+                        held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return base
 
 
 @dataclass

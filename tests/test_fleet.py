@@ -60,7 +60,7 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
     tls = {"PIPESHARD_GATEWAY_TLS_CERT": str(cert), "PIPESHARD_GATEWAY_TLS_KEY": str(key)}
     source = make_model("llama", tmp_path / "tiny-chat", chat_template=CHAT_TEMPLATE)
     draft = make_model("llama", tmp_path / "tiny-draft", seed=1, chat_template=CHAT_TEMPLATE)
-    port, stage_port = free_port(), free_port()
+    port, stage_port = free_port(), free_port(2)
     log = (tmp_path / "up.log").open("wb")
     up = subprocess.Popen(
         [
@@ -149,7 +149,7 @@ def test_up_reports_a_failed_export_and_starts_nothing(tmp_path: Path) -> None:
             "--port",
             str(free_port()),
             "--stage-port",
-            str(free_port()),
+            str(free_port(2)),
         ],
         capture_output=True,
         text=True,
@@ -174,7 +174,7 @@ def up_watching_stages(export: Path, logs: Path) -> tuple[int, str, set[int]]:
             "--port",
             str(free_port()),
             "--stage-port",
-            str(free_port()),
+            str(free_port(2)),
             "--log-dir",
             str(logs),
         ],
@@ -300,7 +300,7 @@ def test_startup_benchmark_times_up_to_serving(tiny_export: ExportFn, tmp_path: 
     port = free_port()
     command = (
         f"{PIPESHARD} up --export {tiny_export('llama', 2)} --port {port} "
-        f"--stage-port {free_port()}"
+        f"--stage-port {free_port(2)}"
     )
     args = ["--variant", f"tiny={command}", "--rounds", "1", "--port", str(port)]
     assert startup([*args, "--out", str(tmp_path), "--name", "startup"]) == 0
