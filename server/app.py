@@ -54,6 +54,7 @@ from server.speculative import DraftProposer, NgramProposer, Proposer
 from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from server.tokenization import codec_from_files, load_codec
 from stage_node.runner import RunnerOptions
+from stage_node.settings import bind_problem
 
 log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -177,11 +178,17 @@ def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse
 
 def gateway_server(app: FastAPI, log_level: str) -> GatewayServer:
     """uvicorn serving ``app`` (made by :func:`create_app`) on its settings' listen address,
-    over HTTPS when they name a certificate. Warns when that address is open to the network
-    with no API key."""
+    over HTTPS when they name a certificate. Raises ValueError when the address cannot be
+    listened on (in use, not this machine's); warns when it is open to the network with no
+    API key."""
     gateway: Gateway = app.state.gateway
     settings = gateway.settings
     host, _, port = settings.listen.rpartition(":")
+    # uvicorn binds only after the start (the stages, up to start_timeout; the draft): a port
+    # in use would be found minutes late
+    problem = bind_problem(host, int(port))
+    if problem is not None:
+        raise ValueError(f"cannot listen on {settings.listen}: {problem}")
     if settings.open_to_the_network:
         log.warning(
             "listening on %s with no API key: anyone who can reach it can use the model "

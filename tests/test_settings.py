@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,13 @@ def test_bad_settings_are_one_line_errors(
     for listen in ("8000", "localhost", "h:99999"):
         assert main(["serve", "--stages", "h:1", "--listen", listen]) == 2
         assert "listen address must be HOST:PORT" in capsys.readouterr().err
+    # a port in use is found before the start (which would wait for the stages first)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        assert main(["serve", "--stages", "h:1", "--listen", listen, "--start-timeout", "5"]) == 2
+    assert f"cannot listen on {listen}: address already in use" in capsys.readouterr().err
 
 
 def test_the_gateway_says_where_it_is_and_whether_it_is_open() -> None:
