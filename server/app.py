@@ -54,7 +54,7 @@ from server.speculative import DraftProposer, NgramProposer, Proposer
 from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from server.tokenization import codec_from_files, load_codec
 from stage_node.runner import RunnerOptions
-from stage_node.settings import bind_problem
+from stage_node.settings import bind_problem, split_listen
 
 log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -183,10 +183,10 @@ def gateway_server(app: FastAPI, log_level: str) -> GatewayServer:
     API key."""
     gateway: Gateway = app.state.gateway
     settings = gateway.settings
-    host, _, port = settings.listen.rpartition(":")
+    host, port = split_listen(settings.listen)
     # uvicorn binds only after the start (the stages, up to start_timeout; the draft): a port
     # in use would be found minutes late
-    problem = bind_problem(host, int(port))
+    problem = bind_problem(host, port)
     if problem is not None:
         raise ValueError(f"cannot listen on {settings.listen}: {problem}")
     if settings.open_to_the_network:
@@ -197,8 +197,8 @@ def gateway_server(app: FastAPI, log_level: str) -> GatewayServer:
         )
     config = uvicorn.Config(
         app,
-        host=host.strip("[]"),
-        port=int(port),
+        host=host,
+        port=port,
         log_level=log_level,
         access_log=False,
         ssl_certfile=settings.tls_cert,  # HTTPS when set (both or neither)

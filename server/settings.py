@@ -18,7 +18,7 @@ from pydantic_settings import (
 
 from server.hosts import stages_here
 from server.scheduler import SchedulerConfig
-from stage_node.settings import check_listen, check_tls_pair, default_ov_cache
+from stage_node.settings import check_listen, check_tls_pair, default_ov_cache, split_listen
 
 # Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
 # 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.
@@ -239,7 +239,7 @@ class GatewaySettings(BaseSettings):
     @property
     def open_to_the_network(self) -> bool:
         """Listening beyond loopback with no API key: anyone who reaches the port can use it."""
-        host = self.listen.rpartition(":")[0].strip("[]")
+        host = split_listen(self.listen)[0]
         if self.api_keys or host == "localhost":
             return False
         try:

@@ -21,7 +21,7 @@ from stage_node.metrics import StageMetrics
 from stage_node.paged import GIB, PagedRunner, PagedStep
 from stage_node.runner import RunnerOptions, ShardRunner
 from stage_node.service import StageService
-from stage_node.settings import StageSettings, bind_problem, pin_process
+from stage_node.settings import StageSettings, bind_problem, pin_process, split_listen
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     except RuntimeError:
         port = 0
     if port == 0:
-        host, _, number = settings.listen.rpartition(":")
-        why = bind_problem(host, int(number)) or "gRPC refused the address"
+        why = bind_problem(*split_listen(settings.listen)) or "gRPC refused the address"
         raise ValueError(f"cannot listen on {settings.listen}: {why}")
     await server.start()
     stage = runner.stage

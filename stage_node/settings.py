@@ -17,12 +17,18 @@ def default_ov_cache() -> Path:
     return Path.home() / ".cache" / "pipeshard" / "ov-cache"
 
 
-def check_listen(value: str) -> str:
-    """A listen address HOST:PORT (an IPv6 host in brackets: ``[::]:8000``). Raises
-    ValueError."""
+def split_listen(value: str) -> tuple[str, int]:
+    """A listen address HOST:PORT (an IPv6 host in brackets: ``[::]:8000``) as (host without
+    brackets, port). Raises ValueError."""
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def check_listen(value: str) -> str:
+    """``value`` when it is a listen address HOST:PORT (see split_listen)."""
+    split_listen(value)
     return value
 
 
