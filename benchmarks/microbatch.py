@@ -1,18 +1,20 @@
 """Micro-batching: 1, 2, 4 and 8 concurrent users on 2 stages vs monolithic openvino-genai.
 
 Setup (stated in the report):
-  - 2 `pipeshard stage` processes on loopback, stage k pinned to core k (taskset) with 1
-    inference thread each, hidden states in fp16 (the default);
+  - 2 `pipeshard stage` processes on loopback, stage k pinned to the k-th of ``--stage-cores``
+    (taskset; default 0,1) with 1 inference thread each, hidden states in fp16 (the default);
   - the gateway (`pipeshard serve`, its own process) and the streaming HTTP clients (threads
     in this process) are not pinned: they share both cores with the stages (``--gateway-cores``
     pins them, e.g. to the lighter last stage's core);
   - every user streams a chat completion of ``--tokens`` tokens (end-of-sequence suppressed
     with logit_bias so all lengths are equal), each with its own prompt, greedy;
   - baseline: openvino-genai LLMPipeline on the optimum-cli int4 export of the same model,
-    one user, pinned to core 0 with 1 thread, loaded once in a process of its own
+    one user, pinned to stage 0's core with 1 thread, loaded once in a process of its own
     (benchmarks/workers.py's genai-repeat), measured before each user count of every round and
-    after the last; each time followed by two such copies decoding at once, one per core (what
-    the two cores give together, see :class:`Baselines`).
+    after the last; each time followed by two such copies decoding at once, one on each stage's
+    core (what the two cores give together, see :class:`Baselines`). A stand-in export and
+    baseline (benchmarks/stand_in.py: the real graphs, random weights) are timed alike and
+    named so in the report.
 
 Per user count: aggregate decode tok/s (tokens that arrived while every user was decoding,
 over that window), end-to-end tok/s (all tokens over first request to last token), time to
@@ -47,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.latency_proxy import delay_stages  # noqa: E402
 from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
 from benchmarks.report import save  # noqa: E402
+from benchmarks.stand_in import is_stand_in, stand_in_label  # noqa: E402
 from benchmarks.suite.stats import fmt, ratios  # noqa: E402
 
 TOPICS = [
@@ -220,14 +224,12 @@ class Baselines:
     arrangement, pipelined stages included. Both copies load once (benchmarks/workers.py's
     genai-repeat)."""
 
-    def __init__(self, model_dir: Path, tokens: int) -> None:
+    def __init__(self, model_dir: Path, tokens: int, cores: Sequence[str] = ("0", "1")) -> None:
         from benchmarks.workers import Repeater
 
-        cores = os.cpu_count() or 1
         props = {"INFERENCE_PRECISION_HINT": "f32"}
         self.copies = [
-            Repeater(model_dir, cores=str(core % cores), tokens=tokens, props=props)
-            for core in (0, 1)
+            Repeater(model_dir, cores=core, tokens=tokens, props=props) for core in cores[:2]
         ]
         self.alone: list[float] = []
         self.together: list[float] = []
@@ -417,6 +419,12 @@ def main() -> int:
         help="one-way latency added per hop (a proxy in front of every stage, as a network)",
     )
     p.add_argument(
+        "--stage-cores",
+        default="0,1",
+        help="the cores of stage 0 and stage 1 (taskset), one each, e.g. 0,8 where cores 0 and "
+        "1 are hyper-threads of one physical core; the baseline's copies run on the same cores",
+    )
+    p.add_argument(
         "--gateway-cores",
         help="pin the gateways (taskset) and the HTTP clients to these cores, e.g. 1 (the last "
         "stage's core, whose stage is the lighter one); default: unpinned",
@@ -433,13 +441,22 @@ def main() -> int:
 
     manifest = load_manifest(opts.export)
     logs = Path(tempfile.mkdtemp(prefix="microbatch-"))
-    mono = None if opts.no_baseline else Baselines(opts.baseline_dir / "optimum", opts.tokens)
+    stage_cores = [c for c in opts.stage_cores.split(",") if c]
+    if len(stage_cores) < 2:
+        p.error("--stage-cores: two cores, e.g. 0,1")
+    mono = (
+        None
+        if opts.no_baseline
+        else Baselines(opts.baseline_dir / "optimum", opts.tokens, stage_cores)
+    )
     procs: list[Proc] = []
     gateways: dict[str, tuple[Proc, str]] = {}
     rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
     stop_proxies = lambda: None  # noqa: E731
     try:
-        procs, addresses, metric_ports = start_pinned_stages(opts.export, logs, metrics=True)
+        procs, addresses, metric_ports = start_pinned_stages(
+            opts.export, logs, metrics=True, cores=stage_cores
+        )
         if opts.delay_ms > 0:
             addresses, stop_proxies = delay_stages(addresses, opts.delay_ms / 1000)
         for system in systems:
@@ -516,12 +533,14 @@ def main() -> int:
     ]
 
     stages_desc = ", ".join(
-        f"stage {s.index} layers {s.span(manifest.model.intermediate_size)} on core {s.index % 2}"
+        f"stage {s.index} layers {s.span(manifest.model.intermediate_size)} "
+        f"on core {stage_cores[s.index % len(stage_cores)]}"
         + (f" ({padding[s.index]})" if s.index < len(padding) else "")
         for s in manifest.stages
     )
     lines = [
-        f"Real {manifest.model.model_id}, export {opts.export.name}, {manifest.num_stages} stage "
+        f"{stand_in_label(opts.export, manifest.model.model_id)}, export {opts.export.name}, "
+        f"{manifest.num_stages} stage "
         f"processes ({stages_desc}), 1 inference thread each, the stages' defaults (paged KV, "
         f"batch invariance on, fp16 hidden states).",
         "Systems, one gateway each over the same stage processes, measured side by side (each "
@@ -546,7 +565,9 @@ def main() -> int:
     ]
     if bases:
         lines.append(
-            "Baseline: openvino-genai LLMPipeline (optimum-cli int4 export), 1 user, core 0, "
+            "Baseline: openvino-genai LLMPipeline (optimum-cli int4 export"
+            f"{', a stand-in too' if is_stand_in(opts.baseline_dir / 'optimum') else ''}), 1 user, "
+            f"core {stage_cores[0]}, "
             f"1 thread, f32, loaded once and measured before every user count of every round "
             f"and after the last: median {base:.2f} tok/s [{min(bases):.2f}, {max(bases):.2f}]. "
             "Each result is divided by the mean of the baselines right before and after it; "
@@ -555,7 +576,8 @@ def main() -> int:
     if pairs:
         lines.append(
             "Ceiling of this machine: two monolithic copies decoding at the same time, one on "
-            "each core, 1 thread each, measured right after every baseline: median "
+            f"each stage's core ({', '.join(stage_cores[:2])}), 1 thread each, measured right "
+            "after every baseline: median "
             f"{statistics.median(pairs):.2f} tok/s, {fmt(ratios(pairs, bases), 2, 'x')} the "
             "single copy measured just before it. "
             "The column 'vs two copies' divides each result by the mean of the two-copy "
