@@ -108,6 +108,13 @@ def warm_up(runner: ShardRunner | PagedRunner) -> None:
 
 
 async def serve(settings: StageSettings, ready: Callable[[int], None] | None = None) -> None:
+    # A port in use fails at once, before loading and compiling the shard (seconds to
+    # minutes) and before gRPC logs its own error; add_port below stays the authority.
+    listen_host, listen_port = split_listen(settings.listen)
+    if listen_port and (why := bind_problem(listen_host, listen_port)):
+        raise ValueError(f"cannot listen on {settings.listen}: {why}")
+    if settings.metrics_port and (why := bind_problem("0.0.0.0", settings.metrics_port)):
+        raise ValueError(f"cannot serve metrics on port {settings.metrics_port}: {why}")
     cpus = settings.cpu_list()
     if cpus:
         pin_process(cpus)

@@ -61,6 +61,16 @@ def test_bad_settings_are_one_line_errors(
         listen = f"127.0.0.1:{taken.getsockname()[1]}"
         assert main(["serve", "--stages", "h:1", "--listen", listen, "--start-timeout", "5"]) == 2
     assert f"cannot listen on {listen}: address already in use" in capsys.readouterr().err
+    # so is a stage's metrics port, before its shard is loaded (there is none here)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        stage = ["stage", "--shards", str(tmp_path), "--stage", "0"]
+        assert main([*stage, "--listen", "127.0.0.1:0", "--metrics-port", str(port)]) == 2
+    assert f"cannot serve metrics on port {port}: address already in use" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_gateway_says_where_it_is_and_whether_it_is_open() -> None:
