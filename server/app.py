@@ -54,7 +54,7 @@ from server.speculative import DraftProposer, NgramProposer, Proposer
 from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from server.tokenization import codec_from_files, load_codec
 from stage_node.runner import RunnerOptions
-from stage_node.settings import bind_problem, split_listen
+from stage_node.settings import check_can_listen, split_listen
 
 log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -186,9 +186,7 @@ def gateway_server(app: FastAPI, log_level: str) -> GatewayServer:
     host, port = split_listen(settings.listen)
     # uvicorn binds only after the start (the stages, up to start_timeout; the draft): a port
     # in use would be found minutes late
-    problem = bind_problem(host, port)
-    if problem is not None:
-        raise ValueError(f"cannot listen on {settings.listen}: {problem}")
+    check_can_listen(settings.listen)
     if settings.open_to_the_network:
         log.warning(
             "listening on %s with no API key: anyone who can reach it can use the model "

@@ -21,7 +21,7 @@ from stage_node.metrics import StageMetrics
 from stage_node.paged import GIB, PagedRunner, PagedStep
 from stage_node.runner import RunnerOptions, ShardRunner
 from stage_node.service import StageService
-from stage_node.settings import StageSettings, bind_problem, pin_process, split_listen
+from stage_node.settings import StageSettings, bind_problem, check_can_listen, pin_process
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,7 @@ def warm_up(runner: ShardRunner | PagedRunner) -> None:
 async def serve(settings: StageSettings, ready: Callable[[int], None] | None = None) -> None:
     # A port in use fails at once, before loading and compiling the shard (seconds to
     # minutes) and before gRPC logs its own error; add_port below stays the authority.
-    listen_host, listen_port = split_listen(settings.listen)
-    if listen_port and (why := bind_problem(listen_host, listen_port)):
-        raise ValueError(f"cannot listen on {settings.listen}: {why}")
+    check_can_listen(settings.listen)
     if settings.metrics_port and (why := bind_problem("0.0.0.0", settings.metrics_port)):
         raise ValueError(f"cannot serve metrics on port {settings.metrics_port}: {why}")
     cpus = settings.cpu_list()
@@ -176,8 +174,8 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     except RuntimeError:
         port = 0
     if port == 0:
-        why = bind_problem(*split_listen(settings.listen)) or "gRPC refused the address"
-        raise ValueError(f"cannot listen on {settings.listen}: {why}")
+        check_can_listen(settings.listen)
+        raise ValueError(f"cannot listen on {settings.listen}: gRPC refused the address")
     await server.start()
     stage = runner.stage
     log.info(

@@ -49,6 +49,15 @@ def bind_problem(host: str, port: int) -> str | None:
     return None
 
 
+def check_can_listen(listen: str) -> None:
+    """Raise ValueError ("cannot listen on HOST:PORT: why") when a server cannot listen on
+    ``listen`` (see bind_problem); port 0, any free port, always can."""
+    host, port = split_listen(listen)
+    problem = bind_problem(host, port) if port else None
+    if problem is not None:
+        raise ValueError(f"cannot listen on {listen}: {problem}")
+
+
 def check_tls_pair(cert: Path | None, key: Path | None) -> None:
     """A certificate and key to serve TLS with: both or neither, and loadable together. A
     wrong path, a file that is not PEM or a key of another certificate is one clear error at
