@@ -33,7 +33,7 @@ gateway, as before the ring decoded on its own); ``batched-stepped`` (``--ring-d
 
 Usage: python benchmarks/microbatch.py [--export DIR] [--users 1,2,4,8] [--tokens 64]
        [--rounds 2] [--systems batched,unbatched,stepped] [--no-baseline] [--delay-ms D]
-       [--gateway-cores CPUS]
+       [--gateway-cores CPUS] [--stage-cores 0,1] [--stage-flags='--kv-backend stateful']
 Writes benchmarks/results/microbatch-<date>.{json,md,png}.
 """
 
@@ -44,6 +44,7 @@ import contextlib
 import itertools
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -390,11 +391,15 @@ def targets(rows: list[dict[str, Any]], base: float) -> list[str]:
 
 
 def stage_padding(logs: Path) -> list[str]:
-    """What each stage's log says about padding one-row calls (batch invariance at load)."""
+    """What each stage's log says about padding one-row calls (batch invariance at load), or
+    that it runs the stateful backend (no block pool, nothing padded)."""
     out = []
     for log in sorted(logs.glob("stage-*.log")):
         text = log.read_text(errors="replace")
-        out.append("pads one-row calls" if "padded to two" in text else "does not pad")
+        if "paged KV:" not in text:
+            out.append("stateful KV")
+        else:
+            out.append("pads one-row calls" if "padded to two" in text else "does not pad")
     return out
 
 
@@ -429,6 +434,12 @@ def main() -> int:
         help="pin the gateways (taskset) and the HTTP clients to these cores, e.g. 1 (the last "
         "stage's core, whose stage is the lighter one); default: unpinned",
     )
+    p.add_argument(
+        "--stage-flags",
+        default="",
+        help="more `pipeshard stage` flags for both stages (stated in the report), e.g. "
+        "--stage-flags='--kv-backend stateful'; default: the stages' defaults",
+    )
     opts = p.parse_args()
     user_counts = [int(u) for u in opts.users.split(",")]
     systems = [s for s in opts.systems.split(",") if s]
@@ -455,7 +466,7 @@ def main() -> int:
     stop_proxies = lambda: None  # noqa: E731
     try:
         procs, addresses, metric_ports = start_pinned_stages(
-            opts.export, logs, metrics=True, cores=stage_cores
+            opts.export, logs, metrics=True, cores=stage_cores, extra=shlex.split(opts.stage_flags)
         )
         if opts.delay_ms > 0:
             addresses, stop_proxies = delay_stages(addresses, opts.delay_ms / 1000)
@@ -541,8 +552,12 @@ def main() -> int:
     lines = [
         f"{stand_in_label(opts.export, manifest.model.model_id)}, export {opts.export.name}, "
         f"{manifest.num_stages} stage "
-        f"processes ({stages_desc}), 1 inference thread each, the stages' defaults (paged KV, "
-        f"batch invariance on, fp16 hidden states).",
+        f"processes ({stages_desc}), 1 inference thread each, "
+        + (
+            f"flags `{opts.stage_flags}`, otherwise the stages' defaults."
+            if opts.stage_flags.strip()
+            else "the stages' defaults (paged KV, batch invariance on, fp16 hidden states)."
+        ),
         "Systems, one gateway each over the same stage processes, measured side by side (each "
         "user count on every system in turn, round after round): "
         + "; ".join(

@@ -261,6 +261,9 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     text = report.read_text()
     assert text.startswith("Command: `python ") and "--no-batching" in text
     rows = json.loads(data.read_text())["rows"]
+    assert "the stages' defaults (paged KV, batch invariance on" in text
+    padding = json.loads(data.read_text())["stage_padding"]
+    assert len(padding) == 2 and set(padding) <= {"pads one-row calls", "does not pad"}
     assert [(r["system"], r["users"]) for r in rows] == [
         ("batched", 1), ("batched", 2), ("unbatched", 1), ("unbatched", 2),
         ("stepped", 1), ("stepped", 2),
@@ -285,6 +288,28 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     # without a baseline the ratio columns say so instead of showing numbers
     assert "| vs two copies [min, max] |" in text and "| n/a |" in text
     assert all(r["vs_monolithic"] != r["vs_monolithic"] for r in rows)  # NaN: no baseline
+
+
+def test_microbatch_benchmark_passes_stage_flags_and_states_them(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """``--stage-flags`` reaches both stage processes (their logs show the stateful backend,
+    without the paged block pool) and the report says which flags the stages ran with."""
+    assert fleet.export is not None
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "microbatch.py"
+    subprocess.run(
+        [sys.executable, str(script), "--export", str(fleet.export), "--no-baseline",
+         "--users", "1", "--tokens", "4", "--rounds", "1", "--results", str(tmp_path),
+         "--systems", "unbatched", "--stage-flags=--kv-backend stateful"],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    text = next(tmp_path.glob("microbatch-*.md")).read_text()
+    data = json.loads(next(tmp_path.glob("microbatch-*.json")).read_text())
+    assert "1 inference thread each, flags `--kv-backend stateful`, otherwise" in text
+    assert "paged KV" not in text
+    assert data["stage_padding"] == ["stateful KV", "stateful KV"]
+    assert data["options"]["stage_flags"] == "--kv-backend stateful"
+    assert [(r["system"], r["users"]) for r in data["rows"]] == [("unbatched", 1)]
 
 
 def completion(url: str, body: dict[str, Any]) -> tuple[str, list[Any], int]:
