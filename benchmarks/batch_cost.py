@@ -9,6 +9,11 @@ the runtime's defaults otherwise, batch invariance off so the raw kernels are ti
 ``--cores``, sessions holding a ``--context``-token prompt, ``--steps`` decode calls per row count
 in interleaved rounds (median). It also reports whether the stage pads one-row calls.
 
+``--stateful``: also each stage's stateful backend (``ShardRunner``, an infer request per session:
+the fused stateful attention) for one row, loaded beside the paged runner in the same process
+and timed in the same rounds, so the two one-row calls are compared side by side: which backend
+a lone user (or a ``--no-batching`` gateway's pipelined users) decodes faster on here.
+
 ``--side-by-side``: every stage in its own process pinned to its own core (stage k on core k, as
 the fleet benchmarks run them), all measuring at once, so each stage's time includes the
 contention a running fleet has (memory bandwidth, the shared cache). Either way the report
@@ -18,7 +23,7 @@ every stage the same total), to export with a fractional ``--split`` (README "Cu
 layer").
 
 Usage: python benchmarks/batch_cost.py [--export DIR] [--rows 1,2,4,8] [--threads 1] [--cores 0]
-       [--side-by-side]
+       [--side-by-side] [--stateful]
 Writes benchmarks/results/batch_cost-<date>.{md,json}.
 """
 
@@ -31,6 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import numpy as np
@@ -49,20 +55,23 @@ def stage_costs(
     context: int,
     steps: int,
     rounds: int,
+    stateful: bool = False,
     sync: Any = None,
 ) -> dict[str, Any]:
-    """``sync``: a barrier the stages measured side by side wait at before each row count of
-    each round, so that they compute at the same time."""
+    """``stateful``: also time the stateful backend's one-row call (one session, the same
+    prompt length) in each round. ``sync``: a barrier the stages measured side by side wait at
+    before each row count of each round, so that they compute at the same time."""
     from stage_node.paged import PagedRunner, PagedStep
-    from stage_node.runner import RunnerOptions
+    from stage_node.runner import RunnerOptions, ShardRunner
 
     runner = PagedRunner(export, index, RunnerOptions(threads=threads, batch_invariant=False))
+    plain = ShardRunner(export, index, RunnerOptions(threads=threads)) if stateful else None
     pads = not runner.lone_row_is_invariant()
     rng = np.random.default_rng(index)
 
     def data(n: int) -> np.ndarray:
         if runner.is_first:
-            return rng.integers(3, 1000, n)
+            return rng.integers(3, min(1000, runner.manifest.model.vocab_size), n)
         return rng.standard_normal((n, runner.input_width)).astype(np.float32)
 
     sessions = [f"user-{i}" for i in range(max(rows))]
@@ -72,8 +81,19 @@ def stage_costs(
         runner.place(step)
         runner.forward([step])
         length[sid] = context
+    if plain is not None:
+        plain.forward("alone", data(context))
+    stateful_times: list[float] = []
     times: dict[int, list[float]] = {n: [] for n in rows}
     for _ in range(rounds):
+        if plain is not None:
+            if sync is not None:
+                sync.wait()
+            for _ in range(steps):
+                one = data(1)
+                started = time.perf_counter()
+                plain.forward("alone", one)
+                stateful_times.append(time.perf_counter() - started)
         for n in rows:
             if sync is not None:
                 sync.wait()
@@ -86,17 +106,26 @@ def stage_costs(
                 times[n].append(time.perf_counter() - started)
                 for sid in sessions[:n]:
                     length[sid] += 1
-    return {
+    result: dict[str, Any] = {
         "stage": index,
         "layers": runner.stage.span(runner.manifest.model.intermediate_size),
         "pads_one_row_calls": pads,
         "ms": {n: statistics.median(t) * 1000 for n, t in times.items()},
     }
+    if stateful_times:
+        result["stateful_ms"] = statistics.median(stateful_times) * 1000
+    return result
 
 
 def _pinned_stage_costs(queue: Any, core: int, args: tuple[Any, ...]) -> None:
+    """One stage's costs, or the error that stopped it (the barrier broken, so that the other
+    stages stop waiting for this one and the parent reports it instead of waiting forever)."""
     os.sched_setaffinity(0, {core})
-    queue.put(stage_costs(*args))
+    try:
+        queue.put(stage_costs(*args))
+    except BaseException as exc:
+        args[-1].abort()
+        queue.put(RuntimeError(f"stage {args[1]}: {type(exc).__name__}: {exc}"))
 
 
 def side_by_side(export: Path, stages: int, *rest: Any) -> list[dict[str, Any]]:
@@ -114,9 +143,25 @@ def side_by_side(export: Path, stages: int, *rest: Any) -> list[dict[str, Any]]:
     ]
     for proc in procs:
         proc.start()
-    results = [queue.get() for _ in procs]
+    results: list[Any] = []
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1))
+        except Empty:  # a stage process that died without a word (a crash) fails the run
+            dead = [k for k, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if dead:
+                barrier.abort()
+                for proc in procs:
+                    proc.terminate()
+                raise RuntimeError(
+                    f"stage {dead[0]}'s process exited with {procs[dead[0]].exitcode}"
+                ) from None
     for proc in procs:
         proc.join()
+    failed = [r for r in results if isinstance(r, Exception)]
+    if failed:  # the stage that failed, not the others that broke on the barrier it aborted
+        first = [e for e in failed if "BrokenBarrierError" not in str(e)]
+        raise (first or failed)[0]
     return sorted(results, key=lambda r: r["stage"])
 
 
@@ -142,6 +187,11 @@ def main() -> int:
     p.add_argument(
         "--side-by-side", action="store_true", help="all stages at once, stage k on core k"
     )
+    p.add_argument(
+        "--stateful",
+        action="store_true",
+        help="also time the stateful backend's one-row call, in the same rounds",
+    )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     opts = p.parse_args()
     rows = [int(r) for r in opts.rows.split(",") if r]
@@ -151,7 +201,7 @@ def main() -> int:
     from protos.manifest import load_manifest
 
     manifest = load_manifest(opts.export)
-    args = (rows, opts.threads, opts.context, opts.steps, opts.rounds)
+    args = (rows, opts.threads, opts.context, opts.steps, opts.rounds, opts.stateful)
     if opts.side_by_side:
         stages = side_by_side(opts.export, manifest.num_stages, *args)
         where = "in its own process pinned to CPU k (stage k), all stages at once"
@@ -167,12 +217,15 @@ def main() -> int:
         "",
         "| stage | layers | pads one-row calls | "
         + " | ".join(f"{n} row{'s' if n > 1 else ''}: ms (x 1 row)" for n in rows)
+        + (f" | stateful 1 row: ms (x paged {rows[0]} row)" if opts.stateful else "")
         + " |",
-        "|---|---|---|" + "---|" * len(rows),
+        "|---|---|---|" + "---|" * (len(rows) + opts.stateful),
     ]
     for s in stages:
         one = s["ms"][rows[0]]
         cells = " | ".join(f"{s['ms'][n]:.1f} ({s['ms'][n] / one:.2f}x)" for n in rows)
+        if opts.stateful:
+            cells += f" | {s['stateful_ms']:.1f} ({s['stateful_ms'] / one:.2f}x)"
         lines.append(
             f"| {s['stage']} | {s['layers']} | {'yes' if s['pads_one_row_calls'] else 'no'} "
             f"| {cells} |"
@@ -182,7 +235,12 @@ def main() -> int:
         "",
         "Tokens per second of one ring step (all stages in turn, no transport) by users per call: "
         + ", ".join(f"{n}: {n * 1000 / total[n]:.2f}" for n in rows)
-        + ".",
+        + "."
+        + (
+            f" The stateful backend, one user: {1000 / sum(s['stateful_ms'] for s in stages):.2f}."
+            if opts.stateful
+            else ""
+        ),
     ]
     data: dict[str, Any] = {"stages": stages, "host": machine()}
     if manifest.num_stages > 1:

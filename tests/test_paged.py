@@ -266,7 +266,9 @@ def test_a_solo_step_is_not_padded_and_equals_the_raw_one_row_call(
         assert np.array_equal(logits["pad"], logits["raw"])
 
 
-@pytest.mark.parametrize("mode", [[], ["--side-by-side"]], ids=["one-process", "side-by-side"])
+@pytest.mark.parametrize(
+    "mode", [[], ["--side-by-side", "--stateful"]], ids=["one-process", "side-by-side-stateful"]
+)
 def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
     tiny_export: ExportFn, tmp_path: Path, mode: list[str]
 ) -> None:
@@ -295,6 +297,37 @@ def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
         options = RunnerOptions(threads=1)  # the benchmark's --threads
         runner = PagedRunner(export, stage["stage"], options, kv_cache_bytes=1 << 22)
         assert stage["pads_one_row_calls"] == (runner.pads_lone_rows)
+        # --stateful: the stateful backend's one-row call, timed in the same rounds
+        assert ("stateful_ms" in stage) == ("--stateful" in mode)
+        assert stage.get("stateful_ms", 1) > 0
+    assert ("| stateful 1 row: ms (x paged 1 row) |" in report.read_text()) == (
+        "--stateful" in mode
+    )
+
+
+def test_batch_cost_side_by_side_reports_a_failing_stage_instead_of_waiting(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """A stage whose process fails (here its weights are cut short) ends the side-by-side run
+    with that stage's error, while the other stage waits at the barrier: no hang."""
+    import shutil
+    import subprocess
+    import sys
+
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export("qwen2", 2, "int4"), export)
+    weights = export / "stage-1" / "model.bin"
+    weights.write_bytes(weights.read_bytes()[:100])
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "batch_cost.py"), "--export", str(export),
+         "--rows", "1", "--steps", "1", "--rounds", "1", "--results", str(tmp_path),
+         "--side-by-side", "--stateful"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "RuntimeError: stage 1: " in run.stderr, run.stderr[-2000:]
+    assert not list(tmp_path.glob("batch_cost-*"))
 
 
 def test_the_suggested_split_evens_out_the_measured_stage_times() -> None:
