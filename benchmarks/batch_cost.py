@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from queue import Empty
@@ -118,14 +119,18 @@ def stage_costs(
 
 
 def _pinned_stage_costs(queue: Any, core: int, args: tuple[Any, ...]) -> None:
-    """One stage's costs, or the error that stopped it (the barrier broken, so that the other
-    stages stop waiting for this one and the parent reports it instead of waiting forever)."""
+    """One stage's costs; or the error that stopped it, with the barrier (the last of
+    ``args``) broken so that the other stages stop waiting for this one; or None for a stage
+    stopped by that broken barrier."""
     os.sched_setaffinity(0, {core})
+    index, barrier = args[1], args[-1]
     try:
         queue.put(stage_costs(*args))
+    except threading.BrokenBarrierError:
+        queue.put(None)
     except BaseException as exc:
-        args[-1].abort()
-        queue.put(RuntimeError(f"stage {args[1]}: {type(exc).__name__}: {exc}"))
+        barrier.abort()
+        queue.put(RuntimeError(f"stage {index}: {type(exc).__name__}: {exc}"))
 
 
 def side_by_side(export: Path, stages: int, *rest: Any) -> list[dict[str, Any]]:
@@ -158,10 +163,9 @@ def side_by_side(export: Path, stages: int, *rest: Any) -> list[dict[str, Any]]:
                 ) from None
     for proc in procs:
         proc.join()
-    failed = [r for r in results if isinstance(r, Exception)]
-    if failed:  # the stage that failed, not the others that broke on the barrier it aborted
-        first = [e for e in failed if "BrokenBarrierError" not in str(e)]
-        raise (first or failed)[0]
+    failed = [r for r in results if not isinstance(r, dict)]
+    if failed:
+        raise next((r for r in failed if r is not None), RuntimeError("a stage stopped"))
     return sorted(results, key=lambda r: r["stage"])
 
 

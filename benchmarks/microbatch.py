@@ -398,8 +398,10 @@ def stage_padding(logs: Path) -> list[str]:
         text = log.read_text(errors="replace")
         if "paged KV:" not in text:
             out.append("stateful KV")
+        elif "padded to two" in text:
+            out.append("pads one-row calls")
         else:
-            out.append("pads one-row calls" if "padded to two" in text else "does not pad")
+            out.append("does not pad")
     return out
 
 
