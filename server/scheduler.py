@@ -343,9 +343,7 @@ class Scheduler:
     def _admit(self, now: float) -> None:
         while self.queue and len(self.running) < self.config.max_running:
             seq = self.sequences[self.queue[0]]
-            if any(self.sequences[sid].preempted for sid in self.running) or (
-                self.config.kv_pools and not self._room({seq.seq_id: self._first_chunk(seq)})
-            ):
+            if any(self.sequences[sid].preempted for sid in self.running) or not self._fits(seq):
                 return  # preempted sequences go first; then wait for KV blocks
             self.queue.popleft()
             members = self._members()
@@ -396,16 +394,32 @@ class Scheduler:
             move(members[large][-1])  # the newest
 
     # -- KV blocks of paged stages ------------------------------------------------------------
-    def _first_chunk(self, seq: Sequence) -> int:
-        return chunk_end(len(seq.prefix), 0, self.config.prefill_chunk)
-
     def _claim(self, seq: Sequence) -> int:
-        """Positions a sequence may hold on the stages after its next (or current) step."""
+        """Positions a sequence may hold on the stages after its next (or current) step.
+
+        A prefilling sequence claims its whole prefix from admission on: were it to claim
+        chunk by chunk, prefills that each hold part of their prompt could together leave no
+        room for anyone's next chunk, with no decoding sequence to preempt or to wait for."""
         if seq.phase is Phase.DECODE:
             return len(seq.prompt) + len(seq.generated) - 1 + self.config.kv_headroom
-        if seq.phase is Phase.PREFILL:  # from admission on, it holds its first chunk's room
-            return max(seq.fed, self._first_chunk(seq))
+        if seq.phase is Phase.PREFILL:
+            return len(seq.prefix)
         return 0
+
+    def _fits(self, seq: Sequence, length: int | None = None) -> bool:
+        """Whether ``seq`` may hold ``length`` positions (default: its whole prefix) now: the
+        pools hold it with the other running sequences' claims, or no other sequence holds
+        KV (alone, it goes on whatever it needs: the stages refuse what their pools cannot
+        hold, and it ends with their error after MAX_REFUSALS)."""
+        if not self.config.kv_pools:
+            return True
+        if self._room({seq.seq_id: len(seq.prefix) if length is None else length}):
+            return True
+        return not any(
+            self.sequences[sid].phase in (Phase.PREFILL, Phase.DECODE)
+            for sid in self.running
+            if sid != seq.seq_id
+        )
 
     def _room(self, claims: dict[str, int]) -> bool:
         """Whether every pool holds the running sequences' claims (``claims`` overriding or
@@ -463,7 +477,7 @@ class Scheduler:
             others = (self.sequences[sid] for sid in self.running if sid != seq.seq_id)
             if any(o.phase in (Phase.PREFILL, Phase.DECODE) for o in others):
                 return False
-        return self._room({seq.seq_id: self._first_chunk(seq)})
+        return self._fits(seq)
 
     # -- deciding the next steps ------------------------------------------------------------
     def next_work(self, now: float, ring_ready: bool = True) -> list[Work]:
@@ -547,8 +561,8 @@ class Scheduler:
                 continue
             prefix = seq.prefix
             end = chunk_end(len(prefix), seq.fed, budget[g])
-            if self.config.kv_pools and not self._room({seq.seq_id: end}):
-                continue  # waits for KV blocks
+            if not self._fits(seq, end):
+                continue  # waits for KV blocks (in-flight steps outgrew the pools)
             budget[g] -= end - seq.fed if shared else 0
             work.append(self._issue(seq, tuple(prefix[seq.fed : end]), seq.fed, prefill=True))
             chunks += 1

@@ -392,7 +392,10 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
     tmp_path: Path,
 ) -> None:
     """8 concurrent streams (greedy and seeded sampling) on stages whose pools hold about two
-    of them: the gateway preempts and resumes, and every text equals the request alone."""
+    of them: the gateway preempts and resumes, and every text equals the request alone.
+
+    Prompts of 1-3 blocks of 32 positions in a pool of 8, each growing by two blocks: the
+    pool fills up at admission (any two prompts fit), so decoding must preempt."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.processes import start_gateway
@@ -407,7 +410,7 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
     gateway, url = start_gateway(addresses, tmp_path / "gateway.log", ["--prefill-chunk", "16"])
     fleet = Fleet(url, addresses)
     try:
-        bodies = [request(i) for i in range(8)]
+        bodies = [{**request(i), "max_tokens": 64} for i in range(8)]
         alone = [stream_text(fleet, body) for body in bodies]
         assert len(set(alone)) > 4 and all(alone)
         assert fleet.metric("pipeshard_gateway_preemptions_total") == 0

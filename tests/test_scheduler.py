@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from server.scheduler import (
@@ -498,6 +500,90 @@ def test_decoding_beyond_the_pool_preempts_the_newest_which_resumes_and_ends_the
     released = [r for r in tight.take_releases() if not r.final and r.session_id]
     assert released and released[0].seq_id == "c"  # the newest went first
     assert tight.sequences["c"].incarnation >= 1  # it re-prefilled on a fresh session
+
+
+def test_prompts_prefilled_in_chunks_side_by_side_never_wait_for_each_others_blocks() -> None:
+    """Two 12-token prompts in chunks of 4 on a pool of 16 positions: claimed chunk by chunk,
+    each held 8 positions and waited for the other's blocks forever (nothing decoded, so
+    nothing was preempted). A prompt's blocks are claimed at admission, so the second waits
+    in the queue and both end."""
+    s = Scheduler(SchedulerConfig(prefill_chunk=4, max_prefill_in_flight=8, kv_pools=((4, 4),)))
+    s.add(seq("a", prompt=12, max_tokens=2))
+    s.add(seq("b", prompt=12, max_tokens=2))
+    work = s.next_work(0.0)
+    assert [w.seq_id for w in work] == ["a"] and s.queued == 1
+    complete(s, work)
+    assert run_until_done(s) == {"a": [112, 113], "b": [112, 113]}
+
+
+def drive_with_pools(
+    s: Scheduler, pools: tuple[tuple[int, int], ...], rng: random.Random, limit: int = 4000
+) -> int | None:
+    """Drive ``s`` with results in random order and a random share of the steps in flight
+    back per tick, on stages that hold ``pools`` and refuse a step that would outgrow one (as
+    paged stages do). Returns the ticks it took, or None when sequences are left with no
+    step in flight and none to send (a hang), or still run after ``limit`` ticks."""
+    held: dict[str, int] = {}  # positions each session holds on the stages
+    out: list[Work] = []
+    for tick in range(limit):
+        out += s.next_work(float(tick))
+        for release in s.take_releases():
+            held.pop(release.session_id or "", None)
+        if not out:
+            return tick if not s.running and not s.queued else None
+        rng.shuffle(out)
+        back = rng.randint(1, len(out))
+        done, out = out[:back], out[back:]
+        for item in done:
+            if item.seq_id not in s.sequences:
+                continue  # cancelled and forgotten
+            after = {**held, item.session: item.start_position + len(item.tokens)}
+            if any(sum(-(-n // b) for n in after.values()) > c for b, c in pools):
+                s.on_preempted(item.seq_id, RuntimeError("RESOURCE_EXHAUSTED: KV blocks"))
+                continue
+            held = after
+            s.on_result(item.seq_id, token_for(item))
+            if (ring := s.follow(item.seq_id)) is not None:
+                out.append(ring)
+    return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_sequence_ends_whatever_the_pools_chunks_groups_and_order(seed: int) -> None:
+    """Liveness on random workloads: sequences that each fit the pools alone all end, with
+    no error, for random pools, chunk budgets, prefills in flight, groups (lockstep, solo,
+    ring decode) and result order, whether or not the gateway counts the blocks (if not,
+    the stages' refusals preempt)."""
+    rng = random.Random(seed)
+    for _ in range(150):
+        block, blocks = rng.choice([2, 4, 8]), rng.randint(3, 12)
+        pools = ((block, blocks),) * rng.randint(1, 2)
+        half = block * blocks // 2  # prompt + max_tokens fit the pools alone
+        specs = [(rng.randint(1, half), rng.randint(1, half)) for _ in range(rng.randint(1, 8))]
+        lockstep = rng.random() < 0.5
+        solo = lockstep and rng.random() < 0.5
+        running = rng.randint(1, 8)
+        config = SchedulerConfig(
+            max_running=running,
+            max_queued=8,
+            prefill_chunk=rng.randint(1, 8),
+            max_prefill_in_flight=rng.randint(1, 8),
+            groups=running if solo else rng.randint(1, 3),
+            busy_prefill_chunk=rng.choice([None, 1, 3]),
+            kv_pools=pools if rng.random() < 0.8 else (),
+            lockstep=lockstep,
+            solo=solo,
+            group_size=rng.choice([0, 2]) if lockstep and not solo else 0,
+            ring_decode=rng.choice([0, 2]) if lockstep else 0,
+        )
+        s = Scheduler(config)
+        for i, (prompt, tokens) in enumerate(specs):
+            s.add(seq(f"s{i}", prompt=prompt, max_tokens=tokens))
+        state = (config, specs)
+        assert drive_with_pools(s, pools, rng) is not None, state
+        assert all(
+            q.error is None and len(q.generated) == q.max_tokens for q in s.sequences.values()
+        ), state
 
 
 def test_a_stage_refusal_preempts_the_sequence_and_it_resumes() -> None:
