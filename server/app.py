@@ -266,10 +266,21 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
                 spec_max_users,
                 why,
             )
+        context = manifest.model.max_context
+        capacity = min((b * n for b, n in gateway.pipeline.kv_pools), default=context)
+        if capacity < context:  # one sequence can never hold more than a whole pool
+            context = capacity
+            log.warning(
+                "the paged stages' KV pools hold %d positions, fewer than the model's context "
+                "of %d: requests are limited to %d tokens (raise --kv-cache-size on the stages)",
+                context,
+                manifest.model.max_context,
+                context,
+            )
         engine = Engine(
             gateway.pipeline,
             codec.eos_ids,
-            manifest.model.max_context,
+            context,
             settings.ring_scheduler_config(
                 manifest.num_stages, gateway.pipeline.paged, gateway.pipeline.kv_pools
             ),
@@ -280,9 +291,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             spec_max_users=spec_max_users,
         )
         model = settings.model_name or manifest.model.model_id
-        gateway.service = CompletionService(
-            engine, codec, model, manifest.model.max_context, gateway.metrics
-        )
+        gateway.service = CompletionService(engine, codec, model, context, gateway.metrics)
         gateway.created = int(time.time())
         return engine, model, manifest.num_stages
 

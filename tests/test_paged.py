@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 
 from exporter.verify import reference_greedy
@@ -431,6 +432,40 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
         while (state := asyncio.run(pools())) and any(s[0] for s in state) and deadline:
             deadline -= 1  # releases are sent after the streams end
         assert all(used == 0 and free == total == 8 for used, free, total in state), state
+    finally:
+        gateway.stop()
+        for proc in procs:
+            proc.stop()
+
+
+def test_pools_smaller_than_the_models_context_bound_every_request(tmp_path: Path) -> None:
+    """Stages whose pools hold 128 positions under a model context of 256: the gateway says
+    so at start, a request that could not fit gets the context-length 400 at once (not a
+    refusal per step), and one without max_tokens generates up to the pool, not beyond it."""
+    from tests.processes import start_gateway
+    from tests.test_gateway import export_chat_model
+    from tests.test_microbatch import Fleet, request
+
+    _, export = export_chat_model(tmp_path)
+    # 4 blocks (and a half, so that rounding the GiB figure cannot make it 3)
+    size = 4.5 * max(_block_bytes(export, 0), _block_bytes(export, 1)) / (1 << 30)
+    procs, addresses = start_stages(
+        export, tmp_path, ["--kv-backend", "paged", "--kv-cache-size", f"{size:.12f}"]
+    )
+    gateway, url = start_gateway(addresses, tmp_path / "gateway.log")
+    client = Fleet(url, addresses).client()
+    try:
+        log = (tmp_path / "gateway.log").read_text()
+        assert "KV pools hold 128 positions, fewer than the model's context of 256" in log
+        long = request(7)  # an 89-token prompt
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(**{**long, "max_tokens": 64})
+        assert raised.value.code == "context_length_exceeded"
+        assert "maximum context length is 128 tokens" in str(raised.value)
+        del long["max_tokens"]
+        reply = client.chat.completions.create(**long)
+        assert reply.usage is not None and reply.choices[0].finish_reason == "length"
+        assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 128
     finally:
         gateway.stop()
         for proc in procs:
