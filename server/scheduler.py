@@ -484,11 +484,10 @@ class Scheduler:
         """Steps to send now: decode steps of every ready sequence, then prefill chunks.
 
         Suspended sequences re-prefill once ``ring_ready`` (every stage is up again);
-        preempted ones once their first chunk fits the KV pools, before new ones are admitted.
+        preempted ones once their prompt and generated tokens fit the KV pools, before new
+        ones are admitted.
         """
         self._clock = max(self._clock, now)
-        if self.config.kv_pools:
-            self._make_room()
         blocked = False  # preempted sequences resume oldest first
         for sid in self.running:
             seq = self.sequences[sid]
@@ -502,6 +501,8 @@ class Scheduler:
                 seq.phase, seq.lost_since = Phase.PREFILL, None
                 seq.resumes += 1
                 self.resumes += 1
+        if self.config.kv_pools:  # after the resumes: sequences back from a lost ring count
+            self._make_room()
         self._admit(now)
         ready = [
             self.sequences[sid] for sid in self.running if self.sequences[sid].in_flight is None

@@ -517,26 +517,49 @@ def test_prompts_prefilled_in_chunks_side_by_side_never_wait_for_each_others_blo
 
 
 def drive_with_pools(
-    s: Scheduler, pools: tuple[tuple[int, int], ...], rng: random.Random, limit: int = 4000
+    s: Scheduler,
+    pools: tuple[tuple[int, int], ...],
+    rng: random.Random,
+    chaos: bool = False,
+    limit: int = 6000,
 ) -> int | None:
     """Drive ``s`` with results in random order and a random share of the steps in flight
     back per tick, on stages that hold ``pools`` and refuse a step that would outgrow one (as
-    paged stages do). Returns the ticks it took, or None when sequences are left with no
-    step in flight and none to send (a hang), or still run after ``limit`` ticks."""
+    paged stages do). With ``chaos``, steps are also lost with the ring or find their session
+    gone, the ring is down at times, and clients cancel. Returns the ticks it took, or None
+    when sequences are left with no step in flight and none to send though the ring is up (a
+    hang), or still run after ``limit`` ticks."""
     held: dict[str, int] = {}  # positions each session holds on the stages
     out: list[Work] = []
     for tick in range(limit):
-        out += s.next_work(float(tick))
+        now, ring_up = float(tick), not chaos or rng.random() < 0.7
+        s.expire(now)
+        out += s.next_work(now, ring_ready=ring_up)
         for release in s.take_releases():
             held.pop(release.session_id or "", None)
+        for sid in list(s.sequences):
+            s.forget(sid)  # the finished ones' consumers have seen their end
+        if chaos and s.sequences and rng.random() < 0.02:
+            s.cancel(rng.choice(list(s.sequences)))
         if not out:
-            return tick if not s.running and not s.queued else None
+            if not s.running and not s.queued:
+                return tick
+            if not ring_up:
+                continue  # lost sequences wait for the ring
+            return None
         rng.shuffle(out)
         back = rng.randint(1, len(out))
         done, out = out[:back], out[back:]
         for item in done:
             if item.seq_id not in s.sequences:
                 continue  # cancelled and forgotten
+            fate = rng.random() if chaos else 1.0
+            if fate < 0.03:
+                s.on_lost(item.seq_id, RuntimeError("UNAVAILABLE: stage down"), now)
+                continue
+            if fate < 0.05:
+                s.on_session_lost(item.seq_id, RuntimeError("NOT_FOUND: session"), now)
+                continue
             after = {**held, item.session: item.start_position + len(item.tokens)}
             if any(sum(-(-n // b) for n in after.values()) > c for b, c in pools):
                 s.on_preempted(item.seq_id, RuntimeError("RESOURCE_EXHAUSTED: KV blocks"))
@@ -548,42 +571,71 @@ def drive_with_pools(
     return None
 
 
+def random_workload(
+    rng: random.Random,
+) -> tuple[SchedulerConfig, tuple[tuple[int, int], ...], list[Sequence]]:
+    """Random pools, chunk budgets, prefills in flight and groups (lockstep, solo, ring
+    decode), with or without the gateway counting the blocks, and 1-8 sequences that each
+    fit the pools alone."""
+    block, blocks = rng.choice([2, 4, 8]), rng.randint(3, 12)
+    pools = ((block, blocks),) * rng.randint(1, 2)
+    half = block * blocks // 2  # prompt + max_tokens fit the pools alone
+    lockstep = rng.random() < 0.5
+    solo = lockstep and rng.random() < 0.5
+    running = rng.randint(1, 8)
+    config = SchedulerConfig(
+        max_running=running,
+        max_queued=8,
+        queue_timeout=1e6,
+        prefill_chunk=rng.randint(1, 8),
+        max_prefill_in_flight=rng.randint(1, 8),
+        resume_grace=rng.choice([0, 5, 50]),
+        groups=running if solo else rng.randint(1, 3),
+        busy_prefill_chunk=rng.choice([None, 1, 3]),
+        kv_pools=pools if rng.random() < 0.8 else (),
+        lockstep=lockstep,
+        solo=solo,
+        group_size=rng.choice([0, 2]) if lockstep and not solo else 0,
+        ring_decode=rng.choice([0, 2]) if lockstep else 0,
+    )
+    count = rng.randint(1, 8)
+    sequences = [
+        seq(f"s{i}", prompt=rng.randint(1, half), max_tokens=rng.randint(1, half))
+        for i in range(count)
+    ]
+    return config, pools, sequences
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_every_sequence_ends_whatever_the_pools_chunks_groups_and_order(seed: int) -> None:
-    """Liveness on random workloads: sequences that each fit the pools alone all end, with
-    no error, for random pools, chunk budgets, prefills in flight, groups (lockstep, solo,
-    ring decode) and result order, whether or not the gateway counts the blocks (if not,
-    the stages' refusals preempt)."""
+    """Liveness on random workloads (see random_workload): sequences that each fit the pools
+    alone all end, with all their tokens and no error, whatever the result order, and
+    whether the gateway counts the blocks or (if not) the stages' refusals preempt."""
     rng = random.Random(seed)
     for _ in range(150):
-        block, blocks = rng.choice([2, 4, 8]), rng.randint(3, 12)
-        pools = ((block, blocks),) * rng.randint(1, 2)
-        half = block * blocks // 2  # prompt + max_tokens fit the pools alone
-        specs = [(rng.randint(1, half), rng.randint(1, half)) for _ in range(rng.randint(1, 8))]
-        lockstep = rng.random() < 0.5
-        solo = lockstep and rng.random() < 0.5
-        running = rng.randint(1, 8)
-        config = SchedulerConfig(
-            max_running=running,
-            max_queued=8,
-            prefill_chunk=rng.randint(1, 8),
-            max_prefill_in_flight=rng.randint(1, 8),
-            groups=running if solo else rng.randint(1, 3),
-            busy_prefill_chunk=rng.choice([None, 1, 3]),
-            kv_pools=pools if rng.random() < 0.8 else (),
-            lockstep=lockstep,
-            solo=solo,
-            group_size=rng.choice([0, 2]) if lockstep and not solo else 0,
-            ring_decode=rng.choice([0, 2]) if lockstep else 0,
-        )
+        config, pools, sequences = random_workload(rng)
         s = Scheduler(config)
-        for i, (prompt, tokens) in enumerate(specs):
-            s.add(seq(f"s{i}", prompt=prompt, max_tokens=tokens))
-        state = (config, specs)
-        assert drive_with_pools(s, pools, rng) is not None, state
-        assert all(
-            q.error is None and len(q.generated) == q.max_tokens for q in s.sequences.values()
-        ), state
+        for q in sequences:
+            s.add(q)
+        assert drive_with_pools(s, pools, rng) is not None, (config, sequences)
+        assert all(q.error is None and len(q.generated) == q.max_tokens for q in sequences)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_sequence_ends_when_steps_are_lost_and_clients_cancel(seed: int) -> None:
+    """Liveness with failures too: steps lost with the ring or finding their session gone,
+    a ring down at times, clients that cancel. Every sequence still ends (all its tokens, or
+    an error once lost too often or past the resume grace, or cancelled): none hangs."""
+    rng = random.Random(100 + seed)
+    for _ in range(150):
+        config, pools, sequences = random_workload(rng)
+        s = Scheduler(config)
+        for q in sequences:
+            s.add(q)
+        assert drive_with_pools(s, pools, rng, chaos=True) is not None, (config, sequences)
+        for q in sequences:
+            assert q.phase is Phase.DONE
+            assert q.cancelled or q.error is not None or len(q.generated) == q.max_tokens
 
 
 def test_a_stage_refusal_preempts_the_sequence_and_it_resumes() -> None:
