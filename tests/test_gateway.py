@@ -39,7 +39,7 @@ class Fleet:
     stages: list[str]
 
     def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120.0)
 
     def choices(self, finish: str) -> float:
         """``pipeshard_gateway_choices_total`` for one way of ending (0 before the first)."""

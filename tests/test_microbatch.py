@@ -45,7 +45,9 @@ class Fleet:
 
     def client(self, url: str = "") -> openai.OpenAI:
         """A client of the batching gateway, or of the one at ``url``."""
-        return openai.OpenAI(base_url=f"{url or self.url}/v1", api_key="none", max_retries=0)
+        return openai.OpenAI(
+            base_url=f"{url or self.url}/v1", api_key="none", max_retries=0, timeout=120.0
+        )
 
     def metric(self, name: str) -> float:
         return scrape(self.url, name)

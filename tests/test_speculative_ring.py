@@ -198,7 +198,7 @@ def test_gateway_with_draft_serves_the_same_text(exports: dict[int, Path], tmp_p
         addresses, tmp_path / "gateway.log", ["--draft", str(draft_dir(exports))]
     )
     try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120.0)
         tokenizer = AutoTokenizer.from_pretrained(str(export / "tokenizer"))
         chain = LocalChain(export, EXACT)
         for i, prompt in enumerate(PROMPTS[:2]):
