@@ -44,6 +44,7 @@ __all__ = [
     "GenerationStats",
     "QueueFull",
     "QueueTimeout",
+    "SchedulingFailed",
     "ShuttingDown",
 ]
 log = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ _RING_CHECK_S = 0.1  # while sequences wait for the ring to heal
 
 class ShuttingDown(Exception):
     """The server is stopping: a request refused, or ended before it finished (HTTP 503)."""
+
+
+class SchedulingFailed(Exception):
+    """The gateway's own scheduling failed (a bug): every request in progress ends with it
+    (HTTP 500) instead of waiting forever, and the gateway goes on with new ones."""
 
 
 @dataclass(frozen=True)
@@ -186,17 +192,10 @@ class Engine:
     async def _loop(self) -> None:
         while True:
             self._wake.clear()
-            now = time.monotonic()
-            for seq_id in self.scheduler.expire(now):
-                self._end(seq_id)
-            for item in self.scheduler.next_work(now, ring_ready=self.pipeline.ready):
-                task = asyncio.create_task(self._run_step(item))
-                self._steps.add(task)
-                task.add_done_callback(self._steps.discard)
-            releases = self.scheduler.take_releases()
-            if releases:
-                self._release(releases)
-            self._observe()
+            try:
+                self._schedule()
+            except Exception as exc:
+                self._fail_all(exc)
             if not self.scheduler.sequences:
                 return  # idle; the next request starts the loop again
             waiting = any(s.phase is Phase.SUSPENDED for s in self.scheduler.sequences.values())
@@ -204,6 +203,35 @@ class Engine:
                 await asyncio.wait_for(
                     self._wake.wait(), _RING_CHECK_S if waiting else _EXPIRY_CHECK_S
                 )
+
+    def _schedule(self) -> None:
+        """One turn of the loop: expire, send the next steps, free sessions, update metrics."""
+        now = time.monotonic()
+        for seq_id in self.scheduler.expire(now):
+            self._end(seq_id)
+        for item in self.scheduler.next_work(now, ring_ready=self.pipeline.ready):
+            task = asyncio.create_task(self._run_step(item))
+            self._steps.add(task)
+            task.add_done_callback(self._steps.discard)
+        releases = self.scheduler.take_releases()
+        if releases:
+            self._release(releases)
+        self._observe()
+
+    def _fail_all(self, exc: Exception) -> None:
+        """The scheduler raised (a bug): rather than leave its requests waiting forever, end
+        every one in progress with SchedulingFailed and free their sessions; steps still in
+        flight end with them. A scheduler that cannot even do that is replaced by a new one."""
+        log.exception("scheduling failed; every request in progress ends with an error")
+        error = SchedulingFailed(f"the gateway's scheduler failed ({exc!r}); see its log")
+        try:
+            self.scheduler.abort_all(error)
+            self._release(self.scheduler.take_releases())
+        except Exception:
+            log.exception("the scheduler cannot end its requests; starting a new one")
+            self.scheduler = Scheduler(self.scheduler.config, self.scheduler.eos_ids)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
 
     async def _run_step(self, item: Work) -> None:
         stream = self._streams.get(item.seq_id)
@@ -292,7 +320,8 @@ class Engine:
                 self.scheduler.on_error(item.seq_id, exc)
             self._end(item.seq_id)
         except Exception as exc:
-            self.scheduler.on_error(item.seq_id, exc)
+            if item.seq_id in self.scheduler.sequences:  # not ended and forgotten meanwhile
+                self.scheduler.on_error(item.seq_id, exc)
             self._end(item.seq_id)
         finally:
             self._wake.set()

@@ -24,6 +24,7 @@ from server.engine import (
     GenerationStats,
     QueueFull,
     QueueTimeout,
+    SchedulingFailed,
     ShuttingDown,
 )
 from server.metrics import GatewayMetrics
@@ -91,6 +92,8 @@ def generation_api_error(exc: BaseException) -> APIError | None:
             code="queue_full",
             headers={"Retry-After": str(math.ceil(exc.retry_after))},
         )
+    if isinstance(exc, SchedulingFailed):
+        return APIError(500, f"The request was ended: {exc}.", type="server_error")
     if isinstance(exc, ShuttingDown):
         return APIError(
             503, f"{exc}; retry shortly.", type="service_unavailable", code="server_shutting_down"

@@ -21,6 +21,8 @@ import pytest
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata
+from server.scheduler import Work
+from tests.conftest import EXACT, ExportFn
 from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_stages
 from tests.test_gateway import MESSAGES, export_chat_model
 
@@ -479,3 +481,67 @@ def test_a_gateway_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> Non
     assert code == 3 and "Traceback" not in out, out
     assert "cannot start: " in out and "not a pipeshard export folder" in out, out
     assert elapsed < 30  # not after the stages' 60 s
+
+
+def test_a_fault_in_the_scheduler_ends_the_requests_and_the_gateway_goes_on(
+    tiny_export: ExportFn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the scheduler (here: next_work raising once, mid-generation) ends the three
+    requests in progress with SchedulingFailed at once instead of leaving them waiting
+    forever; their sessions are freed on the stages, and the next request is served with the
+    tokens it gets alone."""
+    from server.engine import Engine, GenerationRequest, SchedulingFailed
+    from server.metrics import GatewayMetrics
+    from server.pipeline import PipelineClient
+    from server.scheduler import SchedulerConfig
+    from stage_node.chain import LocalChain
+
+    export = tiny_export("qwen2", 2)
+    expected = LocalChain(export, EXACT).greedy("alone", [5, 9, 13, 40], 12)[0]
+    procs, addresses = start_stages(export, tmp_path)
+
+    async def run() -> None:
+        client = PipelineClient(addresses)
+        await client.start()
+        engine = Engine(client, frozenset(), 256, SchedulerConfig(groups=2), GatewayMetrics())
+        real, turns = engine.scheduler.next_work, 0
+
+        def faulty(now: float, ring_ready: bool = True) -> list[Work]:
+            nonlocal turns
+            turns += 1
+            if turns == 12:  # the three have prefilled and decode
+                raise RuntimeError("injected fault")
+            return real(now, ring_ready)
+
+        monkeypatch.setattr(engine.scheduler, "next_work", faulty)
+
+        async def one(name: str, prompt: list[int]) -> list[int]:
+            request = GenerationRequest(name, prompt, 12)
+            return [t.token_id async for t in engine.generate(request)]
+
+        try:
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(
+                    *(one(f"r{i}", [7, 8 + i, 9]) for i in range(3)), return_exceptions=True
+                ),
+                60,
+            )
+            assert all(isinstance(o, SchedulingFailed) for o in outcomes), outcomes
+            assert "injected fault" in str(outcomes[0])
+            assert await asyncio.wait_for(one("next", [5, 9, 13, 40]), 60) == expected
+            for _ in range(100):  # releases go out after the requests end
+                if all(
+                    i is not None and i.sessions_in_use == 0 for i in await client.stage_infos()
+                ):
+                    break
+                await asyncio.sleep(0.05)
+            assert [i.sessions_in_use for i in await client.stage_infos() if i] == [0, 0]
+        finally:
+            await engine.close()
+            await client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        for proc in procs:
+            proc.stop()
