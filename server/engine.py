@@ -235,7 +235,9 @@ class Engine:
 
     async def _run_step(self, item: Work) -> None:
         stream = self._streams.get(item.seq_id)
-        seq = self.scheduler.sequences[item.seq_id]
+        seq = self.scheduler.sequences.get(item.seq_id)
+        if seq is None or seq.phase is Phase.DONE:
+            return  # ended before its step went out (_fail_all): no session to open
         sampling = stream.sampling if stream is not None else SamplingParams()
         # The stage needs the generated tokens only for presence/frequency penalties.
         penalised = sampling.presence_penalty or sampling.frequency_penalty
