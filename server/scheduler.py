@@ -415,11 +415,16 @@ class Scheduler:
             return True
         if self._room({seq.seq_id: len(seq.prefix) if length is None else length}):
             return True
-        return not any(
-            self.sequences[sid].phase in (Phase.PREFILL, Phase.DECODE)
-            for sid in self.running
-            if sid != seq.seq_id
-        )
+        return not self._holders(other_than=seq)
+
+    def _holders(self, other_than: Sequence | None = None) -> list[Sequence]:
+        """Running sequences that hold (or are about to hold) KV on the stages, in admission
+        order."""
+        return [
+            q
+            for q in (self.sequences[sid] for sid in self.running)
+            if q is not other_than and q.phase in (Phase.PREFILL, Phase.DECODE)
+        ]
 
     def _room(self, claims: dict[str, int]) -> bool:
         """Whether every pool holds the running sequences' claims (``claims`` overriding or
@@ -437,11 +442,7 @@ class Scheduler:
         """Preempt the newest sequences until the decoding ones fit the pools: each frees its
         sessions and re-prefills later (prompt + generated tokens, on a fresh session)."""
         while not self._room({}):
-            holders = [
-                self.sequences[sid]
-                for sid in self.running
-                if self.sequences[sid].phase in (Phase.PREFILL, Phase.DECODE)
-            ]
+            holders = self._holders()
             idle = [s for s in holders if s.in_flight is None]
             if len(holders) <= 1 or not idle:
                 return  # nothing to preempt (or one sequence alone): the stages decide
@@ -473,10 +474,8 @@ class Scheduler:
         return True
 
     def _may_resume(self, seq: Sequence) -> bool:
-        if seq.waits_for >= 0 and self.finished <= seq.waits_for:
-            others = (self.sequences[sid] for sid in self.running if sid != seq.seq_id)
-            if any(o.phase in (Phase.PREFILL, Phase.DECODE) for o in others):
-                return False
+        if seq.waits_for >= 0 and self.finished <= seq.waits_for and self._holders(seq):
+            return False
         return self._fits(seq)
 
     # -- deciding the next steps ------------------------------------------------------------

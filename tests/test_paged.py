@@ -4,6 +4,8 @@ nothing about each session's output (f32 KV cache, token for token)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from stage_node.sampling import SampledToken
 from stage_node.service import pack, unpack
 from tests.conftest import EXACT, ExportFn
 from tests.processes import start_stages
+from tests.test_microbatch import Fleet
 
 PROMPTS = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(8)]
 
@@ -389,6 +392,30 @@ def _block_bytes(export: Path, stage: int) -> int:
     return PagedRunner(export, stage, EXACT, kv_cache_bytes=1).kv_cache_bytes  # one block
 
 
+@contextlib.contextmanager
+def _small_pool_fleet(
+    tmp_path: Path, blocks: int, gateway_flags: Sequence[str] = ()
+) -> Iterator[Fleet]:
+    """The chat model on two paged stages whose pools hold ``blocks`` blocks of 32 positions
+    each, behind a gateway started with ``gateway_flags``."""
+    from tests.processes import start_gateway
+    from tests.test_gateway import export_chat_model
+
+    _, export = export_chat_model(tmp_path)
+    # half a block more, so that rounding the GiB figure cannot cost a block
+    size = (blocks + 0.5) * max(_block_bytes(export, 0), _block_bytes(export, 1)) / (1 << 30)
+    procs, addresses = start_stages(
+        export, tmp_path, ["--kv-backend", "paged", "--kv-cache-size", f"{size:.12f}"]
+    )
+    gateway, url = start_gateway(addresses, tmp_path / "gateway.log", list(gateway_flags))
+    try:
+        yield Fleet(url, addresses)
+    finally:
+        gateway.stop()
+        for proc in procs:
+            proc.stop()
+
+
 def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
     tmp_path: Path,
 ) -> None:
@@ -399,18 +426,9 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
     pool fills up at admission (any two prompts fit), so decoding must preempt."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.processes import start_gateway
-    from tests.test_gateway import export_chat_model
-    from tests.test_microbatch import Fleet, request, stream_text
+    from tests.test_microbatch import request, stream_text
 
-    _, export = export_chat_model(tmp_path)
-    size = 8 * max(_block_bytes(export, 0), _block_bytes(export, 1)) / (1 << 30)  # 8 blocks
-    procs, addresses = start_stages(
-        export, tmp_path, ["--kv-backend", "paged", "--kv-cache-size", f"{size:.12f}"]
-    )
-    gateway, url = start_gateway(addresses, tmp_path / "gateway.log", ["--prefill-chunk", "16"])
-    fleet = Fleet(url, addresses)
-    try:
+    with _small_pool_fleet(tmp_path, 8, ["--prefill-chunk", "16"]) as fleet:
         bodies = [{**request(i), "max_tokens": 64} for i in range(8)]
         alone = [stream_text(fleet, body) for body in bodies]
         assert len(set(alone)) > 4 and all(alone)
@@ -422,7 +440,7 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
         fleet.wait_metric("pipeshard_gateway_requests_running", 0)
 
         async def pools() -> list[tuple[int, int, int]]:
-            client = PipelineClient(addresses)
+            client = PipelineClient(fleet.stages)
             await client.start()
             infos = await client.stage_infos()
             await client.close()
@@ -432,29 +450,16 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
         while (state := asyncio.run(pools())) and any(s[0] for s in state) and deadline:
             deadline -= 1  # releases are sent after the streams end
         assert all(used == 0 and free == total == 8 for used, free, total in state), state
-    finally:
-        gateway.stop()
-        for proc in procs:
-            proc.stop()
 
 
 def test_pools_smaller_than_the_models_context_bound_every_request(tmp_path: Path) -> None:
     """Stages whose pools hold 128 positions under a model context of 256: the gateway says
     so at start, a request that could not fit gets the context-length 400 at once (not a
     refusal per step), and one without max_tokens generates up to the pool, not beyond it."""
-    from tests.processes import start_gateway
-    from tests.test_gateway import export_chat_model
-    from tests.test_microbatch import Fleet, request
+    from tests.test_microbatch import request
 
-    _, export = export_chat_model(tmp_path)
-    # 4 blocks (and a half, so that rounding the GiB figure cannot make it 3)
-    size = 4.5 * max(_block_bytes(export, 0), _block_bytes(export, 1)) / (1 << 30)
-    procs, addresses = start_stages(
-        export, tmp_path, ["--kv-backend", "paged", "--kv-cache-size", f"{size:.12f}"]
-    )
-    gateway, url = start_gateway(addresses, tmp_path / "gateway.log")
-    client = Fleet(url, addresses).client()
-    try:
+    with _small_pool_fleet(tmp_path, 4) as fleet:
+        client = fleet.client()
         log = (tmp_path / "gateway.log").read_text()
         assert "KV pools hold 128 positions, fewer than the model's context of 256" in log
         long = request(7)  # an 89-token prompt
@@ -466,10 +471,6 @@ def test_pools_smaller_than_the_models_context_bound_every_request(tmp_path: Pat
         reply = client.chat.completions.create(**long)
         assert reply.usage is not None and reply.choices[0].finish_reason == "length"
         assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 128
-    finally:
-        gateway.stop()
-        for proc in procs:
-            proc.stop()
 
 
 def test_a_gateway_unaware_of_the_pools_retries_refused_steps(
