@@ -41,15 +41,16 @@ ENV PIPESHARD_STAGE_LISTEN=0.0.0.0:50051 \
 EXPOSE 8000 50051
 USER pipeshard
 WORKDIR /home/pipeshard
-# One check for every role, without curl: the role is read from PID 1's command line (also
-# under `docker run --init`). `stage`: the gRPC port (from PIPESHARD_STAGE_LISTEN) accepts a TCP
-# connection; `serve` / `up`: GET /health on the gateway's port (from PIPESHARD_GATEWAY_LISTEN)
-# answers 200 (over HTTPS when PIPESHARD_GATEWAY_TLS_CERT is set; the check talks to itself on
-# 127.0.0.1, so it does not verify the certificate). A stage's full health (linked into the
-# ring) is the gateway's /ready. Ports and certificates given only as flags (--listen,
-# --tls-cert) are not seen here: set them through the environment.
+# One check for every role: `pipeshard health` takes the role from PID 1's command line (also
+# under `docker run --init`). `stage`: its gRPC Health call answers (with PIPESHARD_STAGE_SECRET,
+# over TLS with PIPESHARD_STAGE_TLS_CA or its own PIPESHARD_STAGE_TLS_CERT), so a stopped or
+# wedged stage fails it; `serve` / `up`: GET /health on the gateway's port answers 200 (over
+# HTTPS when PIPESHARD_GATEWAY_TLS_CERT is set). Addresses come from PIPESHARD_STAGE_LISTEN /
+# PIPESHARD_GATEWAY_LISTEN: ports, secrets and certificates given only as flags are not seen
+# here, so set them through the environment. A stage's full health (linked into the ring) is
+# the gateway's /ready.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import os,socket,ssl,urllib.request as u;c=open('/proc/1/cmdline').read().split(chr(0));g='stage' not in c;e=os.environ.get;a=(e('PIPESHARD_GATEWAY_LISTEN') if g else e('PIPESHARD_STAGE_LISTEN')) or '127.0.0.1:'+('8000' if g else '50051');p=int(a.rpartition(':')[2]);s=e('PIPESHARD_GATEWAY_TLS_CERT');u.urlopen(('https' if s else 'http')+'://127.0.0.1:%d/health'%p,timeout=4,context=ssl._create_unverified_context() if s else None) if g else socket.create_connection(('127.0.0.1',p),4).close()"]
+    CMD ["pipeshard", "health"]
 ENTRYPOINT ["pipeshard"]
 CMD ["--help"]
 

@@ -461,6 +461,45 @@ def _run_up(args: argparse.Namespace) -> int:
     return run_fleet(options)
 
 
+def _health_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "health",
+        parents=[_COMMON],
+        help="is a stage or a gateway serving? exit 0 if so, 1 if not (Docker's HEALTHCHECK)",
+        description="Ask a stage (its gRPC Health call: a stopped or wedged stage fails it) or "
+        "a gateway (GET /health) whether it serves. Without --address the service's own "
+        "environment settings say where and how (PIPESHARD_STAGE_LISTEN, _SECRET, _TLS_CA or "
+        "_TLS_CERT, _TLS_SERVER_NAME; PIPESHARD_GATEWAY_LISTEN, _TLS_CERT).",
+    )
+    p.add_argument(
+        "role",
+        nargs="?",
+        default="auto",
+        choices=["stage", "gateway", "auto"],
+        help="auto (default): the service PID 1 runs, as in a container",
+    )
+    p.add_argument("--address", help="HOST:PORT (a gateway also takes http(s)://HOST:PORT)")
+    p.add_argument("--timeout", type=float, default=4.0, help="seconds to wait for the answer")
+    p.add_argument("--tls-ca", help="a stage over TLS: the CA (or self-signed certificate)")
+    p.add_argument("--server-name", help="a stage over TLS: the name in its certificate")
+    p.add_argument("--cmdline", type=Path, default=Path("/proc/1/cmdline"), help=argparse.SUPPRESS)
+
+
+def _run_health(args: argparse.Namespace) -> int:
+    from server.health import check
+
+    verdict = check(
+        args.role,
+        args.address,
+        timeout=args.timeout,
+        tls_ca=args.tls_ca,
+        server_name=args.server_name,
+        cmdline=args.cmdline,
+    )
+    print(verdict.message, file=sys.stdout if verdict.healthy else sys.stderr)
+    return 0 if verdict.healthy else 1
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     # Its options are the benchmarks' own (`pipeshard bench --help`): main() hands them over.
     sub.add_parser(
@@ -487,6 +526,7 @@ COMMANDS = {
     "serve": _run_serve,
     "up": _run_up,
     "bench": _run_bench,
+    "health": _run_health,
 }
 SERVICES = {"stage", "serve", "up"}
 
@@ -519,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _up_parser(sub)
     _bench_parser(sub)
+    _health_parser(sub)
     return parser
 
 

@@ -29,6 +29,7 @@ from server.settings import GatewaySettings
 from stage_node.metrics import StageMetrics
 from stage_node.settings import StageSettings
 from tests.conftest import make_certificates
+from tests.processes import PIPESHARD
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -486,20 +487,24 @@ class _Health(BaseHTTPRequestHandler):
 
 
 def test_dockerfile_healthcheck_works_for_both_roles(tmp_path: Path) -> None:
-    """Run the HEALTHCHECK command, with PID 1's command line taken from a file."""
+    """Run the HEALTHCHECK command (`pipeshard health`), with PID 1's command line taken from a
+    file. A stage must answer its gRPC Health call: a bare TCP listener on its port is not
+    healthy (tests/test_health.py checks real stages, secrets, TLS and a stopped stage)."""
     stages = dockerfile_stages()
     instructions = [i for s in stage_chain(stages, "runtime") for i in s["instructions"]]
     check = next(args for keyword, args in instructions if keyword == "HEALTHCHECK")
     argv = json.loads(check[check.index("CMD") + 3 :])
-    assert argv[:2] == ["python", "-c"] and "/proc/1/cmdline" in argv[2]
+    assert argv == ["pipeshard", "health"]
     cmdline = tmp_path / "cmdline"
-    code = argv[2].replace("/proc/1/cmdline", str(cmdline))
 
     def healthy(role: str, env: dict[str, str]) -> bool:
         cmdline.write_text(f"/opt/pipeshard/.venv/bin/pipeshard\0{role}\0--log-level\0INFO\0")
         clean = {k: v for k, v in os.environ.items() if not k.startswith("PIPESHARD_")}
         proc = subprocess.run(
-            [sys.executable, "-c", code], env=clean | env, capture_output=True, timeout=30
+            [PIPESHARD, *argv[1:], "--cmdline", str(cmdline), "--timeout", "2"],
+            env=clean | env,
+            capture_output=True,
+            timeout=30,
         )
         return proc.returncode == 0
 
@@ -508,8 +513,7 @@ def test_dockerfile_healthcheck_works_for_both_roles(tmp_path: Path) -> None:
         listener.listen()
         port = listener.getsockname()[1]
         stage_env = {"PIPESHARD_STAGE_LISTEN": f"0.0.0.0:{port}"}
-        assert healthy("stage", stage_env)
-    assert not healthy("stage", stage_env)  # nothing listens any more
+        assert not healthy("stage", stage_env)  # accepts TCP, answers no gRPC
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
