@@ -44,7 +44,8 @@ WORKDIR /home/pipeshard
 # One check for every role: `pipeshard health` takes the role from PID 1's command line (also
 # under `docker run --init`). `stage`: its gRPC Health call answers (with PIPESHARD_STAGE_SECRET,
 # over TLS with PIPESHARD_STAGE_TLS_CA or its own PIPESHARD_STAGE_TLS_CERT), so a stopped or
-# wedged stage fails it; `serve` / `up`: GET /health on the gateway's port answers 200 (over
+# stuck stage fails it, as does one whose inference call has run over 600 s (a hung device);
+# `serve` / `up`: GET /health on the gateway's port answers 200 (over
 # HTTPS when PIPESHARD_GATEWAY_TLS_CERT is set). Addresses come from PIPESHARD_STAGE_LISTEN /
 # PIPESHARD_GATEWAY_LISTEN: ports, secrets and certificates given only as flags are not seen
 # here, so set them through the environment. A stage's full health (linked into the ring) is

@@ -466,8 +466,9 @@ def _health_parser(sub: argparse._SubParsersAction) -> None:
         "health",
         parents=[_COMMON],
         help="is a stage or a gateway serving? exit 0 if so, 1 if not (Docker's HEALTHCHECK)",
-        description="Ask a stage (its gRPC Health call: a stopped or wedged stage fails it) or "
-        "a gateway (GET /health) whether it serves. Without --address the service's own "
+        description="Ask a stage (its gRPC Health call: a stopped or stuck stage fails it, and "
+        "so does one whose inference call runs too long) or a gateway (GET /health) whether "
+        "it serves. Without --address the service's own "
         "environment settings say where and how (PIPESHARD_STAGE_LISTEN, _SECRET, _TLS_CA or "
         "_TLS_CERT, _TLS_SERVER_NAME; PIPESHARD_GATEWAY_LISTEN, _TLS_CERT).",
     )
@@ -482,6 +483,12 @@ def _health_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=4.0, help="seconds to wait for the answer")
     p.add_argument("--tls-ca", help="a stage over TLS: the CA (or self-signed certificate)")
     p.add_argument("--server-name", help="a stage over TLS: the name in its certificate")
+    p.add_argument(
+        "--max-compute-seconds",
+        type=float,
+        default=600.0,
+        help="a stage: unhealthy while an inference call has run longer (a hung device)",
+    )
     p.add_argument("--cmdline", type=Path, default=Path("/proc/1/cmdline"), help=argparse.SUPPRESS)
 
 
@@ -494,6 +501,7 @@ def _run_health(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         tls_ca=args.tls_ca,
         server_name=args.server_name,
+        max_compute_s=args.max_compute_seconds,
         cmdline=args.cmdline,
     )
     print(verdict.message, file=sys.stdout if verdict.healthy else sys.stderr)

@@ -3,7 +3,9 @@ scripts and people. Exit 0 when it is, 1 when it is not, with one line that says
 
 - A stage is asked over gRPC (its Health call, with the shared secret and over TLS as its
   settings say): the answer comes from the stage's own event loop, so a process that is
-  stopped or wedged fails the check, while the kernel still accepts TCP connections for it.
+  stopped or stuck fails the check, while the kernel still accepts TCP connections for it. A
+  stage whose inference call has run longer than ``max_compute_s`` (a hung GPU or NPU
+  driver; the event loop still answers) fails it too.
 - A gateway answers ``GET /health`` (over HTTPS when it serves TLS).
 
 Without an address, the settings of the role come from the environment the services read
@@ -28,6 +30,9 @@ from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata, open_channel
 
 STAGE_ENV = "PIPESHARD_STAGE_"
+# Longer than any sane single inference call (a long prompt goes in chunks), short enough that a
+# hung device is noticed within minutes.
+DEFAULT_MAX_COMPUTE_S = 600.0
 GATEWAY_ENV = "PIPESHARD_GATEWAY_"
 
 
@@ -63,8 +68,10 @@ def check_stage(
     tls_ca: Path | None = None,
     server_name: str | None = None,
     timeout: float = 4.0,
+    max_compute_s: float = DEFAULT_MAX_COMPUTE_S,
 ) -> Verdict:
-    """The stage's Health call answers ``serving`` within ``timeout``."""
+    """The stage's Health call answers ``serving`` within ``timeout``, with no inference call
+    running for longer than ``max_compute_s``."""
 
     async def ask() -> pb.HealthReply:
         channel = open_channel(address, tls_ca, server_name)
@@ -86,6 +93,12 @@ def check_stage(
         return Verdict(False, f"stage {address}: {exc.code().name}: {why}")
     if not reply.serving:
         return Verdict(False, f"stage {address}: not serving")
+    if reply.compute_seconds > max_compute_s:
+        return Verdict(
+            False,
+            f"stage {address}: an inference call has run for {reply.compute_seconds:.2f} s "
+            f"(over {max_compute_s:g} s): is the device hung?",
+        )
     link = ""
     if reply.downstream:
         state = "connected" if reply.downstream_ok else "NOT connected"
@@ -117,6 +130,7 @@ def check(
     timeout: float = 4.0,
     tls_ca: str | None = None,
     server_name: str | None = None,
+    max_compute_s: float = DEFAULT_MAX_COMPUTE_S,
     cmdline: Path = Path("/proc/1/cmdline"),
 ) -> Verdict:
     """Check a ``stage``, a ``gateway`` or (``auto``) the service PID 1 runs; without
@@ -133,6 +147,7 @@ def check(
             tls_ca=Path(ca) if ca else None,
             server_name=server_name or env(STAGE_ENV + "TLS_SERVER_NAME") or None,
             timeout=timeout,
+            max_compute_s=max_compute_s,
         )
     if role == "gateway":
         if address is None or "://" not in address:

@@ -40,6 +40,12 @@ class StageMetrics:
             "Steps received and not yet passed on (waiting or computing)",
             registry=self.registry,
         )
+        self.compute_running = Gauge(
+            "pipeshard_stage_compute_running_seconds",
+            "How long the oldest inference call in progress has run (0: none); one that keeps "
+            "growing is a hung device",
+            registry=self.registry,
+        )
         self.busy_seconds = Counter(
             "pipeshard_stage_busy_seconds",
             "Time spent computing steps; its rate / streams is the busy fraction",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
@@ -259,6 +260,14 @@ class StageService(pb_grpc.StageServicer):
         self._released: OrderedDict[str, None] = OrderedDict()
         self._pushes: set[asyncio.Task[Any]] = set()  # the Push calls reading their streams
         self._stopping = False
+        # when each inference thread's call in progress started (perf_counter), by thread
+        self._computing: dict[int, float] = {}
+        metrics.compute_running.set_function(self.compute_seconds)
+
+    def compute_seconds(self) -> float:
+        """How long the oldest inference call in progress has run (0.0: none)."""
+        started = list(self._computing.values())  # a copy: the inference threads change it
+        return time.perf_counter() - min(started) if started else 0.0
 
     # -- control RPCs ---------------------------------------------------------------------
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.StageInfo:
@@ -300,6 +309,7 @@ class StageService(pb_grpc.StageServicer):
             sessions_in_use=self.runner.session_count,
             downstream=self.downstream.address if self.downstream else "",
             downstream_ok=self.downstream.ok if self.downstream else True,
+            compute_seconds=self.compute_seconds(),
         )
 
     async def Link(self, request: pb.LinkRequest, context: Any) -> pb.LinkReply:
@@ -531,9 +541,12 @@ class StageService(pb_grpc.StageServicer):
     def _compute_batch(self, batch: list[StepInput]) -> list[StepOutcome]:
         """Runs in the inference pool."""
         started = time.perf_counter()
+        thread = threading.get_ident()
+        self._computing[thread] = started
         try:
             return self.backend.compute(batch)
         finally:
+            del self._computing[thread]
             self.metrics.busy_seconds.inc(time.perf_counter() - started)
 
     def _forward(self, step: pb.Step, output: Any) -> None:

@@ -8,11 +8,15 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
+import httpx
+
+from server.health import check_stage
 from tests.conftest import make_certificates
 from tests.processes import PIPESHARD, start_gateway, start_stages
-from tests.test_gateway import export_chat_model
+from tests.test_gateway import MESSAGES, export_chat_model
 
 SECRET = "health-check-secret"
 
@@ -46,6 +50,32 @@ def test_health_of_stages_and_gateway_with_a_secret(tmp_path: Path) -> None:
         assert "UNAUTHENTICATED" in refused.stderr and "secret" in refused.stderr
 
         assert health("gateway", "--address", url).returncode == 0
+
+        # The age of the inference call in progress is in the reply: allowed no time at all, a
+        # probe that lands during a call fails (the check a hung device fails); idle, none runs.
+        body = {
+            "model": "chat-model",
+            "messages": MESSAGES,
+            "max_tokens": 230,  # the tiny model's context is 256
+            "temperature": 0,
+            "logit_bias": {"2": -100},  # no end-of-sequence: the load lasts
+        }
+        load = threading.Thread(
+            target=lambda: [
+                httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
+                for _ in range(3)
+            ]
+        )
+        load.start()
+        busy = []
+        while load.is_alive() and not busy:
+            verdict = check_stage(addresses[0], secret=SECRET, max_compute_s=0.0, timeout=5)
+            if not verdict.healthy:
+                busy.append(verdict.message)
+        load.join()
+        assert busy, "no probe landed during an inference call"
+        assert "an inference call has run for" in busy[0]
+        assert check_stage(addresses[0], secret=SECRET, max_compute_s=0.0).healthy
         port = addresses[1].rsplit(":", 1)[1]
         own = tmp_path / "cmdline"  # what a container's PID 1 runs: a stage, from the env
         own.write_bytes(b"/opt/pipeshard/.venv/bin/pipeshard\0stage\0")
