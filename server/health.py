@@ -30,10 +30,10 @@ from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata, open_channel
 
 STAGE_ENV = "PIPESHARD_STAGE_"
+GATEWAY_ENV = "PIPESHARD_GATEWAY_"
 # Longer than any sane single inference call (a long prompt goes in chunks), short enough that a
 # hung device is noticed within minutes.
 DEFAULT_MAX_COMPUTE_S = 600.0
-GATEWAY_ENV = "PIPESHARD_GATEWAY_"
 
 
 @dataclass(frozen=True)
