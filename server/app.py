@@ -53,6 +53,7 @@ from server.settings import GatewaySettings
 from server.speculative import DraftProposer, NgramProposer, Proposer
 from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from server.tokenization import codec_from_files, load_codec
+from stage_node import systemd
 from stage_node.runner import RunnerOptions
 from stage_node.settings import check_can_listen, split_listen
 
@@ -130,10 +131,25 @@ class GatewayServer(uvicorn.Server):
             uvicorn_log.addFilter(_HideStartFailedTraceback())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        # Listening: tell systemd (Type=notify) and feed its watchdog (WatchdogSec=) from this
+        # event loop, which every request goes through.
+        systemd.notify("READY=1", f"STATUS=serving on {self.gateway.settings.listen}")
+        if (interval := systemd.watchdog_interval()) is not None:
+            self._watchdog = asyncio.create_task(systemd.feed_watchdog(interval, lambda: None))
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        systemd.notify("STOPPING=1")
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

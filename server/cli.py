@@ -222,6 +222,11 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (CACHE_DIR)")
     p.add_argument("--max-sessions", type=int, help="sessions held at once (default 64)")
     p.add_argument("--session-idle-timeout", type=float, help="seconds (default 300)")
+    p.add_argument(
+        "--compute-timeout",
+        type=float,
+        help="seconds an inference call may run before the stage counts as hung (default 600)",
+    )
     p.add_argument("--hidden-dtype", choices=["fp16", "fp32"], help="hidden states sent on")
     p.add_argument("--secret", help="shared secret required on every call")
     p.add_argument(
@@ -486,8 +491,8 @@ def _health_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-compute-seconds",
         type=float,
-        default=600.0,
-        help="a stage: unhealthy while an inference call has run longer (a hung device)",
+        help="a stage: unhealthy while an inference call has run longer, a hung device "
+        "(default: PIPESHARD_STAGE_COMPUTE_TIMEOUT, else 600)",
     )
     p.add_argument("--cmdline", type=Path, default=Path("/proc/1/cmdline"), help=argparse.SUPPRESS)
 

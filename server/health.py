@@ -32,7 +32,7 @@ from protos.transport import call_metadata, open_channel
 STAGE_ENV = "PIPESHARD_STAGE_"
 GATEWAY_ENV = "PIPESHARD_GATEWAY_"
 # Longer than any sane single inference call (a long prompt goes in chunks), short enough that a
-# hung device is noticed within minutes.
+# hung device is noticed within minutes; the stages' compute_timeout default too.
 DEFAULT_MAX_COMPUTE_S = 600.0
 
 
@@ -130,7 +130,7 @@ def check(
     timeout: float = 4.0,
     tls_ca: str | None = None,
     server_name: str | None = None,
-    max_compute_s: float = DEFAULT_MAX_COMPUTE_S,
+    max_compute_s: float | None = None,
     cmdline: Path = Path("/proc/1/cmdline"),
 ) -> Verdict:
     """Check a ``stage``, a ``gateway`` or (``auto``) the service PID 1 runs; without
@@ -147,7 +147,10 @@ def check(
             tls_ca=Path(ca) if ca else None,
             server_name=server_name or env(STAGE_ENV + "TLS_SERVER_NAME") or None,
             timeout=timeout,
-            max_compute_s=max_compute_s,
+            # the stage's own limit (its compute_timeout setting), unless one is given
+            max_compute_s=max_compute_s
+            if max_compute_s is not None
+            else float(env(STAGE_ENV + "COMPUTE_TIMEOUT") or DEFAULT_MAX_COMPUTE_S),
         )
     if role == "gateway":
         if address is None or "://" not in address:

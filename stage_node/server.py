@@ -17,6 +17,7 @@ from prometheus_client import start_http_server
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.manifest import MANIFEST_NAME, manifest_hash
 from protos.transport import CHANNEL_OPTIONS, MANIFEST_KEY, OPEN_METHODS, SECRET_KEY
+from stage_node import systemd
 from stage_node.metrics import StageMetrics
 from stage_node.paged import GIB, PagedRunner, PagedStep
 from stage_node.runner import RunnerOptions, ShardRunner
@@ -189,6 +190,18 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     )
     if ready is not None:
         ready(port)
+    systemd.notify("READY=1", f"STATUS=stage {stage.index} serving on {settings.listen}")
+    watchdog = None
+    if (interval := systemd.watchdog_interval()) is not None:
+
+        def hung() -> str | None:
+            age = service.compute_seconds()
+            if age <= settings.compute_timeout:
+                return None
+            limit = settings.compute_timeout
+            return f"an inference call has run for {age:.0f} s (compute_timeout {limit:g} s)"
+
+        watchdog = asyncio.create_task(systemd.feed_watchdog(interval, hung))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -207,7 +220,10 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     reaper = asyncio.create_task(reap())
     await stop.wait()
     log.info("stage %d stopping", stage.index)
+    systemd.notify("STOPPING=1")
     reaper.cancel()
+    if watchdog is not None:
+        watchdog.cancel()
     await service.stop()
     await server.stop(grace=1.0)
     await service.close()

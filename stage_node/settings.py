@@ -123,6 +123,12 @@ class StageSettings(BaseSettings):
         default_factory=default_ov_cache, description="OpenVINO model cache (CACHE_DIR)"
     )
     max_sessions: int = Field(default=64, ge=1, description="sessions held at once")
+    compute_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds an inference call may run before the stage counts as hung (a "
+        "stuck GPU/NPU driver): the systemd watchdog is no longer fed",
+    )
     session_idle_timeout: float = Field(
         default=300.0, gt=0, description="seconds before an untouched session is freed"
     )

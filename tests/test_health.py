@@ -9,9 +9,11 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from server.health import check_stage
 from tests.conftest import make_certificates
@@ -131,3 +133,96 @@ def test_health_of_a_stage_over_tls(tmp_path: Path) -> None:
     finally:
         for proc in procs:
             proc.stop()
+
+
+class NotifySocket(threading.Thread):
+    """systemd's side of sd_notify: a datagram socket that records every notification with the
+    sender's PID (SCM_CREDENTIALS)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[int, str]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
+            except TimeoutError:
+                continue
+            pid = next(
+                int.from_bytes(cdata[:4], "little")
+                for level, kind, cdata in ancillary
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
+            )
+            self.messages.append((pid, data.decode()))
+
+    def of(self, pid: int) -> list[str]:
+        return [text for sender, text in self.messages if sender == pid]
+
+    def close(self) -> None:
+        self.done.set()
+        self.join()
+        self.sock.close()
+
+
+def test_systemd_readiness_watchdog_and_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stages and the gateway under a (simulated) systemd: READY=1 once they serve, WATCHDOG=1
+    every half WatchdogSec, STOPPING=1 on SIGTERM. A stage whose inference call has run longer
+    than its compute_timeout stops feeding the watchdog (here a limit every call exceeds, under
+    real load: the pings every 10 ms land in calls many times), and feeds it again once idle."""
+    _, export = export_chat_model(tmp_path)
+    notify = NotifySocket(tmp_path / "notify.sock")
+    notify.start()
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    monkeypatch.setenv("WATCHDOG_USEC", "20000")  # a ping every 10 ms: many land in a call
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    procs, addresses = start_stages(export, tmp_path, stages=[0])
+    last, [last_address] = start_stages(
+        export, tmp_path, ["--compute-timeout", "0.000001"], stages=[1]
+    )
+    procs += last
+    gateway = None
+    try:
+        gateway, url = start_gateway([*addresses, last_address], tmp_path / "gateway.log")
+        pids = [p.popen.pid for p in [*procs, gateway] if p.popen is not None]
+        statuses = ["stage 0 serving", "stage 1 serving", "serving on"]
+        for pid, status in zip(pids, statuses, strict=True):
+            ready = [m for m in notify.of(pid) if m.startswith("READY=1")]
+            assert len(ready) == 1 and status in ready[0], notify.of(pid)
+        body = {
+            "model": "chat-model",
+            "messages": MESSAGES,
+            "max_tokens": 230,
+            "temperature": 0,
+            "logit_bias": {"2": -100},
+        }
+        for _ in range(3):
+            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
+        time.sleep(0.5)  # idle: the hung-looking stage feeds the watchdog again
+        hung = notify.of(pids[1])
+        unhealthy = [i for i, m in enumerate(hung) if m.startswith("STATUS=unhealthy")]
+        assert unhealthy, "stage 1 never stopped feeding the watchdog"
+        assert "an inference call has run for" in hung[unhealthy[0]]
+        assert "WATCHDOG=1" in hung[unhealthy[-1] + 1 :]
+        for pid in (pids[0], pids[2]):  # no limit reached: fed all along
+            assert notify.of(pid).count("WATCHDOG=1") >= 10
+            assert not any(m.startswith("STATUS=unhealthy") for m in notify.of(pid))
+        gateway.stop()
+        for proc in procs:
+            proc.stop()
+        time.sleep(0.3)
+        for pid in pids:
+            assert "STOPPING=1" in notify.of(pid)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for proc in procs:
+            proc.stop()
+        notify.close()
