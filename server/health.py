@@ -28,28 +28,21 @@ import grpc
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata, open_channel
+from server.settings import GatewaySettings
+from stage_node.settings import StageSettings, hung_call, local_address
 
 STAGE_ENV = "PIPESHARD_STAGE_"
 GATEWAY_ENV = "PIPESHARD_GATEWAY_"
-# Longer than any sane single inference call (a long prompt goes in chunks), short enough that a
-# hung device is noticed within minutes; the stages' compute_timeout default too.
-DEFAULT_MAX_COMPUTE_S = 600.0
+# the services' own defaults, where their environment does not say
+STAGE_LISTEN: str = StageSettings.model_fields["listen"].default
+GATEWAY_LISTEN: str = GatewaySettings.model_fields["listen"].default
+COMPUTE_TIMEOUT: float = StageSettings.model_fields["compute_timeout"].default
 
 
 @dataclass(frozen=True)
 class Verdict:
     healthy: bool
     message: str
-
-
-def local_address(listen: str | None, default_port: int) -> str:
-    """Where this machine reaches a service that listens on ``listen`` (any interface ->
-    127.0.0.1)."""
-    host, _, port = (listen or f"127.0.0.1:{default_port}").rpartition(":")
-    host = host.strip("[]")
-    if host in ("", "0.0.0.0", "::"):
-        host = "127.0.0.1"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def role_of_pid1(cmdline: Path = Path("/proc/1/cmdline")) -> str:
@@ -68,7 +61,7 @@ def check_stage(
     tls_ca: Path | None = None,
     server_name: str | None = None,
     timeout: float = 4.0,
-    max_compute_s: float = DEFAULT_MAX_COMPUTE_S,
+    max_compute_s: float = COMPUTE_TIMEOUT,
 ) -> Verdict:
     """The stage's Health call answers ``serving`` within ``timeout``, with no inference call
     running for longer than ``max_compute_s``."""
@@ -93,12 +86,8 @@ def check_stage(
         return Verdict(False, f"stage {address}: {exc.code().name}: {why}")
     if not reply.serving:
         return Verdict(False, f"stage {address}: not serving")
-    if reply.compute_seconds > max_compute_s:
-        return Verdict(
-            False,
-            f"stage {address}: an inference call has run for {reply.compute_seconds:.2f} s "
-            f"(over {max_compute_s:g} s): is the device hung?",
-        )
+    if hung := hung_call(reply.compute_seconds, max_compute_s):
+        return Verdict(False, f"stage {address}: {hung}")
     link = ""
     if reply.downstream:
         state = "connected" if reply.downstream_ok else "NOT connected"
@@ -142,7 +131,7 @@ def check(
         # over TLS: verified against the fleet's CA, or the stage's own (self-signed) certificate
         ca = tls_ca or env(STAGE_ENV + "TLS_CA") or env(STAGE_ENV + "TLS_CERT")
         return check_stage(
-            address or local_address(env(STAGE_ENV + "LISTEN"), 50051),
+            address or local_address(env(STAGE_ENV + "LISTEN") or STAGE_LISTEN),
             secret=env(STAGE_ENV + "SECRET") or None,
             tls_ca=Path(ca) if ca else None,
             server_name=server_name or env(STAGE_ENV + "TLS_SERVER_NAME") or None,
@@ -150,12 +139,12 @@ def check(
             # the stage's own limit (its compute_timeout setting), unless one is given
             max_compute_s=max_compute_s
             if max_compute_s is not None
-            else float(env(STAGE_ENV + "COMPUTE_TIMEOUT") or DEFAULT_MAX_COMPUTE_S),
+            else float(env(STAGE_ENV + "COMPUTE_TIMEOUT") or COMPUTE_TIMEOUT),
         )
     if role == "gateway":
         if address is None or "://" not in address:
             scheme = "https" if env(GATEWAY_ENV + "TLS_CERT") else "http"
-            where = address or local_address(env(GATEWAY_ENV + "LISTEN"), 8000)
+            where = address or local_address(env(GATEWAY_ENV + "LISTEN") or GATEWAY_LISTEN)
             address = f"{scheme}://{where}"
         return check_gateway(address, timeout=timeout)
     raise ValueError(f"unknown role {role!r}: stage, gateway or auto")

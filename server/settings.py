@@ -18,7 +18,13 @@ from pydantic_settings import (
 
 from server.hosts import stages_here
 from server.scheduler import SchedulerConfig
-from stage_node.settings import check_listen, check_tls_pair, default_ov_cache, split_listen
+from stage_node.settings import (
+    check_listen,
+    check_tls_pair,
+    default_ov_cache,
+    local_address,
+    split_listen,
+)
 
 # Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
 # 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.
@@ -232,9 +238,7 @@ class GatewaySettings(BaseSettings):
     def url(self) -> str:
         """Where a client on this machine reaches the gateway (loopback for a wildcard
         listen address)."""
-        host, _, port = self.listen.rpartition(":")
-        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
-        return f"{self.scheme}://{host}:{port}"
+        return f"{self.scheme}://{local_address(self.listen)}"
 
     @property
     def open_to_the_network(self) -> bool:

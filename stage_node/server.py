@@ -22,7 +22,13 @@ from stage_node.metrics import StageMetrics
 from stage_node.paged import GIB, PagedRunner, PagedStep
 from stage_node.runner import RunnerOptions, ShardRunner
 from stage_node.service import StageService
-from stage_node.settings import StageSettings, bind_problem, check_can_listen, pin_process
+from stage_node.settings import (
+    StageSettings,
+    bind_problem,
+    check_can_listen,
+    hung_call,
+    pin_process,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,15 +199,11 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     systemd.notify("READY=1", f"STATUS=stage {stage.index} serving on {settings.listen}")
     watchdog = None
     if (interval := systemd.watchdog_interval()) is not None:
-
-        def hung() -> str | None:
-            age = service.compute_seconds()
-            if age <= settings.compute_timeout:
-                return None
-            limit = settings.compute_timeout
-            return f"an inference call has run for {age:.0f} s (compute_timeout {limit:g} s)"
-
-        watchdog = asyncio.create_task(systemd.feed_watchdog(interval, hung))
+        watchdog = asyncio.create_task(
+            systemd.feed_watchdog(
+                interval, lambda: hung_call(service.compute_seconds(), settings.compute_timeout)
+            )
+        )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -26,6 +26,22 @@ def split_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def local_address(listen: str) -> str:
+    """HOST:PORT where a client on this machine reaches a service listening on ``listen``
+    (loopback for a wildcard address)."""
+    host, _, port = listen.rpartition(":")
+    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
+    return f"{host}:{port}"
+
+
+def hung_call(age: float, limit: float) -> str | None:
+    """Why a stage counts as hung: the inference call in progress has run ``age`` seconds,
+    past ``limit`` (its compute_timeout); None while it has not."""
+    if age <= limit:
+        return None
+    return f"an inference call has run for {age:.2f} s (over {limit:g} s): is the device hung?"
+
+
 def check_listen(value: str) -> str:
     """``value`` when it is a listen address HOST:PORT (see split_listen)."""
     split_listen(value)

@@ -21,6 +21,13 @@ from tests.processes import PIPESHARD, start_gateway, start_stages
 from tests.test_gateway import MESSAGES, export_chat_model
 
 SECRET = "health-check-secret"
+LOAD = {  # one request of real load: as long as the tiny model's context (256) allows
+    "model": "chat-model",
+    "messages": MESSAGES,
+    "max_tokens": 230,
+    "temperature": 0,
+    "logit_bias": {"2": -100},  # no end-of-sequence
+}
 
 
 def health(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -55,16 +62,9 @@ def test_health_of_stages_and_gateway_with_a_secret(tmp_path: Path) -> None:
 
         # The age of the inference call in progress is in the reply: allowed no time at all, a
         # probe that lands during a call fails (the check a hung device fails); idle, none runs.
-        body = {
-            "model": "chat-model",
-            "messages": MESSAGES,
-            "max_tokens": 230,  # the tiny model's context is 256
-            "temperature": 0,
-            "logit_bias": {"2": -100},  # no end-of-sequence: the load lasts
-        }
         load = threading.Thread(
             target=lambda: [
-                httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
+                httpx.post(f"{url}/v1/chat/completions", json=LOAD, timeout=120).raise_for_status()
                 for _ in range(3)
             ]
         )
@@ -196,15 +196,8 @@ def test_systemd_readiness_watchdog_and_stop(
         for pid, status in zip(pids, statuses, strict=True):
             ready = [m for m in notify.of(pid) if m.startswith("READY=1")]
             assert len(ready) == 1 and status in ready[0], notify.of(pid)
-        body = {
-            "model": "chat-model",
-            "messages": MESSAGES,
-            "max_tokens": 230,
-            "temperature": 0,
-            "logit_bias": {"2": -100},
-        }
         for _ in range(3):
-            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
+            httpx.post(f"{url}/v1/chat/completions", json=LOAD, timeout=120).raise_for_status()
         time.sleep(0.5)  # idle: the hung-looking stage feeds the watchdog again
         hung = notify.of(pids[1])
         unhealthy = [i for i, m in enumerate(hung) if m.startswith("STATUS=unhealthy")]
