@@ -253,10 +253,9 @@ class StageService(pb_grpc.StageServicer):
         # steps ready to compute, taken by the inference threads (under _cond)
         self._ready: deque[tuple[StepInput, pb.Step]] = deque()
         self._cond = threading.Condition()
-        self._threads: list[threading.Thread] = []  # started with the first step
         # outcomes the inference threads leave to the notifier (see _infer); None: closing
         self._outcomes: SimpleQueue[Computed | None] = SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = asyncio.get_running_loop()  # built by serve(), on its loop
         self._closed = False
         # steps waiting for their session's step in flight (an entry per session in flight)
         self._waiting: dict[str, deque[tuple[pb.Step, np.ndarray | Exception]]] = {}
@@ -269,6 +268,13 @@ class StageService(pb_grpc.StageServicer):
         # when each inference thread's call in progress started (perf_counter), by thread
         self._computing: dict[int, float] = {}
         metrics.compute_running.set_function(self.compute_seconds)
+        self._threads = [
+            threading.Thread(target=self._infer, name=f"infer-{i}", daemon=True)
+            for i in range(self.backend.parallelism)
+        ]
+        self._threads.append(threading.Thread(target=self._notify, name="notify", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def compute_seconds(self) -> float:
         """How long the oldest inference call in progress has run (0.0: none)."""
@@ -503,15 +509,6 @@ class StageService(pb_grpc.StageServicer):
     # user waiting in the pipeline), and a step made ready on the loop wakes an idle thread
     # directly, without a task or an executor in between.
     def _make_ready(self, item: StepInput, step: pb.Step) -> None:
-        if not self._threads:
-            self._loop = asyncio.get_running_loop()
-            self._threads = [
-                threading.Thread(target=self._infer, name=f"infer-{i}", daemon=True)
-                for i in range(self.backend.parallelism)
-            ]
-            self._threads.append(threading.Thread(target=self._notify, name="notify", daemon=True))
-            for thread in self._threads:
-                thread.start()
         with self._cond:
             self._ready.append((item, step))
             self._cond.notify()
@@ -549,7 +546,6 @@ class StageService(pb_grpc.StageServicer):
 
     def _post(self, done: Computed) -> bool:
         """Has the loop pass computed steps on; False once the loop has closed."""
-        assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(self._computed, *done)
         except RuntimeError:  # the loop is closed: the stage has stopped
@@ -697,5 +693,6 @@ class StageService(pb_grpc.StageServicer):
         self._outcomes.put(None)
         # a call in progress ends before the runner goes (not a hung one: the threads are
         # daemons, so a hung device call does not keep the process from exiting)
+        deadline = time.monotonic() + self.settings.compute_timeout  # for all of them
         for thread in self._threads:
-            await asyncio.to_thread(thread.join, self.settings.compute_timeout)
+            await asyncio.to_thread(thread.join, max(0.0, deadline - time.monotonic()))
