@@ -1,0 +1,609 @@
+"""A GGUF tensor's own quantized blocks -> OpenVINO nodes that decompress to exactly the reference.
+
+``GGUF bytes -> from_gguf() -> DenseWeight | PackedWeight -> weight_node | linear | embedding``
+
+The reference is gguf-py's ``gguf.quants.dequantize`` (what llama.cpp and transformers agree on).
+Block types are not requantized: their integer codes are kept as stored (u4/i4/u8/i8) with f32
+per-group scales and, for the scale+min types, an f32 zero point, laid out as the CPU plugin's
+compressed FullyConnected pattern ``Constant(codes) -> Convert -> [Subtract zp] -> Multiply scale
+-> Reshape -> MatMul``. Why f32 and not f16 scales: ``d*sc`` needs up to 18 significant bits
+(see shared/notes/gguf.md). Types without an exact form become dense f16 with a note saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal, NamedTuple
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+log = logging.getLogger(__name__)
+
+Q4KForm = Literal["exact", "split", "rounded"]
+CodeType = Literal["u4", "i4", "u8", "i8"]
+
+_OV_CODE_TYPES: dict[str, ov.Type] = {
+    "u4": ov.Type.u4,
+    "i4": ov.Type.i4,
+    "u8": ov.Type.u8,
+    "i8": ov.Type.i8,
+}
+_CODE_RANGES: dict[str, tuple[int, int]] = {
+    "u4": (0, 15),
+    "i4": (-8, 7),
+    "u8": (0, 255),
+    "i8": (-128, 127),
+}
+# Elements decoded per chunk: bounds the decoders' temporaries on huge tensors.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _check_span(lo: int, hi: int, size: int, what: str) -> None:
+    if not 0 <= lo < hi <= size:
+        raise ValueError(f"{what} [{lo}, {hi}) is not a non-empty range inside [0, {size})")
+
+
+def _check_permutation(order: np.ndarray, rows: int) -> np.ndarray:
+    order = np.asarray(order)
+    if order.shape != (rows,) or not np.array_equal(np.sort(order), np.arange(rows)):
+        raise ValueError(f"order must be a permutation of range({rows})")
+    return order
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    """A plain float tensor: [rows, cols] (or 1-D for norms and biases), f32 or f16 as stored."""
+
+    array: np.ndarray
+    note: str = ""  # e.g. "Q2_K dequantized to f16 (inexact)" when it is a fallback
+
+    def take_rows(self, lo: int, hi: int) -> DenseWeight:
+        _check_span(lo, hi, self.array.shape[0], "rows")
+        return replace(self, array=self.array[lo:hi])
+
+    def take_cols(self, lo: int, hi: int) -> DenseWeight:
+        if self.array.ndim != 2:
+            raise ValueError("take_cols needs a 2-D weight")
+        _check_span(lo, hi, self.array.shape[1], "cols")
+        return replace(self, array=self.array[:, lo:hi])
+
+    def permute_rows(self, order: np.ndarray) -> DenseWeight:
+        return replace(self, array=self.array[_check_permutation(order, self.array.shape[0])])
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """Integer codes + f32 per-group scale (+ zero point), decompressing to (codes - zp) * scale.
+
+    The "split" form has no zero point but a ``correction`` M: it decompresses to
+    ``codes * scale - M`` (the reference's own arithmetic, so bit-exact), and ``linear`` applies M
+    as a second small MatMul over the group sums of x, keeping the big one zero-point free.
+    """
+
+    rows: int
+    cols: int
+    group: int  # input columns per scale group
+    code_type: str  # "u4" | "i4" | "u8" | "i8"
+    codes: np.ndarray  # [rows, cols] int8 (i4/i8) or uint8 (u4/u8), one code per element
+    scale: np.ndarray  # float32 [rows, cols // group]
+    zero_point: np.ndarray | None  # float32 [rows, cols // group] (fractional allowed) or None
+    correction: np.ndarray | None = None  # "split" form only: float32 [rows, cols // group]
+    source_type: str = ""  # GGML type name it came from, e.g. "Q4_K"
+    exact: bool = True  # False for the "rounded" form
+
+    def __post_init__(self) -> None:
+        groups = self.cols // self.group if self.group else 0
+        if self.group <= 0 or self.cols % self.group:
+            raise ValueError(f"cols {self.cols} is not a multiple of group {self.group}")
+        if self.code_type not in _OV_CODE_TYPES:
+            raise ValueError(f"unknown code type {self.code_type!r}")
+        if self.codes.shape != (self.rows, self.cols):
+            raise ValueError(f"codes shape {self.codes.shape} != {(self.rows, self.cols)}")
+        want = np.int8 if self.code_type[0] == "i" else np.uint8
+        if self.codes.dtype != want:
+            raise ValueError(f"{self.code_type} codes must be {np.dtype(want)}")
+        for field in ("scale", "zero_point", "correction"):
+            value = getattr(self, field)
+            if value is not None and value.shape != (self.rows, groups):
+                raise ValueError(f"{field} shape {value.shape} != {(self.rows, groups)}")
+        if self.correction is not None and self.zero_point is not None:
+            raise ValueError("the split form (correction) takes no zero point")
+
+    @property
+    def groups(self) -> int:
+        return self.cols // self.group
+
+    def _map(
+        self, codes: Callable[[np.ndarray], np.ndarray], groups: Callable[[np.ndarray], np.ndarray]
+    ) -> PackedWeight:
+        new_codes = codes(self.codes)
+        return replace(
+            self,
+            rows=new_codes.shape[0],
+            cols=new_codes.shape[1],
+            codes=new_codes,
+            scale=groups(self.scale),
+            zero_point=None if self.zero_point is None else groups(self.zero_point),
+            correction=None if self.correction is None else groups(self.correction),
+        )
+
+    def take_rows(self, lo: int, hi: int) -> PackedWeight:
+        _check_span(lo, hi, self.rows, "rows")
+        return self._map(lambda a: a[lo:hi], lambda a: a[lo:hi])
+
+    def take_cols(self, lo: int, hi: int) -> PackedWeight:
+        _check_span(lo, hi, self.cols, "cols")
+        if lo % self.group or hi % self.group:
+            raise ValueError(f"cols [{lo}, {hi}) must fall on group boundaries ({self.group})")
+        g_lo, g_hi = lo // self.group, hi // self.group
+        return self._map(lambda a: a[:, lo:hi], lambda a: a[:, g_lo:g_hi])
+
+    def permute_rows(self, order: np.ndarray) -> PackedWeight:
+        idx = _check_permutation(order, self.rows)
+        return self._map(lambda a: a[idx], lambda a: a[idx])
+
+
+Weight = DenseWeight | PackedWeight
+
+
+# ---------------------------------------------------------------------------------------------
+# Block decoders: bytes [n_blocks, type_size] -> codes, scale, minimum with
+# w = scale * codes - minimum per sub-block, mirroring gguf-py's quants.py bit layouts.
+
+
+class _Fields(NamedTuple):
+    codes: np.ndarray  # [n_blocks, block_size] int8/uint8
+    scale: np.ndarray  # [n_blocks, subs] f32
+    minimum: np.ndarray | None  # [n_blocks, subs] f32, or None for symmetric types
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[n, 2] bytes -> [n, 1] f32 from the little-endian f16 they hold."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, k] bytes -> [n, 2k]: the k low nibbles, then the k high nibbles (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes -> [n, 32] of bit i of the little-endian u32 (the 5th bit of element i)."""
+    word = np.ascontiguousarray(qh).view("<u4")
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of packed 6-bit scales and mins -> two [n, 8] uint8."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc, mn
+
+
+def _q8_0(b: np.ndarray) -> _Fields:
+    return _Fields(np.ascontiguousarray(b[:, 2:]).view(np.int8), _f16(b[:, :2]), None)
+
+
+def _q4_0(b: np.ndarray) -> _Fields:
+    # i4 (q - 8) with no zero point: exact, and the simplest pattern to fuse
+    codes = _nibbles(b[:, 2:18]).astype(np.int8) - np.int8(8)
+    return _Fields(codes, _f16(b[:, :2]), None)
+
+
+def _q4_1(b: np.ndarray) -> _Fields:
+    # w = d*q + m, i.e. minimum = -m
+    return _Fields(_nibbles(b[:, 4:20]), _f16(b[:, :2]), -_f16(b[:, 2:4]))
+
+
+def _q5_0(b: np.ndarray) -> _Fields:
+    q = _nibbles(b[:, 6:22]) | (_bits32(b[:, 2:6]) << 4)
+    return _Fields(q.astype(np.int8) - np.int8(16), _f16(b[:, :2]), None)
+
+
+def _q5_1(b: np.ndarray) -> _Fields:
+    q = _nibbles(b[:, 8:24]) | (_bits32(b[:, 4:8]) << 4)
+    return _Fields(q, _f16(b[:, :2]), -_f16(b[:, 2:4]))
+
+
+def _q2_k(b: np.ndarray) -> _Fields:
+    n = b.shape[0]
+    scales, qs = b[:, :16], b[:, 16:80]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    shift = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = ((qs.reshape(n, 2, 1, 32) >> shift) & 3).reshape(n, 256)
+    return _Fields(
+        q, d * (scales & 0x0F).astype(np.float32), dmin * (scales >> 4).astype(np.float32)
+    )
+
+
+def _q3_k(b: np.ndarray) -> _Fields:
+    n = b.shape[0]
+    hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+    lo = scales[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
+    hi = scales[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
+    sc = (lo.reshape(n, 16) & 0x0F) | ((hi.reshape(n, 16) & 0x03) << 4)
+    ql = qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    qh = hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    # the high bit *clear* means -4 (ggml's convention): q in [-4, 3] fits i4
+    q = (ql.reshape(n, 256) & 3).astype(np.int8) - (((qh.reshape(n, 256) & 1) ^ 1) << 2).astype(
+        np.int8
+    )
+    return _Fields(q, d * (sc.astype(np.int8) - np.int8(32)).astype(np.float32), None)
+
+
+def _q4_k(b: np.ndarray) -> _Fields:
+    sc, mn = _k_scale_min(b[:, 4:16])
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    n = b.shape[0]
+    q = _nibbles(b[:, 16:144].reshape(n * 4, 32)).reshape(n, 256)
+    return _Fields(q, d * sc.astype(np.float32), dmin * mn.astype(np.float32))
+
+
+def _q5_k(b: np.ndarray) -> _Fields:
+    sc, mn = _k_scale_min(b[:, 4:16])
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    n = b.shape[0]
+    ql = _nibbles(b[:, 48:176].reshape(n * 4, 32)).reshape(n, 8, 32)
+    qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return _Fields(
+        (ql | (qh << 4)).reshape(n, 256), d * sc.astype(np.float32), dmin * mn.astype(np.float32)
+    )
+
+
+def _q6_k(b: np.ndarray) -> _Fields:
+    n = b.shape[0]
+    ql = _nibbles(b[:, :128].reshape(n * 2, 64)).reshape(n, 8, 32)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = (ql | ((qh.reshape(n, 8, 32) & 3) << 4)).astype(np.int8) - np.int8(32)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return _Fields(q.reshape(n, 256), _f16(b[:, 208:210]) * sc, None)
+
+
+class _Spec(NamedTuple):
+    group: int  # elements per scale
+    code_type: CodeType
+    decode: Callable[[np.ndarray], _Fields]
+
+
+_SPECS: dict[GGMLQuantizationType, _Spec] = {
+    GGMLQuantizationType.Q8_0: _Spec(32, "i8", _q8_0),
+    GGMLQuantizationType.Q4_0: _Spec(32, "i4", _q4_0),
+    GGMLQuantizationType.Q4_1: _Spec(32, "u4", _q4_1),
+    GGMLQuantizationType.Q5_0: _Spec(32, "i8", _q5_0),
+    GGMLQuantizationType.Q5_1: _Spec(32, "u8", _q5_1),
+    GGMLQuantizationType.Q2_K: _Spec(16, "u4", _q2_k),
+    GGMLQuantizationType.Q3_K: _Spec(16, "i4", _q3_k),
+    GGMLQuantizationType.Q4_K: _Spec(32, "u4", _q4_k),
+    GGMLQuantizationType.Q5_K: _Spec(32, "u8", _q5_k),
+    GGMLQuantizationType.Q6_K: _Spec(16, "i8", _q6_k),
+}
+
+
+def _encode_affine(
+    codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, form: Q4KForm, qmax: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w = scale*codes - minimum -> codes, scale, zero point with w = (codes - zp) * scale.
+
+    codes [n, subs, group] is edited in place; scale [n, subs] too.
+    """
+    zero_scale = scale == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(zero_scale, np.float32(0), minimum / np.where(zero_scale, 1, scale))
+    if form == "rounded":
+        # openvino.genai's and NNCF's integer zero point: inexact by design
+        zp = np.clip(np.round(ratio), 0, qmax).astype(np.float32)
+    else:
+        zp = ratio.astype(np.float32)
+    # A sub-block with scale 0 but a minimum decodes to the constant -minimum, which
+    # (q - zp) * 0 cannot say: re-encode it as (0 - 1) * minimum.
+    const = zero_scale & (minimum != 0)
+    if const.any():
+        codes[const] = 0
+        scale[const] = minimum[const]
+        zp[const] = 1
+    return codes, scale, zp
+
+
+def _decode_packed(
+    tensor_type: GGMLQuantizationType, raw: np.ndarray, rows: int, cols: int, form: Q4KForm
+) -> PackedWeight:
+    spec = _SPECS[tensor_type]
+    block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+    groups = cols // spec.group
+    row_bytes = cols // block_size * type_size
+    blocks = raw.reshape(rows, row_bytes)
+    codes = np.empty((rows, cols), np.int8 if spec.code_type[0] == "i" else np.uint8)
+    scale = np.empty((rows, groups), np.float32)
+    affine = tensor_type in (
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q2_K,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+    )
+    extra = np.empty((rows, groups), np.float32) if affine else None
+    qmax = 31 if spec.code_type == "u8" else 15  # the rounded zero point's range: 5- or 4-bit
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        f = spec.decode(blocks[lo:hi].reshape(-1, type_size))
+        c = f.codes.reshape(hi - lo, groups, spec.group)
+        s = f.scale.reshape(hi - lo, groups)
+        if extra is not None:
+            assert f.minimum is not None
+            m = f.minimum.reshape(hi - lo, groups)
+            if form == "split":
+                extra[lo:hi] = m
+            else:
+                c, s, extra[lo:hi] = _encode_affine(c, s, m, form, qmax)
+        codes[lo:hi] = c.reshape(hi - lo, cols)
+        scale[lo:hi] = s
+    split = extra is not None and form == "split"
+    return PackedWeight(
+        rows=rows,
+        cols=cols,
+        group=spec.group,
+        code_type=spec.code_type,
+        codes=codes,
+        scale=scale,
+        zero_point=None if split else extra,
+        correction=extra if split else None,
+        source_type=tensor_type.name,
+        exact=not (extra is not None and form == "rounded"),
+    )
+
+
+def _dense_fallback(
+    tensor_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, ...]
+) -> DenseWeight:
+    """gguf-py's dequantization, kept as f16 (half the memory of f32; says when that is lossy)."""
+    rows, cols = shape
+    blocks = raw.reshape(rows, -1)
+    out = np.empty((rows, cols), np.float16)
+    lossless = True
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    for lo in range(0, rows, step):
+        chunk = gguf_quants.dequantize(blocks[lo : lo + step], tensor_type)
+        out[lo : lo + step] = chunk
+        lossless = lossless and bool(np.array_equal(out[lo : lo + step].astype(np.float32), chunk))
+    note = f"{tensor_type.name} dequantized to f16 ({'exact' if lossless else 'inexact'})"
+    if not lossless:
+        log.warning("%s tensor %s: %s", tensor_type.name, shape, note)
+    return DenseWeight(out.reshape(shape), note)
+
+
+def from_gguf(
+    tensor_type: GGMLQuantizationType,
+    raw: np.ndarray,
+    shape: tuple[int, ...],
+    form: Q4KForm = "exact",
+) -> Weight:
+    """One GGUF tensor -> DenseWeight | PackedWeight.
+
+    raw: the tensor's bytes as stored (uint8, any shape whose total size is the tensor's byte
+    size); shape: the logical numpy shape (rows, cols) or (n,) as GGUFReader reports it reversed
+    into numpy order. ``form`` picks the encoding of scale+min types (Q4_1, Q5_1, Q2_K, Q4_K,
+    Q5_K); others ignore it.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) not in (1, 2):
+        raise ValueError(f"only 1-D and 2-D tensors are supported, got shape {shape}")
+    flat = np.asarray(raw).reshape(-1).view(np.uint8)
+    block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+    n = int(np.prod(shape))
+    if shape[-1] % block_size or flat.size != n // block_size * type_size:
+        raise ValueError(f"{tensor_type.name} {shape}: {flat.size} bytes do not fit the shape")
+    if tensor_type == GGMLQuantizationType.F32:
+        return DenseWeight(flat.view(np.float32).reshape(shape))
+    if tensor_type == GGMLQuantizationType.F16:
+        return DenseWeight(flat.view(np.float16).reshape(shape))
+    if tensor_type == GGMLQuantizationType.BF16:
+        # bf16 is the high half of an f32: widening is exact
+        wide = (flat.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return DenseWeight(wide.reshape(shape), "BF16 widened to f32 (exact)")
+    if tensor_type == GGMLQuantizationType.F64:
+        return DenseWeight(
+            flat.view(np.float64).astype(np.float32).reshape(shape), "F64 narrowed to f32 (inexact)"
+        )
+    if tensor_type in _SPECS and len(shape) == 2:
+        return _decode_packed(tensor_type, flat, shape[0], shape[1], form)
+    if len(shape) == 1:
+        # small (norms, biases): the reference's f32 as is
+        return DenseWeight(
+            gguf_quants.dequantize(flat, tensor_type).reshape(shape),
+            f"{tensor_type.name} 1-D dequantized to f32 (exact)",
+        )
+    try:
+        return _dense_fallback(tensor_type, flat, shape)
+    except NotImplementedError as exc:
+        raise ValueError(f"no dequantization for GGML type {tensor_type.name}") from exc
+
+
+def dequantize_reference(weight: Weight) -> np.ndarray:
+    """float32 of what the weight_node subgraph computes, in numpy, in the same order."""
+    if isinstance(weight, DenseWeight):
+        return weight.array.astype(np.float32)
+    shape = (weight.rows, weight.groups, weight.group)
+    w = weight.codes.reshape(shape).astype(np.float32)
+    if weight.zero_point is not None:
+        w -= weight.zero_point[..., None]
+    w *= weight.scale[..., None]
+    if weight.correction is not None:
+        w -= weight.correction[..., None]
+    return w.reshape(weight.rows, weight.cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenVINO nodes
+
+
+def _i64(values: list[int]) -> ov.Output:
+    return ops.constant(np.array(values, dtype=np.int64)).output(0)
+
+
+def _float_constant(array: np.ndarray, name: str) -> ov.Output:
+    """f32/f16 constant sharing the array's memory where numpy allows it."""
+    share = array.flags.c_contiguous and array.flags.writeable and array.flags.aligned
+    node = ops.constant(array if share else np.ascontiguousarray(array), shared_memory=share)
+    node.set_friendly_name(name)
+    return node.output(0)
+
+
+def _code_constant(values: np.ndarray, code_type: str, shape: list[int], name: str) -> ov.Output:
+    """Integer constant of code_type; 4-bit types packed two a byte, even element low."""
+    ov_type = _OV_CODE_TYPES[code_type]
+    if code_type in ("u4", "i4"):
+        # Pack straight into an OpenVINO-owned tensor: a Constant sharing a numpy-backed u4
+        # Tensor does not keep the numpy buffer alive (measured: garbage after gc).
+        tensor = ov.Tensor(ov_type, shape)
+        out = tensor.data.reshape(-1)
+        flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+        half = flat.size // 2
+        for lo in range(0, half, _CHUNK_ELEMENTS):  # chunks: small temporaries on big tables
+            hi = min(half, lo + _CHUNK_ELEMENTS)
+            pairs = flat[2 * lo : 2 * hi]
+            np.bitwise_or(pairs[0::2] & 0x0F, pairs[1::2] << 4, out=out[lo:hi])
+        if flat.size % 2:
+            out[half] = flat[-1] & 0x0F
+        node = ov.op.Constant(tensor, shared_memory=True)
+    else:
+        data = np.ascontiguousarray(values).reshape(shape)
+        # ops.constant(shared_memory=True) holds a reference to the array (measured)
+        node = ops.constant(data, ov_type, shared_memory=data.flags.writeable)
+    node.set_friendly_name(name)
+    return node.output(0)
+
+
+def _zero_point(weight: PackedWeight, name: str) -> ov.Output | None:
+    zp = weight.zero_point
+    if zp is None:
+        return None
+    uniform = zp.size > 0 and bool(np.all(zp == zp.flat[0]))
+    values = zp.flat[0:1] if uniform else zp
+    shape = [] if uniform else [weight.rows, weight.groups, 1]
+    lo, hi = _CODE_RANGES[weight.code_type]
+    integral = bool(np.all((values == np.round(values)) & (values >= lo) & (values <= hi)))
+    if integral:
+        # an integer zero point of the codes' own type keeps dynamic quantization available
+        dtype = np.int8 if weight.code_type[0] == "i" else np.uint8
+        node = _code_constant(values.astype(dtype), weight.code_type, shape, f"{name}/zp")
+        return ops.convert(node, ov.Type.f32).output(0)
+    return _float_constant(np.ascontiguousarray(values, np.float32).reshape(shape), f"{name}/zp")
+
+
+def _scaled_codes(weight: PackedWeight, name: str) -> ov.Output:
+    """[rows, groups, group] f32 = (codes - zp) * scale (the compressed-weight pattern)."""
+    shape = [weight.rows, weight.groups, weight.group]
+    w = ops.convert(
+        _code_constant(weight.codes, weight.code_type, shape, f"{name}/codes"), ov.Type.f32
+    ).output(0)
+    zp = _zero_point(weight, name)
+    if zp is not None:
+        w = ops.subtract(w, zp).output(0)
+    scale = np.ascontiguousarray(weight.scale).reshape(weight.rows, weight.groups, 1)
+    return ops.multiply(w, _float_constant(scale, f"{name}/scale")).output(0)
+
+
+def _as_matrix(w: ov.Output, weight: PackedWeight, name: str) -> ov.Output:
+    node = ops.reshape(w, _i64([weight.rows, weight.cols]), special_zero=False)
+    node.set_friendly_name(name)
+    return node.output(0)
+
+
+def _correction(weight: PackedWeight, name: str) -> ov.Output:
+    assert weight.correction is not None
+    return _float_constant(np.ascontiguousarray(weight.correction), f"{name}/correction")
+
+
+def weight_node(weight: Weight, name: str) -> ov.Output:
+    """The decompressed f32 weight: [rows, cols] (or the 1-D vector for a 1-D DenseWeight).
+
+    For the split form this is codes*scale - correction, which OpenVINO folds into a dense
+    constant when it feeds a MatMul: use linear() for matmuls, this for debugging.
+    """
+    if isinstance(weight, DenseWeight):
+        const = _float_constant(
+            weight.array, name if weight.array.dtype == np.float32 else f"{name}/f16"
+        )
+        if const.get_element_type() == ov.Type.f32:
+            return const
+        node = ops.convert(const, ov.Type.f32)
+        node.set_friendly_name(name)
+        return node.output(0)
+    w = _scaled_codes(weight, name)
+    if weight.correction is not None:
+        m = ops.unsqueeze(_correction(weight, name), _i64([2]))
+        w = ops.subtract(w, m).output(0)
+    return _as_matrix(w, weight, name)
+
+
+def _group_sums(x: ov.Output, weight: PackedWeight, name: str) -> ov.Output:
+    """x [..., cols] -> [..., groups]: the sum of x over each group of input columns."""
+    rank = x.get_partial_shape().rank
+    if rank.is_static:
+        target = _i64([0] * (rank.get_length() - 1) + [weight.groups, weight.group])
+    else:
+        lead = ops.slice(ops.shape_of(x), _i64([0]), _i64([-1]), _i64([1]))
+        target = ops.concat([lead, _i64([weight.groups, weight.group])], 0).output(0)
+    grouped = ops.reshape(x, target, special_zero=True)
+    node = ops.reduce_sum(grouped, _i64([-1]), keep_dims=False)
+    node.set_friendly_name(f"{name}/group_sums")
+    return node.output(0)
+
+
+def linear(x: ov.Output, weight: Weight, name: str, bias: Weight | None = None) -> ov.Output:
+    """x [..., cols] -> x @ W^T (+ bias) [..., rows], with W kept compressed."""
+    if isinstance(weight, DenseWeight) and weight.array.ndim != 2:
+        raise ValueError(f"{name}: linear needs a 2-D weight, got {weight.array.shape}")
+    if isinstance(weight, PackedWeight) and weight.correction is not None:
+        # split form: x @ (q*S - M)^T = x @ (q*S)^T - groupsum(x) @ M^T
+        w = _as_matrix(_scaled_codes(weight, name), weight, f"{name}/weight")
+        main = ops.matmul(x, w, transpose_a=False, transpose_b=True)
+        fix = ops.matmul(
+            _group_sums(x, weight, name),
+            _correction(weight, name),
+            transpose_a=False,
+            transpose_b=True,
+        )
+        out = ops.subtract(main, fix).output(0)
+    else:
+        out = ops.matmul(
+            x, weight_node(weight, f"{name}/weight"), transpose_a=False, transpose_b=True
+        ).output(0)
+    if bias is not None:
+        out = ops.add(out, weight_node(bias, f"{name}/bias")).output(0)
+    out.get_node().set_friendly_name(name)
+    return out
+
+
+def embedding(ids: ov.Output, weight: Weight, name: str) -> ov.Output:
+    """ids [...] (integer) -> [..., cols] f32 rows of the table, gathered while compressed.
+
+    The CPU plugin turns Gather over the decompression pattern into a compressed Gather; f16
+    tables are gathered before the Convert for the same reason.
+    """
+    axis = ops.constant(np.array(0, dtype=np.int64)).output(0)
+    if isinstance(weight, DenseWeight):
+        table = _float_constant(weight.array, f"{name}/table")
+        out = ops.gather(table, ids, axis).output(0)
+        if out.get_element_type() != ov.Type.f32:
+            out = ops.convert(out, ov.Type.f32).output(0)
+    elif weight.correction is None:
+        table = _as_matrix(_scaled_codes(weight, name), weight, f"{name}/table")
+        out = ops.gather(table, ids, axis).output(0)
+    else:
+        # split form: gather q*S and M apart, subtract per group (same arithmetic as gguf)
+        rows = ops.gather(_scaled_codes(weight, name), ids, axis)  # [..., groups, group]
+        m = ops.unsqueeze(ops.gather(_correction(weight, name), ids, axis), _i64([-1]))
+        target = ops.concat([ops.shape_of(ids), _i64([weight.cols])], 0)
+        out = ops.reshape(ops.subtract(rows, m), target, special_zero=False).output(0)
+    out.get_node().set_friendly_name(name)
+    return out
