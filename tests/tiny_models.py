@@ -70,6 +70,11 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
         from transformers import Qwen2Config
 
         return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        # Like the real Qwen3s, head_dim is not hidden_size / heads (q_proj widens, o_proj narrows).
+        return Qwen3Config(**common, head_dim=32)
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 

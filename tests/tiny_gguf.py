@@ -1,0 +1,415 @@
+"""Tiny GGUF files written the way llama.cpp's convert_hf_to_gguf.py + llama-quantize would.
+
+``write_gguf`` turns a tiny Hugging Face model folder (llama, qwen2, qwen3, gemma3) into a .gguf
+that transformers loads back (``from_pretrained(folder, gguf_file=name)``): llama.cpp's metadata
+keys and tensor names, its conversions (llama's q/k row permutation, gemma's ``norm + 1``, no
+``output`` tensor when embeddings are tied) and quantized tensors (Q8_0, Q4_0, Q4_K, Q6_K, or a
+Q4_K_M-like mix). gguf-py only quantizes the simple types, so Q4_K and Q6_K are quantized here.
+
+What transformers 5.5's GGUF loader cannot read back (so the tiny models here avoid it):
+llama3 rope scaling (llama.cpp stores it as a ``rope_freqs`` tensor, which transformers drops),
+qwen3's head_dim (it reads no key_length for qwen3: the default 128 is assumed), gemma3's layer
+pattern, sliding-window rope base and query_pre_attn_scalar (defaults assumed: every 6th layer
+global, 10000, 256).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.tiny_models import VOCAB, make_tokenizer
+
+QK_K = 256  # super-block length of the K-quants
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+# general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 14, "Q4_K_M": 15, "Q6_K": 18}
+
+
+# ---------------------------------------------------------------------------- quantizers
+
+
+def _f16_up(x: np.ndarray) -> np.ndarray:
+    """The smallest f16 >= ``x`` (as f32): a super-block scale the file can hold that still
+    lets every sub-block scale fit its 6 (Q4_K) or 8 (Q6_K) bits."""
+    r = x.astype(np.float16)
+    r = np.where(r.astype(np.float32) < x, np.nextafter(r, np.float16(np.inf)), r)
+    return r.astype(np.float32)
+
+
+def _ceil_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``ceil(a / b)``, 0 where ``b`` is 0 (an all-zero super-block)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b > 0, np.ceil(a / np.where(b > 0, b, 1)), 0)
+
+
+def quantize_q4_k_blocks(x: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks: ``(n, 256)`` floats -> ``(n, 144)`` bytes as
+    ``gguf.quants.Q4_K.dequantize_blocks`` reads them: f16 ``d``, f16 ``dmin``, 12 bytes of
+    6-bit scales and mins for 8 sub-blocks of 32, then 128 bytes of 4-bit ``q``;
+    ``w = d*sc*q - dmin*m``. Scales and mins are rounded up so that nothing clips: the error is
+    at most half a step of the sub-block (``d*sc/2``)."""
+    n = x.shape[0]
+    sub = x.astype(np.float32).reshape(n, 8, 32)
+    # The offset -dmin*m can only be <= 0, so the sub-block's range always includes 0.
+    mins = -np.minimum(sub.min(axis=-1), 0.0)
+    dmin = _f16_up(mins.max(axis=-1) / 63.0)
+    m = np.minimum(_ceil_div(mins, dmin[:, None]), 63).astype(np.uint8)
+    eff_m = dmin[:, None] * m
+    scale = np.maximum(sub.max(axis=-1) + eff_m, 0.0) / 15.0
+    d = _f16_up(scale.max(axis=-1) / 63.0)
+    sc = np.minimum(_ceil_div(scale, d[:, None]), 63).astype(np.uint8)
+    eff_s = d[:, None] * sc
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(eff_s[..., None] > 0, (sub + eff_m[..., None]) / eff_s[..., None], 0)
+    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)
+
+    scales = np.empty((n, 12), dtype=np.uint8)
+    # bytes 0-3: sc[0:4] + top bits of sc[4:8]; 4-7: m[0:4] + top bits of m[4:8];
+    # 8-11: low nibbles of sc[4:8] | low nibbles of m[4:8] << 4
+    scales[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    # 4 chunks of 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the high ones
+    pairs = q.reshape(n, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)
+    return np.concatenate(
+        [
+            d.astype(np.float16).view(np.uint8).reshape(n, 2),
+            dmin.astype(np.float16).view(np.uint8).reshape(n, 2),
+            scales,
+            qs,
+        ],
+        axis=1,
+    )
+
+
+def quantize_q6_k_blocks(x: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks: ``(n, 256)`` floats -> ``(n, 210)`` bytes as
+    ``gguf.quants.Q6_K.dequantize_blocks`` reads them: 128 bytes of low nibbles, 64 of high
+    2-bit pairs, 16 int8 scales (one per 16 values), f16 ``d``; ``w = d*sc*(q - 32)``.
+    Scales rounded up, as for Q4_K."""
+    n = x.shape[0]
+    sub = x.astype(np.float32).reshape(n, 16, 16)
+    scale = np.abs(sub).max(axis=-1) / 31.0  # symmetric: q - 32 in [-31, 31]
+    d = _f16_up(scale.max(axis=-1) / 127.0)
+    sc = np.minimum(_ceil_div(scale, d[:, None]), 127).astype(np.int8)
+    eff = (d[:, None] * sc)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(eff > 0, sub / eff, 0)
+    q = (np.clip(np.rint(q), -32, 31) + 32).astype(np.uint8)
+
+    # Each half of 128 values v: ql[j] = v[j] | v[j+64] << 4 (j < 64);
+    # qh[l] = the top 2 bits of v[l], v[l+32], v[l+64], v[l+96] (l < 32).
+    v = q.reshape(n, 2, 4, 32)
+    lo, hi = v & 0x0F, v >> 4
+    ql = np.concatenate(
+        [lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=-1
+    ).reshape(n, 128)
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
+    return np.concatenate(
+        [ql, qh, sc.view(np.uint8), d.astype(np.float16).view(np.uint8).reshape(n, 2)], axis=1
+    )
+
+
+def quantize(w: np.ndarray, type_name: str) -> np.ndarray:
+    """``w`` in the GGUF type ``type_name``: floats for F32/F16, else rows of block bytes."""
+    import gguf
+
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if type_name == "F32":
+        return w
+    if type_name == "F16":
+        return w.astype(np.float16)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if w.shape[-1] % block:
+        raise ValueError(f"{type_name} needs rows a multiple of {block}, got {w.shape}")
+    blockers = {"Q4_K": quantize_q4_k_blocks, "Q6_K": quantize_q6_k_blocks}
+    if type_name in blockers:
+        rows = w.reshape(-1, w.shape[-1])
+        out = blockers[type_name](rows.reshape(-1, QK_K))
+        return out.reshape(*w.shape[:-1], -1)
+    return gguf.quants.quantize(w, qtype)
+
+
+def dequantize(data: np.ndarray, type_name: str) -> np.ndarray:
+    """Inverse of ``quantize`` by gguf-py's own reader (what transformers uses)."""
+    import gguf
+
+    return gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+
+
+# ---------------------------------------------------------------------------- type choice
+
+
+def _fits(type_name: str, cols: int) -> bool:
+    import gguf
+
+    if type_name in ("F32", "F16"):
+        return True
+    return cols % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0] == 0
+
+
+def tensor_type(name: str, shape: tuple[int, ...], types: str | dict[str, str]) -> str:
+    """The GGUF type of tensor ``name`` (GGUF naming) under ``types``.
+
+    1-D tensors (norms, biases, rope_freqs) are always F32, as llama.cpp keeps them. A type name
+    applies to every 2-D weight. "Q4_K_M" imitates llama-quantize: Q6_K for token_embd, output
+    and every other layer's attn_v and ffn_down (layers 0, 2, ...), Q4_K elsewhere; rows that
+    are not a multiple of 256 fall back as llama-quantize does (Q4_K -> Q5_0, Q6_K -> Q8_0, then
+    F16). A dict maps name substrings to types, the longest match winning and unmatched 2-D
+    weights staying F32: ``{"": "Q8_0", "ffn_down": "Q6_K"}`` is Q8_0 but for ffn_down.
+    """
+    if len(shape) < 2:
+        return "F32"
+    if isinstance(types, dict):
+        hits = [key for key in types if key in name]
+        return types[max(hits, key=len)] if hits else "F32"
+    if types != "Q4_K_M":
+        if types not in TYPE_NAMES:
+            raise ValueError(f"unknown type {types!r}")
+        return types
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    more_bits = (".attn_v." in name or ".ffn_down." in name) and layer % 2 == 0
+    choice = "Q6_K" if more_bits or name.startswith(("token_embd", "output.")) else "Q4_K"
+    fallbacks = {"Q4_K": ["Q4_K", "Q5_0", "F16"], "Q6_K": ["Q6_K", "Q8_0", "F16"]}[choice]
+    return next(t for t in fallbacks if _fits(t, shape[-1]))
+
+
+# ---------------------------------------------------------------------------- the writer
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute: HF's half-split rotary rows -> interleaved."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp writes for llama3 rope scaling (LlamaModel)."""
+    base = float(rope.get("rope_theta", 10000.0))
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old_ctx = float(rope.get("original_max_position_embeddings", 8192))
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _write_tokenizer(writer: Any, folder: Path, vocab_size: int) -> None:
+    """convert_hf_to_gguf's _set_vocab_gpt2 for a ByteLevel BPE tokenizer.json: tokens and
+    their types here, then gguf's SpecialVocab (merges, special ids, add_bos/eos, template)."""
+    import gguf
+
+    tok_json = json.loads((folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(tok_json["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok_json["added_tokens"] if t["special"]}
+    vocab.update(special)
+    by_id = {i: t for t, i in vocab.items()}
+    tokens, kinds = [], []
+    for i in range(max(vocab_size, len(by_id))):
+        if i not in by_id:  # llama.cpp pads the vocabulary up to the model's rows
+            tokens.append(f"[PAD{i}]")
+            kinds.append(gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            kinds.append(gguf.TokenType.CONTROL if by_id[i] in special else gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    # GPT-2's split regex: the one a ByteLevel(use_regex=True) pre-tokenizer applies.
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(kinds)
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+
+
+def write_gguf(hf_folder: Path, out: Path, types: str | dict[str, str] = "Q4_K_M") -> Path:
+    """Write the HF model in ``hf_folder`` (config, safetensors, tokenizer) as the GGUF ``out``.
+
+    ``types``: "F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K" for every 2-D weight, "Q4_K_M" for
+    llama-quantize's mix, or a dict of name substring -> type (see ``tensor_type``).
+    """
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    hf_folder, out = Path(hf_folder), Path(out)
+    config = AutoConfig.from_pretrained(hf_folder)
+    if config.model_type not in GGUF_ARCH:
+        raise ValueError(f"no GGUF writer for {config.model_type}")
+    arch = GGUF_ARCH[config.model_type]
+    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    n_layers, n_head = config.num_hidden_layers, config.num_attention_heads
+    n_kv = config.num_key_value_heads
+    raw_cfg = json.loads((hf_folder / "config.json").read_text())
+    head_dim = raw_cfg.get("head_dim") or config.hidden_size // n_head
+    rope = config.rope_parameters or {}
+    if arch == "gemma3":
+        rope = rope.get("full_attention", rope)  # the global layers' base; sliding ones: 10000
+
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if "head_dim" in raw_cfg or arch == "gemma3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    label = types if isinstance(types, str) else "custom"
+    # A custom mix has no llama-quantize name: label it as the closest mix, Q4_K_M.
+    writer.add_file_type(FILE_TYPES.get(label, FILE_TYPES["Q4_K_M"]))
+    if label not in ("F32", "F16"):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _write_tokenizer(writer, hf_folder, config.vocab_size)
+
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        # llama.cpp's generate_extra_tensors: written first, before the model's own.
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
+    tied = bool(config.tie_word_embeddings)
+    names = gguf.get_tensor_name_map(model_arch, n_layers)
+    state = load_file(str(hf_folder / "model.safetensors"))
+    for hf_name, tensor in state.items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # llama.cpp reuses token_embd as the output head
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))  # keeps the suffix
+        if name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        w = tensor.float().numpy()
+        if arch == "llama" and name.endswith("attn_q.weight"):
+            w = _permute(w, n_head)
+        elif arch == "llama" and name.endswith("attn_k.weight"):
+            w = _permute(w, n_kv)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + np.float32(1.0)  # Gemma3RMSNorm scales by (1 + weight)
+        kind = tensor_type(name, w.shape, types)
+        data = quantize(w, kind)
+        if kind in ("F32", "F16"):
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- tiny models
+
+
+def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
+    """A tiny config whose every field survives transformers' GGUF loader, with rows (hidden
+    and intermediate sizes) that are multiples of 256 for the K-quants.
+
+    tests.tiny_models.tiny_config cannot serve: its llama uses llama3 rope scaling and its
+    gemma3 a layer pattern and query scale that GGUF does not carry back.
+    """
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        # GGUF stores the epsilon as f32: 2**-20 (~1e-6) reads back exactly.
+        rms_norm_eps=2.0**-20,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        # 128: the head_dim transformers assumes for a qwen3 GGUF (it reads no key_length).
+        return Qwen3Config(**common, head_dim=128)
+    if arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        # head_dim 256 = query_pre_attn_scalar: both the defaults transformers falls back to, and
+        # llama.cpp's 1/sqrt(head_dim) attention scale agrees. Every 6th layer is global (the
+        # default pattern): give it 6 layers to have one.
+        return Gemma3TextConfig(**common, head_dim=256, query_pre_attn_scalar=256, sliding_window=4)
+    raise ValueError(arch)
+
+
+def make_hf_model(
+    arch: str,
+    folder: Path,
+    seed: int = 0,
+    layers: int = 4,
+    chat_template: str | None = None,
+) -> Path:
+    """Save a random ``gguf_config`` model with the tiny tokenizer into ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(gguf_config(arch, layers))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(2.0)  # as tests.tiny_models.make_model: avoid near-tied logits
+            else:
+                # Norms start at 1 (gemma: 0): randomize them so the +1 rule and q/k norms count.
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(folder)
+    make_tokenizer(folder, VOCAB, chat_template)
+    return folder
+
+
+def make_gguf_model(
+    arch: str,
+    folder: Path,
+    types: str | dict[str, str] = "Q4_K_M",
+    seed: int = 0,
+    layers: int = 4,
+    chat_template: str | None = None,
+) -> Path:
+    """Write a tiny random ``arch`` model as ``folder/tiny-{arch}-{types}.gguf`` (the folder
+    gets nothing else) and return the file's path. The same ``seed`` and ``layers`` given to
+    ``make_hf_model`` rebuild the HF model it came from."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    label = types if isinstance(types, str) else "custom"
+    with tempfile.TemporaryDirectory() as tmp:
+        make_hf_model(arch, Path(tmp), seed, layers, chat_template)
+        return write_gguf(Path(tmp), folder / f"tiny-{arch}-{label}.gguf", types)
