@@ -7,12 +7,12 @@ from typing import Any
 
 from exporter.errors import ExportError
 
-# transformers model_type -> human name. Each of these has the decoder-layer interface the stage
-# module relies on: `model.model.{embed_tokens, layers, norm, rotary_emb}` and `lm_head`, with
-# attention that calls `past_key_values.update(k, v, layer_idx)`.
+# transformers model_type -> human name: the decoders exporter/graph.py builds (see
+# exporter/recipe.py for what differs between them).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "Llama (1, 2, 3.x incl. rope_scaling)",
     "qwen2": "Qwen2 / Qwen2.5",
+    "qwen3": "Qwen3 (dense)",
     "gemma3_text": "Gemma 3 (text)",
 }
 
@@ -30,6 +30,7 @@ class ArchitectureFacts:
     layer_types: list[str]
     sliding_window: int | None
     final_logit_softcapping: float | None
+    intermediate_size: int = 0  # MLP channels per layer
 
 
 def read_architecture(config: Any) -> ArchitectureFacts:
@@ -59,4 +60,5 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         layer_types=layer_types[:num_layers],
         sliding_window=int(config.sliding_window) if uses_sliding else None,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        intermediate_size=int(config.intermediate_size),
     )

@@ -28,10 +28,27 @@ from protos.manifest import layer_span
 RUNTIME_OVERHEAD_BYTES = 512 * 2**20
 KV_BYTES_PER_VALUE = 2
 # Bytes per parameter: decoder-layer matrices and the embedding/head ("edge") matrices.
-_LAYER_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 4096, "int4": 0.5 + 2.5 / 128}
-_EDGE_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 4096, "int4": 1.0 + 4 / 4096}
+# "gguf": a Q4_K_M file's blocks as the stages keep them: Q4_K as u4 codes with an f32 scale and
+# zero point per 32 (0.75 B), a third of the tensors Q6_K as i8 with an f32 scale per 16
+# (1.25 B); embeddings and head Q6_K or Q8_0. Other mixes differ: the export prints the real size.
+_LAYER_BYTES = {
+    "fp32": 4.0,
+    "fp16": 2.0,
+    "int8": 1.0 + 4 / 4096,
+    "int4": 0.5 + 2.5 / 128,
+    "gguf": 0.9,
+}
+_EDGE_BYTES = {
+    "fp32": 4.0,
+    "fp16": 2.0,
+    "int8": 1.0 + 4 / 4096,
+    "int4": 1.0 + 4 / 4096,
+    "gguf": 1.2,
+}
 # Relative decode time per weight byte (see decode_balanced_split); edges are int8 or wider.
-_DECODE_COST = {"fp32": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 1.25}
+_DECODE_COST = {"fp32": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 1.25, "gguf": 1.1}
+# "gguf" blocks are kept in groups of at most 32 input channels: an MLP cuts at that step
+GGUF_CHANNEL_STEP = 32
 
 
 @dataclass(frozen=True)
@@ -156,10 +173,12 @@ def mlp_channel_step(model_type: str, weight_format: str, group_size: int | None
     which a cut would change. Gemma 3 normalizes the MLP's output before adding it, so its
     MLP cannot be summed from parts.
     """
-    if model_type not in ("llama", "qwen2"):
+    if model_type not in ("llama", "qwen2", "qwen3"):
         raise ExportError(
-            f"a fractional --split is not supported for {model_type} (llama and qwen2 only)"
+            f"a fractional --split is not supported for {model_type} (llama, qwen2 and qwen3 only)"
         )
+    if weight_format == "gguf":
+        return GGUF_CHANNEL_STEP
     if weight_format == "int8" or (weight_format == "int4" and (group_size or 0) <= 0):
         raise ExportError(
             "a fractional --split needs fp32, fp16 or group-wise int4 weights "

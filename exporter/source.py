@@ -20,6 +20,7 @@ from exporter.errors import ExportError
 log = logging.getLogger(__name__)
 
 CONFIG_CACHE = "gguf-configs"  # under the cache folder: configs read from GGUF files
+HASH_CACHE = "gguf-hashes"  # under the cache folder: sha256 of GGUF files, by path/size/mtime
 
 
 @dataclass(frozen=True)
@@ -139,14 +140,40 @@ def resolve_source(model: str, cache_dir: Path | None = None, progress: bool = T
         if not (path / "config.json").is_file():
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
-                return ModelSource("gguf", ggufs[0].resolve(), ggufs[0].stem, None, configs)
+                gguf = ggufs[0].resolve()
+                digest = gguf_sha256(gguf, cache / HASH_CACHE)
+                return ModelSource("gguf", gguf, gguf.stem, digest, configs)
             raise ExportError(f"{path} has no config.json: not a Hugging Face model folder")
         return ModelSource("hf_dir", path.resolve(), path.resolve().name)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ExportError(f"{path} is a file but not a .gguf model")
-        return ModelSource("gguf", path.resolve(), path.stem, None, configs)
+        digest = gguf_sha256(path.resolve(), cache / HASH_CACHE)
+        return ModelSource("gguf", path.resolve(), path.stem, digest, configs)
     raise ExportError(
         f"model {model!r} not found: give a Hugging Face folder, a .gguf file, or a built-in "
         f"name ({', '.join(default_models.builtin_names())})"
     )
+
+
+def gguf_sha256(path: Path, cache: Path) -> str:
+    """The file's sha256: part of an export's identity, so that stages exported on different
+    machines from their own copies agree. Hashed once (a read of the whole file, about a
+    second per GB) and kept by path, size and modification time."""
+    from exporter.default_models import write_cache_file
+    from protos.manifest import sha256_file
+
+    stat = path.stat()
+    ident = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    marker = cache / f"{hashlib.sha256(ident.encode()).hexdigest()}.sha256"
+    with contextlib.suppress(OSError):
+        known = marker.read_text(encoding="ascii").strip()
+        if len(known) == 64:
+            return known
+    digest = sha256_file(path, chunk=8 << 20)
+    try:  # a cache that cannot be written is no error
+        cache.mkdir(parents=True, exist_ok=True)
+        write_cache_file(marker, digest + "\n")
+    except OSError as exc:
+        log.debug("cannot cache %s: %s", marker, exc)
+    return digest

@@ -111,6 +111,16 @@ def default_tolerances(options: RunnerOptions) -> tuple[float, float]:
     return reference, against
 
 
+def exact_runtime(options: RunnerOptions) -> bool:
+    """f32 compute, an f32 KV cache and the CPU's dynamic activation quantization off."""
+    dynamic = str(options.properties.get("DYNAMIC_QUANTIZATION_GROUP_SIZE", "32"))
+    return (
+        (options.inference_precision or "f32") == "f32"
+        and options.kv_cache_precision == "f32"
+        and dynamic == "0"
+    )
+
+
 def encode_prompts(
     export_dir: Path, manifest: ShardManifest, prompts: list[str] | None
 ) -> list[tuple[str, list[int]]]:
@@ -188,7 +198,11 @@ def verify_export(
     chain = LocalChain(export_dir, options)
     other = LocalChain(against, options) if against else None
     ref_model = load_reference(manifest) if reference else None
-    strict_ref = manifest.weights.format in ("fp32", "fp16")
+    # a GGUF's own blocks are the reference's weights: as strict as floats where the runtime
+    # computes as transformers does (no dynamic int8 activations)
+    strict_ref = manifest.weights.format in ("fp32", "fp16") or (
+        manifest.weights.format == "gguf" and exact_runtime(options)
+    )
     report = VerifyReport(manifest=manifest)
     for n, (text, ids) in enumerate(encoded):
         tokens, logits = chain.greedy(f"verify-{n}", ids, steps)

@@ -14,9 +14,16 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MANIFEST_NAME = "manifest.json"
-SCHEMA_VERSION = 1
+# 2: a manifest made from the plan alone (stage files are not listed: stages may be exported on
+# different machines), the "gguf" weight format
+SCHEMA_VERSION = 2
 
-WeightFormat = Literal["fp32", "fp16", "int8", "int4"]
+# "gguf": a GGUF file's own quantized blocks, kept as they are (see docs/export.md)
+WeightFormat = Literal["fp32", "fp16", "int8", "int4", "gguf"]
+# how "gguf" weights encode blocks with a scale and a minimum (Q4_K, Q5_K, Q4_1, Q5_1, Q2_K):
+# "exact" f32 fractional zero points, "split" the minimum as a separate small matmul (also
+# exact), "rounded" integer zero points (inexact, what OpenVINO's own GGUF readers do)
+GGUFForm = Literal["exact", "split", "rounded"]
 
 
 class _Frozen(BaseModel):
@@ -29,6 +36,9 @@ class WeightSpec(_Frozen):
     format: WeightFormat
     group_size: int | None = Field(default=None, description="int4 group size; -1 = per channel")
     symmetric: bool | None = Field(default=None, description="int4 symmetric quantization")
+    gguf_form: GGUFForm | None = Field(
+        default=None, description="gguf: how blocks with a minimum are encoded"
+    )
 
 
 class FileEntry(_Frozen):
@@ -63,7 +73,6 @@ class StageEntry(_Frozen):
     beam_idx: bool = Field(
         description="a beam_idx Gather sits between each KV ReadValue and Concat"
     )
-    files: list[FileEntry]
 
     @property
     def num_layers(self) -> int:
@@ -208,8 +217,12 @@ class ShardManifest(_Frozen):
 
 
 def manifest_hash(root: Path) -> str:
-    """sha256 of the manifest file's bytes: the identity of an export."""
-    return hashlib.sha256((root / MANIFEST_NAME).read_bytes()).hexdigest()
+    """The identity of an export: sha256 of its manifest without the source's local path
+    (stages exported on different machines, from copies of the model in different folders,
+    are one export; the source's content hash is part of it)."""
+    manifest = load_manifest(root)
+    identity = manifest.model_dump_json(exclude={"source": {"path"}})
+    return hashlib.sha256(identity.encode("utf-8")).hexdigest()
 
 
 def load_manifest(root: Path) -> ShardManifest:

@@ -75,7 +75,30 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="memory budget per node, e.g. 16GB,8GB: layers are split to fit",
     )
-    p.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
+    p.add_argument(
+        "--weights",
+        choices=["auto", "gguf", "fp32", "fp16", "int8", "int4"],
+        default="auto",
+        help="gguf: a GGUF file's own quantized blocks, as they are (auto's choice for a .gguf); "
+        "int4/int8: NNCF compression (auto's choice for a Hugging Face folder: int4); "
+        "fp16/fp32: plain floats",
+    )
+    p.add_argument(
+        "--gguf-form",
+        choices=["split", "exact", "rounded"],
+        default="split",
+        help="--weights gguf: how blocks with a minimum (Q4_K, Q5_K, ...) are kept: split "
+        "(default; exact, the minimum as a small matmul of its own), exact (f32 zero points, "
+        "slower on CPU), rounded (integer zero points: faster to compute but not the file's "
+        "weights)",
+    )
+    p.add_argument(
+        "--stage",
+        type=int,
+        default=None,
+        help="export only stage K of the plan (+ manifest and tokenizer), reading only its "
+        "tensors: each PC builds its own stage into the same --out",
+    )
     p.add_argument("--group-size", type=int, default=128, help="int4 group size (-1: per channel)")
     p.add_argument("--sym", action="store_true", help="symmetric int4 (default asymmetric)")
     p.add_argument("--draft", default=None, help="draft model exported beside the target")
@@ -108,11 +131,13 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
     from protos.manifest import WeightSpec
 
     int4 = args.weights == "int4"
-    weights = WeightSpec(
-        format=args.weights,
-        group_size=args.group_size if int4 else None,
-        symmetric=args.sym if int4 else None,
-    )
+    weights = None  # auto: decided by the source
+    if args.weights != "auto":
+        weights = WeightSpec(
+            format=args.weights,
+            group_size=args.group_size if int4 else None,
+            symmetric=args.sym if int4 else None,
+        )
     return ExportOptions(
         model=args.model,
         out=args.out,
@@ -120,6 +145,8 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
         split=args.split,
         node_memory=[parse_size(s) for s in args.node_memory] if args.node_memory else None,
         weights=weights,
+        gguf_form=args.gguf_form,
+        stage=args.stage,
         draft=args.draft,
         beam_idx=not args.no_beam_idx,
         force=args.force,
@@ -394,7 +421,12 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--export", type=Path, help="use this existing export instead")
     p.add_argument("--exports-dir", type=Path, help="where exports are cached")
     p.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
-    p.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
+    p.add_argument(
+        "--weights",
+        choices=["auto", "gguf", "fp32", "fp16", "int8", "int4"],
+        default="auto",
+        help="as `pipeshard export --weights` (auto: a GGUF's own blocks, int4 for a folder)",
+    )
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -573,6 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
     _up_parser(sub)
     _bench_parser(sub)
     _health_parser(sub)
+    # no prefixes: `--stage 1` must never be taken for `--stages 1`
+    for command in sub.choices.values():
+        command.allow_abbrev = False
+    parser.allow_abbrev = False
     return parser
 
 

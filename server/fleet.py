@@ -36,7 +36,7 @@ class FleetOptions:
     export: Path | None = None  # an existing export: skips exporting
     exports_dir: Path = field(default_factory=lambda: Path.home() / ".cache/pipeshard/exports")
     stages: int = 2
-    weights: str = "int4"
+    weights: str = "auto"  # `pipeshard export --weights`: a GGUF's own blocks, int4 for a folder
     host: str = "127.0.0.1"
     port: int = 8000
     stage_port: int = 50051
@@ -59,9 +59,9 @@ class FleetOptions:
 
 
 def export_path(options: FleetOptions, model_id: str) -> Path:
-    """Where `up` keeps the export of ``model_id`` made with these options."""
-    name = f"{model_id}-{options.stages}stage-{options.weights}"
-    return options.exports_dir / (name + ("-draft" if options.draft_model() else ""))
+    """Where `up` keeps the export of ``model_id`` made with these options: with or without a
+    draft, the same folder (an export with a draft serves `--no-draft` as it is)."""
+    return options.exports_dir / f"{model_id}-{options.stages}stage-{options.weights}"
 
 
 def ensure_export(options: FleetOptions) -> Path:
@@ -89,7 +89,7 @@ def ensure_export(options: FleetOptions) -> Path:
         "--stages",
         str(options.stages),
         "--weights",
-        options.weights,  # int4: the export's defaults, group size 128, asymmetric
+        options.weights,
         "--reuse",
     ]
     draft = options.draft_model()
@@ -265,7 +265,9 @@ def run_fleet(options: FleetOptions) -> int:
     try:
         # uvicorn turns SIGTERM and SIGINT into a graceful shutdown and raises them again
         # afterwards; both end up here as KeyboardInterrupt, and the stages are stopped.
-        draft = export / manifest.draft.directory if manifest.draft is not None else None
+        draft = None
+        if manifest.draft is not None and options.draft is not None:  # not --no-draft
+            draft = export / manifest.draft.directory
         asyncio.run(_serve(options, addresses, procs, draft))
     except KeyboardInterrupt:
         pass

@@ -151,7 +151,7 @@ def paged_model(
 
 
 def _gather_logit_rows(model: ov.Model, num_logits: Any) -> None:
-    """Replace ``hidden[:, T - num_logits:]`` (exporter/stage_module.py) with a gather of
+    """Replace ``hidden[:, T - num_logits:]`` (exporter/graph.py) with a gather of
     the packed rows named by a new ``logits_indices`` input."""
     (subtract,) = [t.get_node() for t in num_logits.output(0).get_target_inputs()]
     (arange,) = [t.get_node() for t in subtract.output(0).get_target_inputs()]

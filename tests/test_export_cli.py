@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import openvino as ov
 import pytest
 
 from protos.manifest import load_manifest, manifest_hash, sha256_file
@@ -32,8 +33,11 @@ def test_manifest_describes_the_export(tiny_export: ExportFn) -> None:
     assert m.stages[0].inputs[0] == "input_ids" and m.stages[1].inputs[0] == "inputs_embeds"
     assert m.stages[-1].outputs == ["logits"] and m.stages[0].outputs == ["hidden_states"]
     for stage in m.stages:
-        for entry in stage.files:
-            assert sha256_file(export_dir / entry.path) == entry.sha256
+        ports = ov.Core().read_model(export_dir / stage.model_xml)
+        assert [p.get_any_name() for p in ports.inputs] == stage.inputs
+        assert [p.get_any_name() for p in ports.outputs] == stage.outputs
+    for entry in m.tokenizer.files:
+        assert sha256_file(export_dir / entry.path) == entry.sha256
     assert m.tokenizer.eos_token_ids == [2]
     assert (export_dir / m.tokenizer.directory / "tokenizer.json").is_file()
     assert m.weights.format == "fp32" and m.draft is None

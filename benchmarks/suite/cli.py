@@ -57,6 +57,7 @@ def _floats(text: str) -> tuple[float, ...]:
 def build_parser() -> argparse.ArgumentParser:
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="pipeshard bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     p.add_argument(

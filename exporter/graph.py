@@ -1,0 +1,329 @@
+"""One stage's OpenVINO model, built op by op from its own layers' weights (no torch).
+
+``Recipe + WeightSource (that stage's tensors only) -> ov.Model with named ports``;
+:func:`exporter.stateful.make_stateful` then turns the KV ports into state behind ``beam_idx``.
+
+Inputs (in this order, batch B, new tokens T, past P, total S = P + T):
+  stage 0:   ``input_ids`` [B, T] i64          later stages: ``inputs_embeds`` [B, T, H] f32
+             ([B, T, 2H] after a cut inside an MLP: the layer's output so far, the MLP's input)
+  ``attention_mask`` [B, S] i64   (1 = visible slot; 0 masks a physical slot out)
+  ``position_ids``   [B, T] i64   (absolute, logical positions of the new tokens)
+  last stage only: ``num_logits`` [] i64 (logits are computed for the last ``num_logits`` tokens)
+  ``past_key_values.{i}.key`` / ``.value`` [B, kv_heads, P, head_dim] for each local layer i
+Outputs: ``logits`` [B, num_logits, V] (last stage) or ``hidden_states`` [B, T, H] ([B, T, 2H]
+when its last layer's MLP is cut), then ``present.{i}.key`` / ``.value``.
+
+The masks are built in the graph: a key slot is visible to a query when its physical index is not
+after the query's and its attention_mask is 1; sliding-window layers also need the logical
+distance (query position minus the key's logical position, the running count of visible slots)
+below the window. The op sequence of norms, RoPE, the GQA expansion and attention follows what
+transformers' modules trace to, so that OpenVINO's CPU fusions (RMS, RoPE, SDPA with the KV
+cache) and ``paged_attention_transformation`` recognise it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from openvino import Output
+
+from exporter.gguf_quant import DenseWeight, Weight, embedding, linear
+from exporter.recipe import Recipe
+
+
+class WeightSource(Protocol):
+    """Tensors by their Hugging Face names (``model.layers.3.mlp.up_proj.weight``), read on
+    demand: a stage asks only for its own."""
+
+    def has(self, name: str) -> bool: ...
+
+    def tensor(self, name: str) -> Weight: ...
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Layers ``[start, end)``; ``mlp_in``: first add the previous layer's MLP channels
+    ``[mlp_in, I)``; ``mlp_out``: the last layer's MLP stops at channel ``mlp_out``."""
+
+    start: int
+    end: int
+    mlp_in: int | None = None
+    mlp_out: int | None = None
+
+
+def _const(value: object, dtype: type = np.float32) -> Output:
+    return ops.constant(np.array(value, dtype=dtype)).output(0)
+
+
+def _i64(value: object) -> Output:
+    return _const(value, np.int64)
+
+
+def _vector(source: WeightSource, name: str) -> np.ndarray:
+    weight = source.tensor(name)
+    if not isinstance(weight, DenseWeight):
+        raise ValueError(f"{name}: expected a plain vector, got a quantized tensor")
+    return np.asarray(weight.array, dtype=np.float32).reshape(-1)
+
+
+class _Builder:
+    def __init__(self, recipe: Recipe, source: WeightSource, stage: StageSpec) -> None:
+        self.r = recipe
+        self.f = recipe.facts
+        self.src = source
+        self.stage = stage
+        self.first = stage.start == 0
+        self.last = stage.end == self.f.num_layers
+
+    # -- small pieces ----------------------------------------------------------------------
+    def norm(self, x: Output, name: str) -> Output:
+        """RMSNorm as transformers computes it: x / sqrt(mean(x^2) + eps) * (offset + w)."""
+        weight = _vector(self.src, name) + np.float32(self.r.norm_offset)
+        mean = ops.reduce_mean(ops.power(x, _const(2.0)), _i64([-1]), keep_dims=True)
+        inv = ops.divide(_const(1.0), ops.sqrt(ops.add(mean, _const(self.r.rms_eps))))
+        return ops.multiply(_const(weight.astype(np.float32)), ops.multiply(x, inv)).output(0)
+
+    def proj(self, x: Output, name: str) -> Output:
+        bias = self.src.tensor(f"{name}.bias") if self.src.has(f"{name}.bias") else None
+        return linear(x, self.src.tensor(f"{name}.weight"), name, bias)
+
+    def mlp(self, x: Output, prefix: str, lo: int, hi: int) -> Output:
+        """Intermediate channels ``[lo, hi)`` of a gated MLP; a ``down`` bias goes with the part
+        from channel 0, so the parts of an MLP add up to it."""
+        whole = lo == 0 and hi == self.r.intermediate_size
+
+        def part(name: str, rows: bool) -> tuple[Weight, Weight | None]:
+            weight = self.src.tensor(f"{prefix}.{name}.weight")
+            bias_name = f"{prefix}.{name}.bias"
+            bias = self.src.tensor(bias_name) if self.src.has(bias_name) else None
+            if whole:
+                return weight, bias
+            if rows:
+                return weight.take_rows(lo, hi), bias.take_rows(lo, hi) if bias else None
+            return weight.take_cols(lo, hi), bias if lo == 0 else None
+
+        gate_w, gate_b = part("gate_proj", True)
+        up_w, up_b = part("up_proj", True)
+        gate = linear(x, gate_w, f"{prefix}.gate_proj", gate_b)
+        if self.r.activation == "silu":
+            act = ops.swish(gate).output(0)
+        else:
+            act = ops.gelu(gate, approximation_mode="tanh").output(0)
+        product = ops.multiply(act, linear(x, up_w, f"{prefix}.up_proj", up_b)).output(0)
+        down_w, down_b = part("down_proj", False)
+        return linear(product, down_w, f"{prefix}.down_proj", down_b)
+
+    # -- per-stage pieces ------------------------------------------------------------------
+    def masks(self, attention_mask: Output, position_ids: Output) -> dict[str, Output]:
+        total = ops.gather(ops.shape_of(attention_mask), _i64(1), _i64(0))
+        new = ops.gather(ops.shape_of(position_ids), _i64(1), _i64(0))
+        key_index = ops.unsqueeze(ops.range(_i64(0), total, _i64(1), "i64"), _i64(0))
+        offset = ops.subtract(total, new)
+        query_index = ops.add(ops.range(_i64(0), new, _i64(1), "i64"), offset)
+        causal = ops.less_equal(key_index, ops.unsqueeze(query_index, _i64(1)))  # [T, S]
+        slot_on = ops.greater(attention_mask, _i64(0))  # [B, S]
+        visible = ops.logical_and(
+            ops.unsqueeze(causal, _i64(0)), ops.unsqueeze(slot_on, _i64(1))
+        )  # [B, T, S]
+        blocked = _const(np.finfo(np.float32).min)
+        open_ = _const(0.0)
+        masks = {"full_attention": ops.unsqueeze(ops.select(visible, open_, blocked), _i64(1))}
+        if "sliding_attention" in self.r.facts.layer_types[self.stage.start : self.stage.end]:
+            window = self.f.sliding_window
+            assert window is not None
+            counted = ops.cumsum(ops.convert(slot_on, ov.Type.i64), _i64(-1))
+            key_pos = ops.subtract(counted, _i64(1))  # [B, S]
+            distance = ops.subtract(
+                ops.unsqueeze(position_ids, _i64(2)), ops.unsqueeze(key_pos, _i64(1))
+            )  # [B, T, S]
+            in_window = ops.logical_and(visible, ops.less(distance, _i64(window)))
+            masks["sliding_attention"] = ops.unsqueeze(
+                ops.select(in_window, open_, blocked), _i64(1)
+            )
+        return {k: v.output(0) for k, v in masks.items()}
+
+    def rotary(self, position_ids: Output, layer_type: str) -> tuple[Output, Output]:
+        """cos and sin [B, 1, T, D]: (inv_freq [D/2, 1] @ positions [B, 1, T]) transposed."""
+        rope = self.r.rope[layer_type]
+        inv = _const(rope.inv_freq.reshape(1, -1, 1))
+        batch = ops.gather(ops.shape_of(position_ids), _i64([0]), _i64(0))
+        half = rope.inv_freq.shape[0]
+        inv = ops.broadcast(inv, ops.concat([batch, _i64([half]), _i64([1])], 0))
+        positions = ops.convert(ops.unsqueeze(position_ids, _i64(1)), ov.Type.f32)
+        freqs = ops.transpose(ops.matmul(inv, positions, False, False), _i64([0, 2, 1]))
+        emb = ops.concat([freqs, freqs], -1)
+        cos, sin = ops.cos(emb).output(0), ops.sin(emb).output(0)
+        if rope.scaling != 1.0:
+            cos = ops.multiply(cos, _const(rope.scaling)).output(0)
+            sin = ops.multiply(sin, _const(rope.scaling)).output(0)
+        return ops.unsqueeze(cos, _i64(1)).output(0), ops.unsqueeze(sin, _i64(1)).output(0)
+
+    def apply_rope(self, x: Output, cos: Output, sin: Output) -> Output:
+        half = self.f.head_dim // 2
+        upper = ops.slice(x, _i64([half]), _i64([np.iinfo(np.int64).max]), _i64([1]), _i64([3]))
+        lower = ops.slice(x, _i64([0]), _i64([half]), _i64([1]), _i64([3]))
+        rotated = ops.concat([ops.multiply(upper, _const(-1.0)), lower], -1)
+        return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin)).output(0)
+
+    def heads(self, x: Output, count: int) -> Output:
+        """[B, T, count * D] -> [B, T, count, D]."""
+        return ops.reshape(x, _i64([0, 0, count, self.f.head_dim]), True).output(0)
+
+    def attention(
+        self,
+        x: Output,
+        layer: int,
+        local: int,
+        mask: Output,
+        rotary: tuple[Output, Output],
+        params: list[ov.Node],
+        presents: list[Output],
+    ) -> Output:
+        f, prefix = self.f, f"model.layers.{layer}.self_attn"
+        q = self.heads(self.proj(x, f"{prefix}.q_proj"), f.num_heads)
+        k = self.heads(self.proj(x, f"{prefix}.k_proj"), f.num_kv_heads)
+        v = self.heads(self.proj(x, f"{prefix}.v_proj"), f.num_kv_heads)
+        if self.r.qk_norm:
+            q = self.norm(q, f"{prefix}.q_norm.weight")
+            k = self.norm(k, f"{prefix}.k_norm.weight")
+        to_heads_first = _i64([0, 2, 1, 3])
+        q, k, v = (ops.transpose(t, to_heads_first).output(0) for t in (q, k, v))
+        q = self.apply_rope(q, *rotary)
+        k = self.apply_rope(k, *rotary)
+        kv_shape = ov.PartialShape([-1, f.num_kv_heads, -1, f.head_dim])
+        merged = []
+        for kind, new in (("key", k), ("value", v)):
+            past = ops.parameter(kv_shape, ov.Type.f32, name=f"past_key_values.{local}.{kind}")
+            past.output(0).get_tensor().set_names({f"past_key_values.{local}.{kind}"})
+            params.append(past)
+            full = ops.concat([past, new], 2).output(0)
+            full.get_tensor().set_names({f"present.{local}.{kind}"})
+            presents.append(full)
+            merged.append(self.expand_kv(full))
+        attended = ops.scaled_dot_product_attention(
+            q, merged[0], merged[1], mask, _const(self.r.attention_scale), causal=False
+        )
+        attended = ops.transpose(attended, to_heads_first)
+        flat = ops.reshape(attended, _i64([0, 0, f.num_heads * f.head_dim]), True).output(0)
+        return self.proj(flat, f"{prefix}.o_proj")
+
+    def expand_kv(self, kv: Output) -> Output:
+        """Grouped-query attention: repeat each KV head for its query heads (``repeat_kv``)."""
+        f = self.f
+        groups = f.num_heads // f.num_kv_heads
+        if groups == 1:
+            return kv
+        shape = ops.shape_of(kv)
+        target = ops.concat(
+            [
+                ops.gather(shape, _i64([0]), _i64(0)),
+                _i64([f.num_kv_heads, groups]),
+                ops.gather(shape, _i64([2]), _i64(0)),
+                _i64([f.head_dim]),
+            ],
+            0,
+        )
+        # bidirectional, as torch's expand traces: the CPU SDPA fusion matches that mode
+        repeated = ops.broadcast(ops.unsqueeze(kv, _i64(2)), target, broadcast_spec="BIDIRECTIONAL")
+        return ops.reshape(repeated, _i64([0, f.num_heads, -1, f.head_dim]), True).output(0)
+
+    def build(self) -> ov.Model:
+        f, r, stage = self.f, self.r, self.stage
+        width = f.hidden_size * (2 if stage.mlp_in is not None else 1)
+        # The main input's node is "main_input" whatever its port is called, as the traced
+        # stages had it: paged_attention_transformation reshapes a node named input_ids or
+        # inputs_embeds itself, and stage_node.paged does that for every stage instead.
+        if self.first:
+            main = ops.parameter([-1, -1], ov.Type.i64, name="main_input")
+            main_name = "input_ids"
+        else:
+            main = ops.parameter([-1, -1, width], ov.Type.f32, name="main_input")
+            main_name = "inputs_embeds"
+        main.output(0).get_tensor().set_names({main_name})
+        attention_mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
+        position_ids = ops.parameter([-1, -1], ov.Type.i64, name="position_ids")
+        params: list[ov.Node] = [main, attention_mask, position_ids]
+        num_logits = None
+        if self.last:
+            num_logits = ops.parameter([], ov.Type.i64, name="num_logits")
+            params.append(num_logits)
+        for param in params[1:]:
+            param.output(0).get_tensor().set_names({param.get_friendly_name()})
+
+        if self.first:
+            table = self.src.tensor("model.embed_tokens.weight")
+            hidden = embedding(main.output(0), table, "embed")
+            if r.embed_scale is not None:
+                hidden = ops.multiply(hidden, _const(r.embed_scale)).output(0)
+        else:
+            hidden = main.output(0)
+        if stage.mlp_in is not None:  # the previous layer's output so far + its MLP's rest
+            start = _i64([0])
+            hidden_part = ops.slice(hidden, start, _i64([f.hidden_size]), _i64([1]), _i64([-1]))
+            mlp_input = ops.slice(
+                hidden, _i64([f.hidden_size]), _i64([2 * f.hidden_size]), _i64([1]), _i64([-1])
+            )
+            rest = self.mlp(
+                mlp_input.output(0),
+                f"model.layers.{stage.start - 1}.mlp",
+                stage.mlp_in,
+                r.intermediate_size,
+            )
+            hidden = ops.add(hidden_part, rest).output(0)
+
+        masks = self.masks(attention_mask.output(0), position_ids.output(0))
+        layer_types = f.layer_types[stage.start : stage.end]
+        rotary = {t: self.rotary(position_ids.output(0), t) for t in dict.fromkeys(layer_types)}
+        presents: list[Output] = []
+        mlp_seen: Output | None = None
+        for local, layer in enumerate(range(stage.start, stage.end)):
+            kind = layer_types[local]
+            prefix = f"model.layers.{layer}"
+            normed = self.norm(hidden, f"{prefix}.input_layernorm.weight")
+            attn = self.attention(
+                normed, layer, local, masks[kind], rotary[kind], params, presents
+            )
+            if r.sandwich_norms:
+                attn = self.norm(attn, f"{prefix}.post_attention_layernorm.weight")
+                hidden = ops.add(hidden, attn).output(0)
+                normed = self.norm(hidden, f"{prefix}.pre_feedforward_layernorm.weight")
+            else:
+                hidden = ops.add(hidden, attn).output(0)
+                normed = self.norm(hidden, f"{prefix}.post_attention_layernorm.weight")
+            cut = layer == stage.end - 1 and stage.mlp_out is not None
+            hi = stage.mlp_out if cut and stage.mlp_out is not None else r.intermediate_size
+            out = self.mlp(normed, f"{prefix}.mlp", 0, hi)
+            if r.sandwich_norms:
+                out = self.norm(out, f"{prefix}.post_feedforward_layernorm.weight")
+            hidden = ops.add(hidden, out).output(0)
+            if cut:
+                mlp_seen = normed
+
+        if mlp_seen is not None:  # what the next stage's part of the MLP needs
+            hidden = ops.concat([hidden, mlp_seen], -1).output(0)
+        if num_logits is None:
+            result = hidden
+            result.get_tensor().set_names({"hidden_states"})
+        else:
+            new = ops.gather(ops.shape_of(hidden), _i64(1), _i64(0))
+            keep = ops.range(ops.subtract(new, num_logits), new, _i64(1), "i64")
+            tail = ops.gather(hidden, keep, _i64(1)).output(0)
+            normed = self.norm(tail, "model.norm.weight")
+            head = "lm_head.weight" if self.src.has("lm_head.weight") else None
+            weight = self.src.tensor(head or "model.embed_tokens.weight")
+            result = linear(normed, weight, "lm_head")
+            if f.final_logit_softcapping:
+                cap = _const(f.final_logit_softcapping)
+                result = ops.multiply(ops.tanh(ops.divide(result, cap)), cap).output(0)
+            result.get_tensor().set_names({"logits"})
+        results = [ops.result(result)] + [ops.result(p) for p in presents]
+        return ov.Model(results, params, f"stage-{stage.start}-{stage.end}")
+
+
+def build_stage(recipe: Recipe, source: WeightSource, stage: StageSpec) -> ov.Model:
+    """The stage's model with past/present KV ports (not yet stateful)."""
+    return _Builder(recipe, source, stage).build()

@@ -1,0 +1,115 @@
+"""What a decoder computes, beyond its shapes: read from a transformers config, no torch.
+
+``config -> Recipe`` (norms, activation, attention scale, RoPE frequencies per layer type,
+Gemma's extras). :mod:`exporter.graph` builds a stage's OpenVINO graph from a recipe and the
+stage's weights; the numbers follow transformers' implementation of each architecture, which is
+the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from exporter.architectures import ArchitectureFacts, read_architecture
+from exporter.errors import ExportError
+
+# transformers' names of the activations the supported MLPs use
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding of one layer type: cos/sin of ``position * inv_freq``, times scaling."""
+
+    inv_freq: np.ndarray  # float32 [head_dim // 2]
+    scaling: float = 1.0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    facts: ArchitectureFacts
+    intermediate_size: int
+    rms_eps: float
+    activation: str  # "silu" | "gelu_tanh"
+    attention_scale: float
+    rope: dict[str, Rope]  # by layer type
+    attention_bias: bool  # q/k/v projections have biases
+    output_bias: bool  # o_proj has a bias
+    mlp_bias: bool
+    qk_norm: bool  # RMSNorm of each head's q and k (Qwen3, Gemma 3)
+    sandwich_norms: bool  # Gemma 3: norms after attention and around the MLP
+    norm_offset: float  # Gemma: a norm multiplies by (1 + weight)
+    embed_scale: float | None  # Gemma: embeddings times sqrt(hidden)
+
+    @property
+    def model_type(self) -> str:
+        return self.facts.model_type
+
+
+def _inv_freq(params: dict[str, Any], head_dim: int) -> tuple[np.ndarray, float]:
+    """inverse frequencies as transformers' ROPE_INIT_FUNCTIONS compute them (in float32)."""
+    base = float(params.get("rope_theta", 10000.0))
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv = (1.0 / (np.float64(base) ** exponents.astype(np.float64))).astype(np.float32)
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return (inv / np.float32(params["factor"])).astype(np.float32), 1.0
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv).astype(np.float32)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    raise ExportError(f"RoPE type {kind!r} is not supported (default, linear and llama3 are)")
+
+
+def _rope_params(config: Any, layer_type: str) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type in params and isinstance(params[layer_type], dict):
+        params = params[layer_type]
+    params = dict(params)
+    if "rope_theta" not in params and getattr(config, "rope_theta", None) is not None:
+        params["rope_theta"] = config.rope_theta
+    return params
+
+
+def read_recipe(config: Any) -> Recipe:
+    """The recipe of a supported decoder config; ExportError names what is not supported."""
+    facts = read_architecture(config)
+    model_type = facts.model_type
+    act_name = str(getattr(config, "hidden_activation", None) or config.hidden_act)
+    if act_name not in _ACTIVATIONS:
+        raise ExportError(f"{model_type}: activation {act_name!r} is not supported")
+    gemma = model_type == "gemma3_text"
+    rope = {}
+    for layer_type in dict.fromkeys(facts.layer_types):
+        inv, scaling = _inv_freq(_rope_params(config, layer_type), facts.head_dim)
+        rope[layer_type] = Rope(inv, scaling)
+    scale = (
+        float(config.query_pre_attn_scalar) ** -0.5 if gemma else facts.head_dim**-0.5
+    )
+    return Recipe(
+        facts=facts,
+        intermediate_size=int(config.intermediate_size),
+        rms_eps=float(config.rms_norm_eps),
+        activation=_ACTIVATIONS[act_name],
+        attention_scale=scale,
+        rope=rope,
+        attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+        output_bias=model_type != "qwen2" and bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        sandwich_norms=gemma,
+        norm_offset=1.0 if gemma else 0.0,
+        embed_scale=math.sqrt(facts.hidden_size) if gemma else None,
+    )

@@ -1,0 +1,204 @@
+"""Where a stage's tensors come from, one tensor at a time: a GGUF file or safetensors files.
+
+Both sources answer Hugging Face tensor names (``model.layers.3.self_attn.q_proj.weight``) and
+read only the bytes of the tensor asked for (``os.pread``, no memory map), so exporting a stage
+holds that stage's weights, never the model's.
+
+- :class:`GGUFSource` keeps each tensor's own blocks (:func:`exporter.gguf_quant.from_gguf`) and
+  undoes what llama.cpp's converter did to them, as transformers' GGUF loader does: Llama's q/k
+  rows are permuted back (a row permutation moves whole quant blocks: exact), Gemma's norm
+  weights are stored plus one.
+- :class:`SafetensorsSource` gives float tensors as float32 (fp32 exports) or float16.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exporter.errors import ExportError
+from exporter.gguf_quant import DenseWeight, Q4KForm, Weight, from_gguf
+
+log = logging.getLogger(__name__)
+
+
+def _pread(path: Path, offset: int, size: int) -> np.ndarray:
+    out = np.empty(size, dtype=np.uint8)
+    view = memoryview(out.data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < size:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ExportError(f"{path}: unexpected end of file reading a tensor")
+            done += got
+    finally:
+        os.close(fd)
+    return out
+
+
+# -- GGUF ------------------------------------------------------------------------------------
+
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def gguf_name(hf_name: str, model_type: str) -> str:
+    """llama.cpp's name of a Hugging Face tensor name."""
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[stem]}.{kind}"
+    parts = stem.split(".")
+    if parts[:2] != ["model", "layers"] or len(parts) < 4:
+        raise KeyError(hf_name)
+    layer, rest = parts[2], ".".join(parts[3:])
+    if rest == "post_attention_layernorm":
+        # Gemma normalises the attention's output with it; the others the MLP's input
+        rest_name = "post_attention_norm" if model_type == "gemma3_text" else "ffn_norm"
+    elif rest == "pre_feedforward_layernorm":
+        rest_name = "ffn_norm"
+    elif rest in _GGUF_LAYER:
+        rest_name = _GGUF_LAYER[rest]
+    else:
+        raise KeyError(hf_name)
+    return f"blk.{layer}.{rest_name}.{kind}"
+
+
+class GGUFSource:
+    """A GGUF file's tensors by Hugging Face name, each read when asked for."""
+
+    def __init__(
+        self, path: Path, config: Any, form: Q4KForm = "exact", dense: str | None = None
+    ) -> None:
+        """``dense``: a float or NNCF format (fp32, fp16, int8, int4): every tensor
+        de-quantized to float32 (float16 for fp16) instead, for NNCF to compress again."""
+        from gguf import GGUFReader
+
+        self.path = path
+        self.model_type = str(config.model_type)
+        self.form = form
+        self.dense = dense
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        try:
+            reader = GGUFReader(str(path))
+        except (ValueError, OSError) as exc:
+            raise ExportError(f"cannot read the GGUF file {path}: {exc}") from exc
+        arch_field = reader.fields.get("general.architecture")
+        self.arch = (
+            bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "unknown"
+        )
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.notes: dict[str, str] = {}  # tensor -> what was done where not exact
+        self.types: dict[str, str] = {}  # tensor -> GGML type read
+
+    def has(self, name: str) -> bool:
+        try:
+            return gguf_name(name, self.model_type) in self.tensors
+        except KeyError:
+            return False
+
+    def tensor(self, name: str) -> Weight:
+        try:
+            key = gguf_name(name, self.model_type)
+            info = self.tensors[key]
+        except KeyError:
+            raise ExportError(f"{self.path.name} has no tensor for {name}") from None
+        raw = _pread(self.path, int(info.data_offset), int(info.n_bytes))
+        shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists the fastest dim first
+        weight: Weight
+        if self.dense is not None:
+            from gguf.quants import dequantize
+
+            values = dequantize(raw, info.tensor_type).reshape(shape)
+            dtype = np.float16 if self.dense == "fp16" else np.float32
+            weight = DenseWeight(values.astype(dtype, copy=False))
+        else:
+            weight = from_gguf(info.tensor_type, raw, shape, self.form)
+        self.types[key] = info.tensor_type.name
+        note = getattr(weight, "note", "")
+        if note:
+            self.notes[key] = note
+            log.log(logging.WARNING if "inexact" in note else logging.DEBUG, "%s: %s", key, note)
+        if self.arch == "llama" and key.endswith(".weight") and ".attn_" in key:
+            if ".attn_q." in key:
+                weight = weight.permute_rows(_unpermute_order(shape[0], self.num_heads))
+            elif ".attn_k." in key:
+                weight = weight.permute_rows(_unpermute_order(shape[0], self.num_kv_heads))
+        if self.model_type == "gemma3_text" and "norm" in key and isinstance(weight, DenseWeight):
+            weight = DenseWeight(np.asarray(weight.array, np.float32) - np.float32(1), weight.note)
+        return weight
+
+
+def _unpermute_order(rows: int, heads: int) -> np.ndarray:
+    """Row order undoing llama.cpp's q/k permutation (transformers' _reverse_permute_weights)."""
+    dim = rows // heads // 2
+    return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(-1)
+
+
+# -- safetensors -------------------------------------------------------------------------------
+
+_SAFETENSORS_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+
+
+class SafetensorsSource:
+    """The tensors of a Hugging Face folder's ``*.safetensors`` files, each read when asked for.
+
+    The headers are parsed here (8-byte length + JSON, the format's whole index) because
+    ``safetensors.safe_open(framework="numpy")`` cannot read BF16 tensors (numpy has no
+    bfloat16); a BF16 tensor becomes float32 exactly (its bits shifted up)."""
+
+    def __init__(self, folder: Path, dtype: str) -> None:
+        self.folder = folder
+        self.dtype = np.float16 if dtype == "fp16" else np.float32
+        self.entries: dict[str, tuple[Path, int, str, tuple[int, ...], int]] = {}
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ExportError(f"{folder} has no *.safetensors weights")
+        for file in files:
+            with file.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = entry["data_offsets"]
+                shape = tuple(int(d) for d in entry["shape"])
+                self.entries[name] = (file, 8 + length + begin, entry["dtype"], shape, end - begin)
+
+    def has(self, name: str) -> bool:
+        return name in self.entries
+
+    def tensor(self, name: str) -> Weight:
+        if name not in self.entries:
+            raise ExportError(f"{self.folder.name} has no tensor {name}")
+        file, offset, dtype, shape, size = self.entries[name]
+        if dtype not in _SAFETENSORS_TYPES:
+            raise ExportError(f"{name}: safetensors dtype {dtype} is not supported")
+        raw = _pread(file, offset, size).view(_SAFETENSORS_TYPES[dtype]).reshape(shape)
+        if dtype == "BF16":
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        return DenseWeight(raw.astype(self.dtype, copy=False))

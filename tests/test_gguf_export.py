@@ -1,0 +1,235 @@
+"""Exports straight from GGUF files: the file's own blocks, token for token with transformers.
+
+Tiny random models written as llama.cpp would (tests/tiny_gguf.py: Q4_K_M mixes of Q4_K, Q6_K
+and F32) are exported with ``--weights gguf`` and compared with transformers loading the same
+file (its de-quantization is gguf's, the reference): with f32 compute, an f32 KV cache and the
+CPU's dynamic activation quantization off, the chained stages give the same greedy tokens and
+logits within float rounding. Also: split == unsplit, one stage at a time on "different
+machines" == the whole export, the paged backend, and the compressed weights in the compiled
+graph.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import pytest
+
+from exporter.export import ExportOptions, export_model
+from exporter.verify import verify_export
+from protos.manifest import load_manifest, manifest_hash
+from server.cli import main
+from stage_node.chain import LocalChain
+from stage_node.runner import RunnerOptions
+
+# f32 compute, f32 KV cache, no dynamic int8 activations: what transformers computes
+EXACT_GGUF = RunnerOptions(
+    kv_cache_precision="f32",
+    inference_precision="f32",
+    properties={"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
+)
+PROMPTS = [[1, 17, 42, 99, 7, 130, 64, 5, 200], [1, 3, 250, 11, 11, 90, 31, 140]]
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    from tests.tiny_gguf import make_gguf_model
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, types: str = "Q4_K_M") -> Path:
+        if (arch, types) not in made:
+            folder = tmp_path_factory.mktemp(f"gguf-{arch}-{types}")
+            made[arch, types] = make_gguf_model(arch, folder, types=types)
+        return made[arch, types]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def gguf_export(
+    tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Callable[..., Path]
+) -> Callable[..., Path]:
+    made: dict[tuple[str, int, str], Path] = {}
+
+    def get(arch: str, stages: int, form: str = "split") -> Path:
+        key = (arch, stages, form)
+        if key not in made:
+            out = tmp_path_factory.mktemp("gguf-exports") / f"{arch}-{stages}-{form}"
+            export_model(
+                ExportOptions(
+                    model=str(tiny_gguf(arch)), out=out, stages=stages, gguf_form=form, quiet=True
+                )
+            )
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("arch", "stages", "form"),
+    [
+        ("llama", 1, "split"),
+        ("llama", 3, "split"),
+        ("qwen2", 2, "split"),
+        ("qwen2", 2, "exact"),
+        ("qwen3", 2, "split"),
+    ],
+)
+def test_gguf_stages_equal_transformers_on_the_same_file(
+    gguf_export: Callable[..., Path], arch: str, stages: int, form: str
+) -> None:
+    export = gguf_export(arch, stages, form)
+    manifest = load_manifest(export)
+    assert manifest.weights.format == "gguf" and manifest.weights.gguf_form == form
+    report = verify_export(export, prompt_ids=PROMPTS, steps=24, options=EXACT_GGUF, atol=1e-3)
+    for result in report.results:
+        comparison = result.reference
+        assert comparison is not None and comparison.strict
+        assert comparison.matched == 24, f"{arch}: tokens differ at {comparison.matched}"
+        assert comparison.max_abs_diff < 1e-3
+    assert report.failures() == []
+
+
+def test_gguf_split_equals_unsplit_under_the_default_runtime(
+    gguf_export: Callable[..., Path],
+) -> None:
+    """Dynamic int8 activations, u8... whatever the runtime does, it does it per layer the same
+    way: 3 stages == 1 stage bit for bit."""
+    report = verify_export(
+        gguf_export("llama", 3),
+        prompt_ids=PROMPTS,
+        steps=24,
+        against=gguf_export("llama", 1),
+        reference=False,
+        options=RunnerOptions(),
+    )
+    for result in report.results:
+        assert result.against is not None and result.against.identical
+        assert result.against.max_abs_diff == 0.0
+
+
+def test_gguf_stages_keep_compressed_weights_and_fuse_attention(
+    gguf_export: Callable[..., Path], tiny_gguf: Callable[..., Path]
+) -> None:
+    """The IR holds the file's codes (u4 for Q4_K, i8 for Q6_K), no f32 weight matrices; the
+    CPU plugin compiles them into compressed FullyConnected nodes and one fused attention node
+    per layer (the beam_idx Gather kept)."""
+    export = gguf_export("qwen2", 2)
+    manifest = load_manifest(export)
+    core = ov.Core()
+    for stage in manifest.stages:
+        model = core.read_model(export / stage.model_xml)
+        constants = [op for op in model.get_ops() if op.get_type_name() == "Constant"]
+        kinds = Counter(op.get_output_element_type(0).get_type_name() for op in constants)
+        assert kinds["u4"] > 0 and kinds["i8"] > 0, kinds
+        biggest_float = max(
+            (
+                int(np.prod(op.get_output_shape(0)))
+                for op in constants
+                if op.get_output_element_type(0) == ov.Type.f32
+            ),
+            default=0,
+        )
+        # scales, zero points, norms: at most a group's share of a matrix
+        largest = manifest.model.hidden_size * (manifest.model.intermediate_size or 0)
+        assert biggest_float <= largest // 16
+        compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        runtime = compiled.get_runtime_model()
+        types = Counter(op.get_rt_info()["layerType"].astype(str) for op in runtime.get_ops())
+        assert types["ScaledDotProductAttention"] == stage.num_layers
+        compressed = [
+            op
+            for op in runtime.get_ops()
+            if op.get_rt_info()["layerType"].astype(str) == "FullyConnected"
+            and any(
+                op.input_value(i).get_element_type().get_type_name() in ("u4", "i8")
+                for i in range(1, op.get_input_size())
+            )
+        ]
+        assert compressed, f"stage {stage.index}: no compressed FullyConnected"
+
+
+def test_paged_gguf_stages_equal_stateful(gguf_export: Callable[..., Path]) -> None:
+    export = gguf_export("qwen3", 2)
+    stateful = LocalChain(export, EXACT_GGUF)
+    paged = LocalChain(export, EXACT_GGUF, kv_backend="paged")
+    for i, prompt in enumerate(PROMPTS):
+        assert paged.greedy(f"p{i}", prompt, 12)[0] == stateful.greedy(f"s{i}", prompt, 12)[0]
+
+
+def test_each_stage_exported_alone_on_its_own_machine_forms_the_same_ring(
+    tmp_path: Path,
+    tiny_gguf: Callable[..., Path],
+    gguf_export: Callable[..., Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Three "machines", each with its own copy of the file in another folder, export their own
+    stage (`--stage K`): the manifests, and so the export's identity, are the same; the stages
+    gathered in one folder compute exactly what the whole export does."""
+    whole = gguf_export("llama", 3)
+    gathered = tmp_path / "ring"
+    hashes = set()
+    for k in range(3):
+        machine = tmp_path / f"pc{k}"
+        copy = machine / "models" / tiny_gguf("llama").name
+        copy.parent.mkdir(parents=True)
+        shutil.copy(tiny_gguf("llama"), copy)
+        out = machine / "export"
+        code = main(["export", str(copy), "--stages", "3", "--stage", str(k), "--out", str(out),
+                     "--quiet"])
+        assert code == 0
+        assert sorted(p.name for p in out.iterdir()) == ["manifest.json", f"stage-{k}", "tokenizer"]
+        hashes.add(manifest_hash(out))
+        if k == 0:
+            shutil.copytree(out, gathered)
+        else:
+            shutil.copytree(out / f"stage-{k}", gathered / f"stage-{k}")
+    assert hashes == {manifest_hash(whole)}
+    # one machine adds another stage to its folder: allowed, the same export
+    assert main(["export", str(tiny_gguf("llama")), "--stages", "3", "--stage", "2", "--out",
+                 str(tmp_path / "pc0" / "export"), "--quiet"]) == 0
+    report = verify_export(
+        gathered, prompt_ids=PROMPTS, steps=16, against=whole, reference=False,
+        options=EXACT_GGUF,
+    )
+    assert all(r.against is not None and r.against.max_abs_diff == 0.0 for r in report.results)
+
+    capsys.readouterr()
+    # another export's stage into that folder, a stage outside the plan, abbreviations
+    for argv, message in [
+        (["--stages", "2", "--stage", "1", "--out", str(gathered)], "holds another export"),
+        (["--stages", "3", "--stage", "3", "--out", str(tmp_path / "x")], "stages 0-2"),
+        (["--stages", "3", "--stag", "1", "--out", str(tmp_path / "x")], "unrecognized"),
+        (["--stages", "3", "--stage", "1", "--draft", str(tiny_gguf("llama")), "--out",
+          str(tmp_path / "x")], "export the draft on the gateway's PC"),
+    ]:
+        with pytest.raises(SystemExit) if "unrecognized" in message else _no_raise():
+            code = main(["export", str(tiny_gguf("llama")), *argv, "--quiet"])
+            assert code != 0
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert manifest_hash(gathered) == manifest_hash(whole)
+
+
+class _no_raise:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+def test_gguf_weights_need_a_gguf_file(
+    tmp_path: Path, tiny_model: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["export", str(tiny_model("qwen2")), "--weights", "gguf", "--out",
+                 str(tmp_path / "o"), "--quiet"])
+    assert code != 0 and "is not a GGUF file" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
