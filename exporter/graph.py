@@ -257,6 +257,7 @@ class _Builder:
         if self.first:
             table = self.src.tensor("model.embed_tokens.weight")
             hidden = embedding(main.output(0), table, "embed")
+            del table  # its unpacked codes (a byte a weight): the graph holds the packed copy
             if r.embed_scale is not None:
                 hidden = ops.multiply(hidden, _const(r.embed_scale)).output(0)
         else:

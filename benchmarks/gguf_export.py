@@ -1,0 +1,752 @@
+"""Peak memory of exporting one stage straight from a big GGUF file (``--weights gguf``).
+
+The issue's target: exporting stage K of a split holds at most
+``1.25 x (stage-K/model.bin + model.xml) + 1.5 GiB`` (peak RSS), i.e. one stage's weights and a
+fixed allowance, never the model's. This checks it on a Llama-3-8B-shaped Q4_K_M file without
+downloading one: random but valid quantized blocks, packed directly (no float quantization),
+with a tiny BPE tokenizer padded to the model's 128256 rows and a chat template, so the export
+and a served ring run as they would on the real file (the text is meaningless).
+
+  python benchmarks/gguf_export.py write FILE.gguf [--layers 32 --hidden 4096 ...]
+      a Llama-3-8B-shaped Q4_K_M GGUF (~4.9 GB), streamed in chunks of --chunk-mib
+  python benchmarks/gguf_export.py measure FILE.gguf --out DIR [--stages 4] [--serve]
+      for each stage K, in a fresh process: ``/usr/bin/time -v pipeshard export FILE --stages 4
+      --stage K --out DIR --quiet``; peak RSS (and an RSS timeline sampled every 0.2 s), the
+      stage's IR bytes, wall time, the bound; a markdown table + JSON in benchmarks/results/
+      (``<name>-<date>.md/.json``). --serve then starts the stages (``pipeshard stage --threads
+      1``) and a gateway (``pipeshard serve``), sends one 8-token chat completion and reports
+      that it answered and each stage's RSS.
+  python benchmarks/gguf_export.py plan [--layers 80 --hidden 8192 ...]
+      no file: the split a ``--stages 4`` export of a Llama-3-70B-shaped Q4_K_M GGUF would
+      use, each stage's GGUF and IR bytes from its tensors' types (IR: Q4_K 0.75 B/weight as
+      u4 codes + f32 scale and minimum per 32, Q6_K 1.25 as i8 + f32 scale per 16, Q8_0 1.125,
+      F16 2, F32 4) and the export memory the target allows it (1.25 x IR + 1.5 GiB).
+
+Types follow llama-quantize's Q4_K_M: token_embd Q4_K, output Q6_K, attn_v and ffn_down Q6_K on
+the layers its ``use_more_bits`` picks (the first and last eighth, every third in between), the
+other matrices Q4_K, norms F32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report import describe, machine, save
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+GIB = 2**30
+QK_K = 256
+# GGUF bytes per weight (block bytes / block length)
+GGUF_BYTES = {"Q4_K": 144 / 256, "Q6_K": 210 / 256, "Q8_0": 34 / 32, "F16": 2.0, "F32": 4.0}
+# IR bytes per weight as the exporter keeps the blocks (--gguf-form split)
+IR_BYTES = {"Q4_K": 0.75, "Q6_K": 1.25, "Q8_0": 1.125, "F16": 2.0, "F32": 4.0}
+BOUND_FACTOR = 1.25
+BOUND_ALLOWANCE = 1.5 * GIB
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int
+    rope_theta: float
+    rms_eps: float = 1e-5
+
+
+LLAMA3_8B = Shape(32, 4096, 14336, 32, 8, 128, 128256, 8192, 500000.0)
+LLAMA3_70B = Shape(80, 8192, 28672, 64, 8, 128, 128256, 8192, 500000.0)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str  # llama.cpp's name
+    shape: tuple[int, ...]  # numpy order: (rows, cols) or (n,)
+    type: str  # GGML type name
+    layer: int | None  # None: token_embd, output_norm, output
+
+    @property
+    def elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def gguf_bytes(self) -> int:
+        return round(self.elements * GGUF_BYTES[self.type])
+
+    @property
+    def ir_bytes(self) -> int:
+        return round(self.elements * IR_BYTES[self.type])
+
+
+# ------------------------------------------------------------------------------ the layout
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama-quantize's rule for the layers whose attn_v and ffn_down get Q6_K in Q4_K_M."""
+    eighth = layers // 8
+    return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
+
+
+def q4_k_m_tensors(shape: Shape) -> list[Tensor]:
+    """The tensors of a Llama GGUF quantized as Q4_K_M, in file order."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    out = [Tensor("token_embd.weight", (shape.vocab, h), "Q4_K", None)]
+    for i in range(shape.layers):
+        more = "Q6_K" if use_more_bits(i, shape.layers) else "Q4_K"
+        out += [
+            Tensor(f"blk.{i}.attn_norm.weight", (h,), "F32", i),
+            Tensor(f"blk.{i}.attn_q.weight", (q, h), "Q4_K", i),
+            Tensor(f"blk.{i}.attn_k.weight", (kv, h), "Q4_K", i),
+            Tensor(f"blk.{i}.attn_v.weight", (kv, h), more, i),
+            Tensor(f"blk.{i}.attn_output.weight", (h, q), "Q4_K", i),
+            Tensor(f"blk.{i}.ffn_norm.weight", (h,), "F32", i),
+            Tensor(f"blk.{i}.ffn_gate.weight", (shape.intermediate, h), "Q4_K", i),
+            Tensor(f"blk.{i}.ffn_up.weight", (shape.intermediate, h), "Q4_K", i),
+            Tensor(f"blk.{i}.ffn_down.weight", (h, shape.intermediate), more, i),
+        ]
+    out += [
+        Tensor("output_norm.weight", (h,), "F32", None),
+        Tensor("output.weight", (shape.vocab, h), "Q6_K", None),
+    ]
+    return out
+
+
+def stage_tensors(tensors: list[Tensor], start: int, end: int, last: bool) -> list[Tensor]:
+    """What a stage of layers [start, end) reads: its layers, + the embedding on the first,
+    + the final norm and head on the last."""
+    picked = []
+    for t in tensors:
+        if t.layer is not None:
+            if start <= t.layer < end:
+                picked.append(t)
+        elif t.name == "token_embd.weight":
+            if start == 0:
+                picked.append(t)
+        elif last:
+            picked.append(t)
+    return picked
+
+
+# ------------------------------------------------------------------------------ write
+
+
+def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
+    """``n`` valid super-blocks of ``kind`` with weights of roughly +-0.02."""
+    if kind == "Q4_K":
+        # f16 d, f16 dmin, 12 bytes of 6-bit scales/mins (any bits are valid), 128 nibbles;
+        # w = d*sc*q - dmin*m: dmin = 7.5 d centres it (sc, m average 31.5, q 7.5)
+        blocks = rng.integers(0, 256, (n, 144), dtype=np.uint8)
+        d = (rng.uniform(2e-5, 6e-5, n)).astype(np.float16)
+        dmin = (d.astype(np.float32) * 7.5).astype(np.float16)
+        blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
+        blocks[:, 2:4] = dmin.view(np.uint8).reshape(n, 2)
+        return blocks
+    if kind == "Q6_K":
+        # 128 bytes ql, 64 qh, 16 int8 scales, f16 d; w = d*sc*(q-32)
+        blocks = rng.integers(0, 256, (n, 210), dtype=np.uint8)
+        d = (rng.uniform(0.5e-5, 1.5e-5, n)).astype(np.float16)
+        blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
+        return blocks
+    raise ValueError(kind)
+
+
+def _chunks(rng: np.random.Generator, t: Tensor, chunk_bytes: int) -> Iterator[np.ndarray]:
+    """The tensor's data, a few rows at a time."""
+    if t.type == "F32":  # norms: around 1, as trained models have them
+        yield rng.normal(1.0, 0.1, t.shape).astype(np.float32)
+        return
+    rows, cols = t.shape
+    row_blocks = cols // QK_K
+    row_bytes = round(cols * GGUF_BYTES[t.type])
+    step = max(1, chunk_bytes // row_bytes)
+    for lo in range(0, rows, step):
+        n = min(rows, lo + step) - lo
+        yield _random_blocks(rng, n * row_blocks, t.type)
+
+
+def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
+    """Write the file, tensor data streamed chunk by chunk; its size in bytes."""
+    import gguf
+
+    from tests.tiny_gguf import FILE_TYPES, _write_tokenizer
+    from tests.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
+
+    if shape.hidden % QK_K or shape.intermediate % QK_K:
+        raise SystemExit("--hidden and --intermediate must be multiples of 256 (K-quants)")
+    tensors = q4_k_m_tensors(shape)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(f"llama3-shaped-{shape.layers}L-random")
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.head_dim != shape.hidden // shape.heads:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    writer.add_vocab_size(shape.vocab)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_file_type(FILE_TYPES["Q4_K_M"])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    with tempfile.TemporaryDirectory() as tmp:
+        # the tiny BPE tokenizer, padded to the model's rows with placeholders as llama.cpp does
+        make_tokenizer(Path(tmp), VOCAB, CHAT_TEMPLATE)
+        _write_tokenizer(writer, Path(tmp), shape.vocab)
+    for t in tensors:
+        writer.add_tensor_info(
+            t.name, t.shape, np.dtype(np.float32), t.gguf_bytes, gguf.GGMLQuantizationType[t.type]
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    rng = np.random.default_rng(seed)
+    total = sum(t.gguf_bytes for t in tensors)
+    done, started = 0, time.monotonic()
+    for t in tensors:
+        written = 0
+        for chunk in _chunks(rng, t, chunk_mib << 20):
+            chunk.tofile(fout)
+            written += chunk.nbytes
+        if written != t.gguf_bytes:
+            raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.gguf_bytes}")
+        writer.write_padding(fout, written)
+        done += written
+        if t.name.endswith("ffn_down.weight") or t.layer is None:
+            print(
+                f"\r{done / 1e9:6.2f} / {total / 1e9:.2f} GB  {time.monotonic() - started:5.0f} s",
+                end="",
+                flush=True,
+            )
+    writer.close()
+    print()
+    return path.stat().st_size
+
+
+# ------------------------------------------------------------------------------ measure
+
+
+def _bound(ir_bytes: int) -> float:
+    return BOUND_FACTOR * ir_bytes + BOUND_ALLOWANCE
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                text = Path(f"/proc/{pid}/task/{task}/children").read_text()
+                kids += [int(k) for k in text.split()]
+    return kids
+
+
+def _status_kib(pid: int, key: str) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class _Sampler(threading.Thread):
+    """RSS of a process and its descendants every ``period`` seconds."""
+
+    def __init__(self, pid: int, period: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.period = pid, period
+        self.samples: list[tuple[float, int]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self.done.is_set():
+            pids, todo = [], [self.pid]
+            while todo:
+                p = todo.pop()
+                pids.append(p)
+                todo += _children(p)
+            rss = sum(_status_kib(p, "VmRSS") for p in pids if p != self.pid) * 1024
+            self.samples.append((round(time.monotonic() - started, 2), rss))
+            self.done.wait(self.period)
+
+
+def _time_field(text: str, label: str) -> str:
+    match = re.search(rf"^\s*{re.escape(label)}.*?:\s*(\S+)\s*$", text, re.MULTILINE)
+    if not match:
+        raise RuntimeError(f"/usr/bin/time printed no {label!r}:\n{text[-2000:]}")
+    return match.group(1)
+
+
+def _seconds(clock: str) -> float:
+    total = 0.0
+    for part in clock.split(":"):
+        total = total * 60 + float(part)
+    return total
+
+
+def _export_env(cache: Path) -> dict[str, str]:
+    return {**os.environ, "PIPESHARD_CACHE_DIR": str(cache)}
+
+
+def measure_stage(
+    gguf_file: Path, out: Path, stages: int, stage: int, cache: Path, extra: list[str]
+) -> dict[str, Any]:
+    """One ``pipeshard export --stage`` run under /usr/bin/time -v."""
+    command = [
+        "/usr/bin/time",
+        "-v",
+        str(ROOT / ".venv" / "bin" / "pipeshard"),
+        "export",
+        str(gguf_file),
+        "--stages",
+        str(stages),
+        "--stage",
+        str(stage),
+        "--out",
+        str(out),
+        "--quiet",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_export_env(cache)
+    )
+    sampler = _Sampler(proc.pid)
+    sampler.start()
+    stdout, stderr = proc.communicate()
+    sampler.done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"stage {stage} export failed ({proc.returncode}):\n{stdout}\n{stderr}")
+    peak = int(_time_field(stderr, "Maximum resident set size")) * 1024
+    wall = _seconds(_time_field(stderr, "Elapsed (wall clock) time"))
+    folder = out / f"stage-{stage}"
+    ir = sum((folder / n).stat().st_size for n in ("model.bin", "model.xml"))
+    peak_at = max(sampler.samples, key=lambda s: s[1])[0] if sampler.samples else None
+    return {
+        "stage": stage,
+        "command": " ".join(command[2:]),
+        "ir_bytes": ir,
+        "peak_rss_bytes": peak,
+        "bound_bytes": int(_bound(ir)),
+        "passed": peak <= _bound(ir),
+        "wall_s": wall,
+        "user_s": float(_time_field(stderr, "User time (seconds)")),
+        "system_s": float(_time_field(stderr, "System time (seconds)")),
+        "peak_sampled_at_s": peak_at,
+        # the RSS timeline, thinned to at most ~300 points
+        "rss_timeline": sampler.samples[:: max(1, len(sampler.samples) // 300)],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_ring(out: Path, stages: int, kv_cache_gib: float, timeout: float) -> dict[str, Any]:
+    """Start the stages and a gateway, send one chat completion, report it and the RSS."""
+    import httpx
+
+    pipeshard = str(ROOT / ".venv" / "bin" / "pipeshard")
+    logs = out.parent / f"{out.name}-serve-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    ports = [_free_port() for _ in range(stages)]
+    http_port = _free_port()
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+    commands = []
+    result: dict[str, Any] = {"answered": False}
+    started = time.monotonic()
+    try:
+        for k, port in enumerate(ports):
+            cmd = [
+                pipeshard,
+                "stage",
+                "--shards",
+                str(out),
+                "--stage",
+                str(k),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--threads",
+                "1",
+                "--kv-cache-size",
+                str(kv_cache_gib),
+            ]
+            commands.append(" ".join(cmd[1:]))
+            log = (logs / f"stage-{k}.log").open("wb")
+            procs.append((f"stage {k}", subprocess.Popen(cmd, stdout=log, stderr=log)))
+        cmd = [
+            pipeshard,
+            "serve",
+            "--stages",
+            ",".join(f"127.0.0.1:{p}" for p in ports),
+            "--listen",
+            f"127.0.0.1:{http_port}",
+            "--speculation",
+            "off",
+            "--start-timeout",
+            str(timeout),
+        ]
+        commands.append(" ".join(cmd[1:]))
+        log = (logs / "gateway.log").open("wb")
+        procs.append(("gateway", subprocess.Popen(cmd, stdout=log, stderr=log)))
+        result["commands"] = commands
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            for name, p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({p.returncode}); logs in {logs}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the ring was not ready in {timeout:.0f} s; logs in {logs}")
+            time.sleep(2)
+        result["ready_s"] = round(time.monotonic() - started, 1)
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        t0 = time.monotonic()
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+        result["request_s"] = round(time.monotonic() - t0, 2)
+        result["status"] = reply.status_code
+        data = reply.json()
+        result["reply"] = data
+        result["answered"] = reply.status_code == 200 and bool(data.get("choices"))
+        if result["answered"]:
+            result["text"] = data["choices"][0]["message"]["content"]
+            result["usage"] = data.get("usage")
+        result["rss"] = {
+            name: {
+                "rss_bytes": _status_kib(p.pid, "VmRSS") * 1024,
+                "peak_rss_bytes": _status_kib(p.pid, "VmHWM") * 1024,
+            }
+            for name, p in procs
+        }
+    except (RuntimeError, httpx.HTTPError, ValueError, KeyError) as exc:
+        result["error"] = str(exc)
+    finally:
+        for _, p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for _, p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    result["logs"] = str(logs)
+    return result
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def measure_report(rows: list[dict[str, Any]], layers: dict[int, str], info: str) -> str:
+    lines = [
+        "# GGUF export: peak memory per stage",
+        "",
+        f"Host: {info}",
+        "",
+        "Target per stage: peak RSS <= 1.25 x IR (stage-K/model.bin + model.xml) + 1.5 GiB.",
+        "",
+        "| stage | layers | IR GiB | IR GiB (estimate) | peak RSS GiB | bound GiB | result "
+        "| seconds |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | :--- | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['stage']} | {layers[r['stage']]} | {_gib(r['ir_bytes'])} | "
+            f"{_gib(r['ir_estimate_bytes'])} | {_gib(r['peak_rss_bytes'])} | "
+            f"{_gib(r['bound_bytes'])} | {'pass' if r['passed'] else 'FAIL'} | "
+            f"{r['wall_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def serve_report(serve: dict[str, Any]) -> str:
+    lines = ["", "## The ring served from the export", ""]
+    if not serve.get("answered"):
+        lines.append(f"No answer: {serve.get('error') or serve.get('reply')}")
+        return "\n".join(lines) + "\n"
+    usage = serve.get("usage") or {}
+    lines += [
+        f"Answered one chat completion (max_tokens 8, greedy) in {serve['request_s']} s, "
+        f"{usage.get('completion_tokens')} tokens (random weights: the text means nothing: "
+        f"{serve['text']!r}); the ring was ready {serve['ready_s']} s after the start.",
+        "",
+        "| process | RSS GiB | peak RSS GiB |",
+        "| :--- | ---: | ---: |",
+    ]
+    for name, rss in serve["rss"].items():
+        lines.append(f"| {name} | {_gib(rss['rss_bytes'])} | {_gib(rss['peak_rss_bytes'])} |")
+    lines += ["", "Commands:", ""] + [f"    pipeshard {c}" for c in serve["commands"]]
+    return "\n".join(lines) + "\n"
+
+
+def read_shape(gguf_file: Path) -> Shape:
+    """The shape facts of a GGUF written by ``write`` (metadata only)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_file))
+
+    def field(key: str) -> Any:
+        f = reader.fields[key]
+        return f.parts[f.data[0]].tolist()[0]
+
+    heads = int(field("llama.attention.head_count"))
+    hidden = int(field("llama.embedding_length"))
+    return Shape(
+        layers=int(field("llama.block_count")),
+        hidden=hidden,
+        intermediate=int(field("llama.feed_forward_length")),
+        heads=heads,
+        kv_heads=int(field("llama.attention.head_count_kv")),
+        head_dim=int(field("llama.rope.dimension_count")),
+        vocab=int(field("llama.vocab_size")),
+        context=int(field("llama.context_length")),
+        rope_theta=float(field("llama.rope.freq_base")),
+    )
+
+
+def run_measure(opts: argparse.Namespace) -> None:
+    from protos.manifest import load_manifest
+
+    gguf_file: Path = opts.file.resolve()
+    out: Path = opts.out.resolve()
+    if out.exists():
+        if not opts.clean:
+            raise SystemExit(f"{out} exists: give --clean to delete it first")
+        shutil.rmtree(out)
+    cache = out.parent / f"{out.name}-cache"  # PIPESHARD_CACHE_DIR: the file's hash and config
+    shape = read_shape(gguf_file)
+    plans = plan_for(shape, opts.stages)
+    tensors = q4_k_m_tensors(shape)
+    info = machine()
+    rows = []
+    layers = {}
+    for plan in plans:
+        if opts.only is not None and plan.index not in opts.only:
+            continue
+        print(f"stage {plan.index}: exporting layers {plan.layer_start}-{plan.layer_end - 1}")
+        row = measure_stage(gguf_file, out, opts.stages, plan.index, cache, opts.export_arg)
+        entry = load_manifest(out).stages[plan.index]
+        if (entry.layer_start, entry.layer_end) != (plan.layer_start, plan.layer_end):
+            raise RuntimeError(
+                f"stage {plan.index}: the export has layers {entry.layer_start}-"
+                f"{entry.layer_end - 1}, this script planned "
+                f"{plan.layer_start}-{plan.layer_end - 1}"
+            )
+        last = plan.index == len(plans) - 1
+        picked = stage_tensors(tensors, plan.layer_start, plan.layer_end, last)
+        row["ir_estimate_bytes"] = sum(t.ir_bytes for t in picked)
+        row["gguf_bytes"] = sum(t.gguf_bytes for t in picked)
+        row["layers"] = [plan.layer_start, plan.layer_end]
+        layers[plan.index] = f"{plan.layer_start}-{plan.layer_end - 1}"
+        rows.append(row)
+        print(
+            f"  IR {_gib(row['ir_bytes'])} GiB, peak RSS {_gib(row['peak_rss_bytes'])} GiB, "
+            f"bound {_gib(row['bound_bytes'])} GiB: {'pass' if row['passed'] else 'FAIL'}, "
+            f"{row['wall_s']:.1f} s",
+            flush=True,
+        )
+    report = measure_report(rows, layers, describe(info))
+    report += (
+        f"\nFile: {gguf_file.name}, {gguf_file.stat().st_size / 1e9:.2f} GB "
+        f"({shape.layers} layers, hidden {shape.hidden}, intermediate {shape.intermediate}, "
+        f"{shape.heads}/{shape.kv_heads} heads, vocab {shape.vocab}; random Q4_K_M blocks).\n"
+        "Each stage in a fresh process: `/usr/bin/time -v pipeshard export FILE --stages "
+        f"{opts.stages} --stage K --out OUT --quiet` (peak: its 'Maximum resident set size'; "
+        "the file's sha256 and config are cached in PIPESHARD_CACHE_DIR after the first "
+        "stage).\n"
+    )
+    data: dict[str, Any] = {"file": str(gguf_file), "shape": asdict(shape), "stages": rows}
+    if opts.serve:
+        if opts.only is not None:
+            raise SystemExit("--serve needs every stage (no --only)")
+        serve = serve_ring(out, opts.stages, opts.kv_cache_gib, opts.serve_timeout)
+        data["serve"] = serve
+        report += serve_report(serve)
+    save(opts.results, opts.name, report, data, opts)
+
+
+# ------------------------------------------------------------------------------ plan
+
+
+def facts_for(shape: Shape) -> Any:
+    from exporter.architectures import ArchitectureFacts
+
+    return ArchitectureFacts(
+        model_type="llama",
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_heads=shape.heads,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab,
+        max_context=shape.context,
+        layer_types=["full_attention"] * shape.layers,
+        sliding_window=None,
+        final_logit_softcapping=None,
+        intermediate_size=shape.intermediate,
+    )
+
+
+def plan_for(shape: Shape, stages: int) -> list[Any]:
+    """The exporter's own plan for a GGUF (``--weights gguf``) of this shape: the split it picks
+    when given only --stages."""
+    from exporter.plan import decode_balanced_split, plan_stages
+
+    facts = facts_for(shape)
+    split = decode_balanced_split(facts, stages, "gguf", shape.intermediate)
+    return plan_stages(facts, split, "gguf", shape.intermediate, shape.context)
+
+
+def run_plan(opts: argparse.Namespace) -> None:
+    shape = shape_from(opts, LLAMA3_70B)
+    plans = plan_for(shape, opts.stages)
+    tensors = q4_k_m_tensors(shape)
+    gguf_total = sum(t.gguf_bytes for t in tensors)
+    lines = [
+        f"Export plan: Llama-3-shaped Q4_K_M GGUF, {shape.layers} layers, hidden {shape.hidden}, "
+        f"intermediate {shape.intermediate}, {shape.heads}/{shape.kv_heads} heads, vocab "
+        f"{shape.vocab}: {gguf_total / 1e9:.1f} GB of GGUF, over {opts.stages} stages "
+        "(the exporter's split for --stages alone).",
+        "",
+        "| stage | layers | count | GGUF GiB | IR GiB (estimate) | planner's weights GiB "
+        "| export memory GiB (1.25 x IR + 1.5) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in plans:
+        last = p.index == len(plans) - 1
+        picked = stage_tensors(tensors, p.layer_start, p.layer_end, last)
+        ir = sum(t.ir_bytes for t in picked)
+        lines.append(
+            f"| {p.index} | {p.layer_start}-{p.layer_end - 1} | {p.layer_end - p.layer_start} | "
+            f"{_gib(sum(t.gguf_bytes for t in picked))} | {_gib(ir)} | "
+            f"{_gib(p.weight_bytes)} | {_gib(_bound(ir))} |"
+        )
+    lines += [
+        "",
+        "IR bytes per weight: "
+        + ", ".join(f"{k} {v:g}" for k, v in IR_BYTES.items())
+        + "; the planner's column is exporter.plan's own estimate (0.9 B per layer weight, "
+        "1.2 B per embedding or head weight).",
+    ]
+    print("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------ cli
+
+
+def add_shape_args(p: argparse.ArgumentParser, default: Shape) -> None:
+    for name, kind in (
+        ("layers", int),
+        ("hidden", int),
+        ("intermediate", int),
+        ("heads", int),
+        ("kv-heads", int),
+        ("head-dim", int),
+        ("vocab", int),
+        ("context-length", int),
+        ("rope-theta", float),
+    ):
+        key = name.replace("-", "_")
+        value = getattr(default, "context" if key == "context_length" else key)
+        p.add_argument(f"--{name}", type=kind, default=None, help=f"default {value}")
+
+
+def shape_from(opts: argparse.Namespace, default: Shape) -> Shape:
+    """The default shape with the flags given; head_dim follows hidden / heads unless given."""
+    values = asdict(default)
+    for key in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "rope_theta"):
+        if getattr(opts, key) is not None:
+            values[key] = getattr(opts, key)
+    if opts.context_length is not None:
+        values["context"] = opts.context_length
+    values["head_dim"] = opts.head_dim or values["hidden"] // values["heads"]
+    return Shape(**values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("write", help="write a Llama-3-8B-shaped Q4_K_M GGUF of random blocks")
+    w.add_argument("file", type=Path)
+    add_shape_args(w, LLAMA3_8B)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--chunk-mib", type=int, default=64, help="bytes generated at a time")
+
+    m = sub.add_parser("measure", help="peak RSS of exporting each stage, against the target")
+    m.add_argument("file", type=Path)
+    m.add_argument("--out", type=Path, required=True, help="export folder (scratch)")
+    m.add_argument("--clean", action="store_true", help="delete --out first if it exists")
+    m.add_argument("--stages", type=int, default=4)
+    m.add_argument("--only", type=int, nargs="+", help="only these stages")
+    m.add_argument(
+        "--export-arg", action="append", default=[], help="extra `pipeshard export` argument"
+    )
+    m.add_argument("--serve", action="store_true", help="then serve the ring, send a request")
+    m.add_argument("--kv-cache-gib", type=float, default=0.25, help="--serve: paged KV per stage")
+    m.add_argument("--serve-timeout", type=float, default=1200.0)
+    m.add_argument("--results", type=Path, default=RESULTS)
+    m.add_argument("--name", default="gguf-export-8b")
+
+    p = sub.add_parser("plan", help="the export plan of a Llama-3-70B-shaped GGUF (no file)")
+    add_shape_args(p, LLAMA3_70B)
+    p.add_argument("--stages", type=int, default=4)
+
+    opts = parser.parse_args(argv)
+    if opts.command == "write":
+        shape = shape_from(opts, LLAMA3_8B)
+        started = time.monotonic()
+        size = write_gguf(opts.file, shape, opts.seed, opts.chunk_mib)
+        print(
+            f"wrote {opts.file}: {size / 1e9:.2f} GB ({shape.layers} layers) in "
+            f"{time.monotonic() - started:.0f} s"
+        )
+    elif opts.command == "measure":
+        run_measure(opts)
+    else:
+        run_plan(opts)
+
+
+if __name__ == "__main__":
+    main()
