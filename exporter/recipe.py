@@ -37,9 +37,6 @@ class Recipe:
     activation: str  # "silu" | "gelu_tanh"
     attention_scale: float
     rope: dict[str, Rope]  # by layer type
-    attention_bias: bool  # q/k/v projections have biases
-    output_bias: bool  # o_proj has a bias
-    mlp_bias: bool
     qk_norm: bool  # RMSNorm of each head's q and k (Qwen3, Gemma 3)
     sandwich_norms: bool  # Gemma 3: norms after attention and around the MLP
     norm_offset: float  # Gemma: a norm multiplies by (1 + weight)
@@ -105,9 +102,6 @@ def read_recipe(config: Any) -> Recipe:
         activation=_ACTIVATIONS[act_name],
         attention_scale=scale,
         rope=rope,
-        attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-        output_bias=model_type != "qwen2" and bool(getattr(config, "attention_bias", False)),
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "gemma3_text"),
         sandwich_norms=gemma,
         norm_offset=1.0 if gemma else 0.0,

@@ -112,8 +112,6 @@ class GGUFSource:
             bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "unknown"
         )
         self.tensors = {t.name: t for t in reader.tensors}
-        self.notes: dict[str, str] = {}  # tensor -> what was done where not exact
-        self.types: dict[str, str] = {}  # tensor -> GGML type read
 
     def has(self, name: str) -> bool:
         try:
@@ -138,10 +136,8 @@ class GGUFSource:
             weight = DenseWeight(values.astype(dtype, copy=False))
         else:
             weight = from_gguf(info.tensor_type, raw, shape, self.form)
-        self.types[key] = info.tensor_type.name
         note = getattr(weight, "note", "")
-        if note:
-            self.notes[key] = note
+        if note:  # what was done with a tensor that has no exact compressed form
             log.log(logging.WARNING if "inexact" in note else logging.DEBUG, "%s: %s", key, note)
         if self.arch == "llama" and key.endswith(".weight") and ".attn_" in key:
             if ".attn_q." in key:
