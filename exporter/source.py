@@ -10,6 +10,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from exporter.errors import ExportError
 log = logging.getLogger(__name__)
 
 CONFIG_CACHE = "gguf-configs"  # under the cache folder: configs read from GGUF files
+TOKENIZER_CACHE = "gguf-tokenizers"  # under the cache folder: tokenizers read from GGUF files
 HASH_CACHE = "gguf-hashes"  # under the cache folder: sha256 of GGUF files, by path/size/mtime
 
 
@@ -29,9 +31,10 @@ class ModelSource:
     path: Path  # the folder (hf_dir) or the .gguf file
     model_id: str
     sha256: str | None = None
-    # GGUF only: where configs read from GGUF files are kept (reading one parses the whole
-    # metadata, tokenizer included: 11-14 s for the built-in pair on 2 cores, every `up`)
-    config_cache: Path | None = None
+    # GGUF only: the cache folder that keeps the config and the tokenizer read from the file
+    # (transformers parses the whole metadata for each: the config took 11-14 s for the
+    # built-in pair on 2 cores, the tokenizers 36 s, at every export)
+    cache: Path | None = None
 
     def _location(self) -> tuple[str, dict[str, Any]]:
         if self.kind == "gguf":
@@ -42,7 +45,7 @@ class ModelSource:
         from transformers import AutoConfig
 
         where, extra = self._location()
-        cached = self._cached_config_path()
+        cached = self._cached_path(CONFIG_CACHE, ".json")
         if cached is not None and cached.is_file():
             try:
                 config = AutoConfig.from_pretrained(str(cached), local_files_only=True)
@@ -65,11 +68,11 @@ class ModelSource:
                 log.debug("cannot cache %s: %s", cached, exc)
         return config
 
-    def _cached_config_path(self) -> Path | None:
-        """Where this GGUF's config is cached: keyed by its content hash (built-in models) or
-        by its path, size and modification time, and by the transformers version that read
-        it; None for Hugging Face folders (their config.json is read directly)."""
-        if self.kind != "gguf" or self.config_cache is None:
+    def _cached_path(self, kind: str, suffix: str = "") -> Path | None:
+        """Where something read from this GGUF is cached: keyed by its content hash (or, where
+        there is none, by its path, size and modification time) and by the transformers
+        version that read it; None for Hugging Face folders (their files are read directly)."""
+        if self.kind != "gguf" or self.cache is None:
             return None
         import transformers
 
@@ -81,7 +84,7 @@ class ModelSource:
                 return None
             ident = f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
             key = hashlib.sha256(ident.encode()).hexdigest()
-        return self.config_cache / f"{key}-transformers-{transformers.__version__}.json"
+        return self.cache / kind / f"{key}-transformers-{transformers.__version__}{suffix}"
 
     def load_model(self, progress: bool = True) -> Any:
         import torch
@@ -101,11 +104,43 @@ class ModelSource:
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
+        cached = self._cached_path(TOKENIZER_CACHE)
+        if cached is not None and (cached / "tokenizer.json").is_file():
+            try:
+                return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring the unreadable cached tokenizer %s: %s", cached, exc)
         where, extra = self._location()
         try:
-            return AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
+            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ExportError(f"cannot load a tokenizer from {self.path}: {exc}") from exc
+        if cached is not None:
+            _cache_tokenizer(tokenizer, cached)
+        return tokenizer
+
+
+def _cache_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """Save the tokenizer into the cache whole or not at all: written to a temporary folder
+    beside it, then renamed into place (a concurrent export that got there first wins)."""
+    import shutil
+    import tempfile
+
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as exc:  # a cache that cannot be written is no error
+        log.debug("cannot cache the tokenizer in %s: %s", folder, exc)
+        return
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        for entry in [tmp, *tmp.iterdir()]:
+            entry.chmod(0o755 if entry.is_dir() else 0o644)  # readable by every cache user
+        os.rename(tmp, folder)
+    except OSError as exc:
+        log.debug("cannot cache the tokenizer in %s: %s", folder, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -130,11 +165,10 @@ def resolve_source(model: str, cache_dir: Path | None = None, progress: bool = T
     from exporter import default_models
 
     cache = cache_dir or default_models.default_cache_dir()
-    configs = cache / CONFIG_CACHE
     builtin = default_models.resolve_builtin(model)
     if builtin is not None:
         gguf = default_models.fetch_builtin(builtin, cache, progress=progress)
-        return ModelSource("gguf", gguf, builtin.name, builtin.sha256, configs)
+        return ModelSource("gguf", gguf, builtin.name, builtin.sha256, cache)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -142,14 +176,14 @@ def resolve_source(model: str, cache_dir: Path | None = None, progress: bool = T
             if len(ggufs) == 1:
                 gguf = ggufs[0].resolve()
                 digest = gguf_sha256(gguf, cache / HASH_CACHE)
-                return ModelSource("gguf", gguf, gguf.stem, digest, configs)
+                return ModelSource("gguf", gguf, gguf.stem, digest, cache)
             raise ExportError(f"{path} has no config.json: not a Hugging Face model folder")
         return ModelSource("hf_dir", path.resolve(), path.resolve().name)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ExportError(f"{path} is a file but not a .gguf model")
         digest = gguf_sha256(path.resolve(), cache / HASH_CACHE)
-        return ModelSource("gguf", path.resolve(), path.stem, digest, configs)
+        return ModelSource("gguf", path.resolve(), path.stem, digest, cache)
     raise ExportError(
         f"model {model!r} not found: give a Hugging Face folder, a .gguf file, or a built-in "
         f"name ({', '.join(default_models.builtin_names())})"

@@ -76,10 +76,13 @@ def load_codec(folder: Path, manifest: ShardManifest) -> TextCodec:
 
 
 def codec_from_files(files: dict[str, bytes], manifest: ShardManifest) -> TextCodec:
-    """Write fetched tokenizer files to a private temporary folder and load them."""
-    folder = Path(tempfile.mkdtemp(prefix="pipeshard-tokenizer-"))
-    for name, data in files.items():
-        if "/" in name or name.startswith("."):
+    """Write fetched tokenizer files to a private temporary folder, load them, and remove the
+    folder (the loaded tokenizer keeps nothing open there)."""
+    for name in files:
+        if "/" in name or "\\" in name or name.startswith("."):
             raise ValueError(f"refusing tokenizer file name {name!r}")
-        (folder / name).write_bytes(data)
-    return load_codec(folder, manifest)
+    with tempfile.TemporaryDirectory(prefix="pipeshard-tokenizer-") as tmp:
+        folder = Path(tmp)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        return load_codec(folder, manifest)

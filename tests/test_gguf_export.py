@@ -233,3 +233,36 @@ def test_gguf_weights_need_a_gguf_file(
                  str(tmp_path / "o"), "--quiet"])
     assert code != 0 and "is not a GGUF file" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_gguf_tokenizer_is_read_once_then_cached(
+    tmp_path: Path, tiny_gguf: Callable[..., Path]
+) -> None:
+    """transformers builds a GGUF's tokenizer from the whole metadata (seconds for a real
+    vocabulary, at every export): the first export caches it by the file's sha256, and an
+    export from the cache writes the same tokenizer files and the same manifest."""
+    from exporter.source import TOKENIZER_CACHE
+
+    gguf = tiny_gguf("qwen2")
+    cache = tmp_path / "cache"
+
+    def export(name: str) -> Path:
+        out = tmp_path / name
+        export_model(ExportOptions(model=str(gguf), out=out, stages=1, quiet=True,
+                                   cache_dir=cache))
+        return out
+
+    first = export("first")
+    [cached] = (cache / TOKENIZER_CACHE).iterdir()
+    assert (cached / "tokenizer.json").is_file()
+    assert not [p for p in cached.parent.iterdir() if p.name.startswith(".")]  # no leftovers
+    second = export("second")
+    files = sorted(p.name for p in (first / "tokenizer").iterdir())
+    assert files == sorted(p.name for p in (second / "tokenizer").iterdir())
+    for name in files:
+        assert (first / "tokenizer" / name).read_bytes() == (second / "tokenizer" / name).read_bytes()
+    assert manifest_hash(first) == manifest_hash(second)
+    # the second export did read the cache: an edit there shows in the next export
+    config = cached / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"model_max_length"', '"x_cache_mark": 1, "model_max_length"'))
+    assert "x_cache_mark" in (export("third") / "tokenizer" / "tokenizer_config.json").read_text()
