@@ -195,7 +195,17 @@ def _weights(options: ExportOptions, source: ModelSource) -> WeightSpec:
                 f"--weights gguf keeps a GGUF file's own blocks; {source.path} is not a GGUF file "
                 "(use int4, int8, fp16 or fp32)"
             )
-        return weights.model_copy(update={"gguf_form": options.gguf_form})
+        from exporter.weights import gguf_type_summary
+
+        form = options.gguf_form
+        types = gguf_type_summary(source.path, form)
+        for entry in types:
+            if entry.exactness == "rounded to f16" or entry.type == "F64":  # not asked for
+                log.warning(
+                    "%d %s tensor(s) of %s: %s (%s)",
+                    entry.tensors, entry.type, source.path.name, entry.becomes, entry.exactness,
+                )
+        return weights.model_copy(update={"gguf_form": form, "gguf_types": types})
     return weights
 
 
@@ -266,6 +276,11 @@ def _resolve(options: ExportOptions) -> _Resolved:
         f"plan for {source.model_id} ({facts.model_type}, {facts.num_layers} layers, "
         f"{label}):\n{format_plan(plans, context, facts.intermediate_size)}"
     )
+    for entry in weights.gguf_types or []:
+        kind = "matrices" if entry.matrix else "1-D"
+        plan_text += (
+            f"\n  {entry.type} {kind} x{entry.tensors}: {entry.becomes} ({entry.exactness})"
+        )
 
     draft_source = draft_config = None
     if options.draft:

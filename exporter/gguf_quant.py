@@ -23,6 +23,8 @@ import openvino.opset13 as ops
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from protos.manifest import GGUFExactness
+
 log = logging.getLogger(__name__)
 
 Q4KForm = Literal["exact", "split", "rounded"]
@@ -378,6 +380,45 @@ def _dense_fallback(
     if not lossless:
         log.warning("%s tensor %s: %s", tensor_type.name, shape, note)
     return DenseWeight(out.reshape(shape), note)
+
+
+_AFFINE = (
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+)
+_AFFINE_FORMS: dict[str, tuple[str, GGUFExactness]] = {
+    "split": ("block minimums as a separate small matmul", "bit-exact"),
+    "exact": ("f32 zero points", "within 1 f32 ulp"),
+    "rounded": ("zero points rounded to integers", "inexact"),
+}
+
+
+def describe(
+    tensor_type: GGMLQuantizationType, form: Q4KForm, matrix: bool
+) -> tuple[str, GGUFExactness]:
+    """What ``from_gguf`` makes of a tensor of this type (a matrix, or 1-D), and how exact that
+    is against gguf's de-quantization: ``bit-exact``, ``within 1 f32 ulp``, ``rounded to f16``
+    or ``inexact``. Depends on the type alone, so an export can say it before reading a block."""
+    t = GGMLQuantizationType
+    if tensor_type in (t.F32, t.F16):
+        return f"{tensor_type.name.lower()} as stored", "bit-exact"
+    if tensor_type == t.BF16:
+        return "widened to f32", "bit-exact"
+    if tensor_type == t.F64:
+        return "narrowed to f32", "inexact"
+    spec = _SPECS.get(tensor_type)
+    if spec is not None and matrix:
+        becomes = f"{spec.code_type} codes as stored, f32 scales per {spec.group}"
+        if tensor_type not in _AFFINE:
+            return becomes, "bit-exact"
+        how, exactness = _AFFINE_FORMS[form]
+        return f"{becomes}, {how}", exactness
+    if not matrix:
+        return "de-quantized to f32", "bit-exact"
+    return "de-quantized to f16 (no compressed form)", "rounded to f16"
 
 
 def from_gguf(

@@ -24,6 +24,7 @@ import numpy as np
 
 from exporter.errors import ExportError
 from exporter.gguf_quant import DenseWeight, Q4KForm, Weight, from_gguf
+from protos.manifest import GGUFTypeEntry
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,37 @@ class GGUFSource:
         if self.model_type == "gemma3_text" and "norm" in key and isinstance(weight, DenseWeight):
             weight = DenseWeight(np.asarray(weight.array, np.float32) - np.float32(1), weight.note)
         return weight
+
+
+def gguf_type_summary(path: Path, form: Q4KForm) -> list[GGUFTypeEntry]:
+    """Each tensor type of the file (matrices and 1-D apart), how many tensors, and what the
+    export makes of them: read from the header alone, so every stage's export says the same."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    from exporter.gguf_quant import describe
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise ExportError(f"cannot read the GGUF file {path}: {exc}") from exc
+    counts = Counter((t.tensor_type, len(t.shape) >= 2) for t in reader.tensors)
+    entries = []
+    for (tensor_type, matrix), count in sorted(
+        counts.items(), key=lambda kv: (kv[0][0].name, not kv[0][1])
+    ):
+        becomes, exactness = describe(tensor_type, form, matrix)
+        entries.append(
+            GGUFTypeEntry(
+                type=tensor_type.name,
+                matrix=matrix,
+                tensors=count,
+                becomes=becomes,
+                exactness=exactness,
+            )
+        )
+    return entries
 
 
 def _unpermute_order(rows: int, heads: int) -> np.ndarray:

@@ -18,7 +18,7 @@ MANIFEST_NAME = "manifest.json"
 # different machines), the "gguf" weight format
 SCHEMA_VERSION = 2
 
-# "gguf": a GGUF file's own quantized blocks, kept as they are (see docs/export.md)
+# "gguf": a GGUF file's own quantized blocks, kept as they are (README: "Export")
 WeightFormat = Literal["fp32", "fp16", "int8", "int4", "gguf"]
 # how "gguf" weights encode blocks with a scale and a minimum (Q4_K, Q5_K, Q4_1, Q5_1, Q2_K):
 # "exact" f32 fractional zero points, "split" the minimum as a separate small matmul (also
@@ -30,6 +30,22 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# how exactly a GGUF tensor type's weights decompress to gguf's de-quantization
+GGUFExactness = Literal["bit-exact", "within 1 f32 ulp", "rounded to f16", "inexact"]
+
+
+class GGUFTypeEntry(_Frozen):
+    """One GGML tensor type of a "gguf" export's file, and what the export makes of it."""
+
+    type: str = Field(description="GGML type name, e.g. Q4_K")
+    matrix: bool = Field(description="2-D tensors (1-D ones: norms and biases)")
+    tensors: int = Field(description="tensors of this type and rank in the file")
+    becomes: str = Field(description="the OpenVINO weights they become")
+    exactness: GGUFExactness = Field(
+        description="against gguf's de-quantization (what llama.cpp and transformers compute)"
+    )
+
+
 class WeightSpec(_Frozen):
     """How the weights of every stage were stored (the same for all stages of an export)."""
 
@@ -38,6 +54,9 @@ class WeightSpec(_Frozen):
     symmetric: bool | None = Field(default=None, description="int4 symmetric quantization")
     gguf_form: GGUFForm | None = Field(
         default=None, description="gguf: how blocks with a minimum are encoded"
+    )
+    gguf_types: list[GGUFTypeEntry] | None = Field(
+        default=None, description="gguf: the file's tensor types and what each became"
     )
 
 

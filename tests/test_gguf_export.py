@@ -22,7 +22,7 @@ import pytest
 
 from exporter.export import ExportOptions, export_model
 from exporter.verify import verify_export
-from protos.manifest import load_manifest, manifest_hash
+from protos.manifest import ShardManifest, load_manifest, manifest_hash
 from server.cli import main
 from stage_node.chain import LocalChain
 from stage_node.runner import RunnerOptions
@@ -88,6 +88,7 @@ def test_gguf_stages_equal_transformers_on_the_same_file(
     export = gguf_export(arch, stages, form)
     manifest = load_manifest(export)
     assert manifest.weights.format == "gguf" and manifest.weights.gguf_form == form
+    _check_type_summary(manifest, form)
     report = verify_export(export, prompt_ids=PROMPTS, steps=24, options=EXACT_GGUF, atol=1e-3)
     for result in report.results:
         comparison = result.reference
@@ -95,6 +96,20 @@ def test_gguf_stages_equal_transformers_on_the_same_file(
         assert comparison.matched == 24, f"{arch}: tokens differ at {comparison.matched}"
         assert comparison.max_abs_diff < 1e-3
     assert report.failures() == []
+
+
+def _check_type_summary(manifest: ShardManifest, form: str) -> None:
+    """The manifest says, per tensor type of the file, what it became and how exact that is."""
+    from gguf import GGUFReader
+
+    counts = Counter(
+        (t.tensor_type.name, len(t.shape) >= 2) for t in GGUFReader(manifest.source.path).tensors
+    )
+    types = manifest.weights.gguf_types or []
+    assert {(e.type, e.matrix): e.tensors for e in types} == counts
+    exactness = {(e.type, e.matrix): e.exactness for e in types}
+    assert exactness["Q6_K", True] == exactness["F32", False] == "bit-exact"
+    assert exactness["Q4_K", True] == {"split": "bit-exact", "exact": "within 1 f32 ulp"}[form]
 
 
 def test_gguf_split_equals_unsplit_under_the_default_runtime(
@@ -260,9 +275,12 @@ def test_a_gguf_tokenizer_is_read_once_then_cached(
     files = sorted(p.name for p in (first / "tokenizer").iterdir())
     assert files == sorted(p.name for p in (second / "tokenizer").iterdir())
     for name in files:
-        assert (first / "tokenizer" / name).read_bytes() == (second / "tokenizer" / name).read_bytes()
+        assert (first / "tokenizer" / name).read_bytes() == (
+            second / "tokenizer" / name
+        ).read_bytes()
     assert manifest_hash(first) == manifest_hash(second)
     # the second export did read the cache: an edit there shows in the next export
     config = cached / "tokenizer_config.json"
-    config.write_text(config.read_text().replace('"model_max_length"', '"x_cache_mark": 1, "model_max_length"'))
+    mark = '"x_cache_mark": 1, "model_max_length"'
+    config.write_text(config.read_text().replace('"model_max_length"', mark))
     assert "x_cache_mark" in (export("third") / "tokenizer" / "tokenizer_config.json").read_text()

@@ -23,6 +23,7 @@ from exporter.gguf_quant import (
     Q4KForm,
     Weight,
     dequantize_reference,
+    describe,
     embedding,
     from_gguf,
     linear,
@@ -209,6 +210,7 @@ def test_symmetric_types_are_bit_exact(tensor_type: T) -> None:
     assert weight.zero_point is None and weight.exact and weight.source_type == tensor_type.name
     ref = gguf_dequant(raw, tensor_type)
     assert same_bits(dequantize_reference(weight), ref)
+    assert describe(tensor_type, "split", True)[1] == "bit-exact"  # what the manifest says
     compiled = compile_lin_emb(weight, COLS)
     lin, emb = run_identity(compiled, COLS)
     assert same_bits(lin, ref)
@@ -226,6 +228,9 @@ def test_scale_min_types(tensor_type: T, form: Q4KForm) -> None:
     ref = gguf_dequant(raw, tensor_type)
     mine = dequantize_reference(weight)
     assert np.isfinite(mine).all()
+    # what the manifest says of the type, checked below
+    said = {"split": "bit-exact", "exact": "within 1 f32 ulp", "rounded": "inexact"}[form]
+    assert describe(tensor_type, form, True)[1] == said
     if form == "split":
         # codes*S - M is gguf's own arithmetic: bit for bit
         assert weight.zero_point is None and weight.correction is not None and weight.exact
@@ -303,6 +308,7 @@ def test_fallback_is_f16_with_a_note() -> None:
     weight = from_gguf(T.IQ4_NL, raw, (ROWS, COLS))
     assert isinstance(weight, DenseWeight) and weight.array.dtype == np.float16
     assert weight.note == "IQ4_NL dequantized to f16 (inexact)"
+    assert describe(T.IQ4_NL, "split", True)[1] == "rounded to f16"
     assert np.array_equal(weight.array, gguf_dequant(raw, T.IQ4_NL).astype(np.float16))
 
 
@@ -311,6 +317,7 @@ def test_one_dimensional_quantized_tensor_is_dense_f32() -> None:
     weight = from_gguf(T.Q8_0, raw, (COLS,))
     assert isinstance(weight, DenseWeight) and "exact" in weight.note
     assert same_bits(weight.array, gguf_dequant(raw, T.Q8_0))
+    assert describe(T.Q8_0, "split", False) == ("de-quantized to f32", "bit-exact")
 
 
 def test_bad_sizes_are_refused() -> None:
