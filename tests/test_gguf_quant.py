@@ -140,7 +140,7 @@ def operand_ulp_bound(raw: np.ndarray, tensor_type: T) -> np.ndarray:
     split = from_gguf(tensor_type, raw, (ROWS, COLS), "split")
     assert isinstance(split, PackedWeight) and split.correction is not None
     sq = np.abs(split.codes.astype(np.float32) * np.repeat(split.scale, split.group, axis=1))
-    m = np.abs(np.repeat(split.correction, split.group, axis=1))
+    m = np.abs(np.repeat(dequantize_reference(split.correction), split.group, axis=1))
     return np.spacing(np.maximum(sq, m))
 
 
@@ -235,6 +235,15 @@ def test_scale_min_types(tensor_type: T, form: Q4KForm) -> None:
         # codes*S - M is gguf's own arithmetic: bit for bit
         assert weight.zero_point is None and weight.correction is not None and weight.exact
         assert same_bits(mine, ref)
+        fix = weight.correction
+        if tensor_type in (T.Q4_1, T.Q5_1):
+            # one f16 minimum per block, kept as stored
+            assert isinstance(fix, DenseWeight) and fix.array.dtype == np.float16
+        else:
+            # the K-quants' minimums stay compressed: u8 codes times the super-block's dmin
+            assert isinstance(fix, PackedWeight) and fix.code_type == "u8"
+            assert (fix.rows, fix.cols, fix.group) == (ROWS, weight.groups, 256 // weight.group)
+            assert fix.codes.max() < (16 if tensor_type == T.Q2_K else 64)
     elif form == "exact":
         # (q - Z) * S with f32 Z = M/S: within one ulp of gguf's operands (see the bound)
         assert weight.correction is None and weight.zero_point is not None and weight.exact
@@ -253,6 +262,10 @@ def test_scale_min_types(tensor_type: T, form: Q4KForm) -> None:
     assert same_bits(lin, mine)
     assert same_bits(emb, mine[IDS])
     assert_compressed(compiled, weight)
+    if isinstance(weight.correction, PackedWeight):
+        # the correction's matmul is a compressed FullyConnected of its own
+        fc = [la for la in runtime_layers(compiled) if la.kind == "FullyConnected"]
+        assert sum(la.inputs[1] in COMPRESSED for la in fc) == 2, fc
     if form == "rounded":
         # an integer zero point stays in the codes' type (u4/u8): dynamic quantization allowed
         fc = [la.inputs for la in runtime_layers(compiled) if la.kind == "FullyConnected"]
@@ -266,7 +279,7 @@ def test_rounded_is_the_integer_zero_point_of_the_split_fields() -> None:
     rounded = from_gguf(T.Q4_K, raw, (ROWS, COLS), "rounded")
     assert isinstance(split, PackedWeight) and isinstance(rounded, PackedWeight)
     assert split.correction is not None
-    s, m = split.scale, split.correction
+    s, m = split.scale, dequantize_reference(split.correction)
     live = s != 0
     zp = np.clip(np.round(np.divide(m, s, out=np.zeros_like(m), where=live)), 0, 15)
     q = split.codes.reshape(ROWS, -1, 32).astype(np.float32)
