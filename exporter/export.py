@@ -44,7 +44,6 @@ from protos.manifest import (
     MANIFEST_NAME,
     DraftEntry,
     FileEntry,
-    GGUFForm,
     ModelSpec,
     ShardManifest,
     SourceSpec,
@@ -57,6 +56,7 @@ from protos.manifest import (
 )
 
 if TYPE_CHECKING:
+    from exporter.gguf_quant import Q4KForm
     from exporter.graph import WeightSource
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class ExportOptions:
     node_memory: list[int] | None = None
     # None: the GGUF's own blocks for a GGUF file ("gguf"), int4 for a Hugging Face folder
     weights: WeightSpec | None = None
-    gguf_form: GGUFForm = "split"  # how "gguf" weights encode scale+min blocks (Q4_K, ...)
+    gguf_form: Q4KForm = "split"  # how "gguf" weights encode scale+min blocks (Q4_K, ...)
     stage: int | None = None  # export only this stage (+ manifest and tokenizer)
     draft: str | None = None
     beam_idx: bool = True
@@ -231,7 +231,10 @@ class _Resolved:
 
         if self.source.kind == "gguf":
             if self.weights.format == "gguf":
-                return GGUFSource(self.source.path, self.config, self.weights.gguf_form or "exact")
+                form = self.weights.gguf_form or "exact"
+                if form == "rounded":  # older manifests only: ExportOptions cannot ask for it
+                    raise ExportError("--gguf-form rounded is no longer made: split or exact")
+                return GGUFSource(self.source.path, self.config, form)
             return GGUFSource(self.source.path, self.config, dense=self.weights.format)
         return SafetensorsSource(self.source.path, self.weights.format)
 

@@ -85,12 +85,11 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--gguf-form",
-        choices=["split", "exact", "rounded"],
+        choices=["split", "exact"],
         default="split",
         help="--weights gguf: how blocks with a minimum (Q4_K, Q5_K, ...) are kept: split "
         "(default; exact, the minimum as a small matmul of its own), exact (f32 zero points, "
-        "slower on CPU), rounded (integer zero points: faster to compute but not the file's "
-        "weights)",
+        "slower on CPU)",
     )
     p.add_argument(
         "--stage",

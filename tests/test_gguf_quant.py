@@ -57,7 +57,7 @@ PACKED = {
 AFFINE = [T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K]  # w = S*q - M: the forms apply
 SYMMETRIC = [T.Q8_0, T.Q4_0, T.Q5_0, T.Q3_K, T.Q6_K]
 DENSE = [T.F32, T.F16, T.BF16]
-FORMS: list[Q4KForm] = ["exact", "split", "rounded"]
+FORMS: list[Q4KForm] = ["exact", "split"]
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
@@ -207,7 +207,7 @@ def test_symmetric_types_are_bit_exact(tensor_type: T) -> None:
     weight = from_gguf(tensor_type, raw, (ROWS, COLS))
     assert isinstance(weight, PackedWeight)
     assert (weight.code_type, weight.group) == PACKED[tensor_type]
-    assert weight.zero_point is None and weight.exact and weight.source_type == tensor_type.name
+    assert weight.zero_point is None and weight.source_type == tensor_type.name
     ref = gguf_dequant(raw, tensor_type)
     assert same_bits(dequantize_reference(weight), ref)
     assert describe(tensor_type, "split", True)[1] == "bit-exact"  # what the manifest says
@@ -229,11 +229,11 @@ def test_scale_min_types(tensor_type: T, form: Q4KForm) -> None:
     mine = dequantize_reference(weight)
     assert np.isfinite(mine).all()
     # what the manifest says of the type, checked below
-    said = {"split": "bit-exact", "exact": "within 1 f32 ulp", "rounded": "inexact"}[form]
+    said = {"split": "bit-exact", "exact": "within 1 f32 ulp"}[form]
     assert describe(tensor_type, form, True)[1] == said
     if form == "split":
         # codes*S - M is gguf's own arithmetic: bit for bit
-        assert weight.zero_point is None and weight.correction is not None and weight.exact
+        assert weight.zero_point is None and weight.correction is not None
         assert same_bits(mine, ref)
         fix = weight.correction
         if tensor_type in (T.Q4_1, T.Q5_1):
@@ -244,18 +244,13 @@ def test_scale_min_types(tensor_type: T, form: Q4KForm) -> None:
             assert isinstance(fix, PackedWeight) and fix.code_type == "u8"
             assert (fix.rows, fix.cols, fix.group) == (ROWS, weight.groups, 256 // weight.group)
             assert fix.codes.max() < (16 if tensor_type == T.Q2_K else 64)
-    elif form == "exact":
+    else:
         # (q - Z) * S with f32 Z = M/S: within one ulp of gguf's operands (see the bound)
-        assert weight.correction is None and weight.zero_point is not None and weight.exact
+        assert weight.correction is None and weight.zero_point is not None
         assert (np.abs(mine - ref) <= operand_ulp_bound(raw, tensor_type)).all()
         assert not same_bits(mine, ref)  # the bound is tight, not vacuous
         if tensor_type == T.Q4_K:
             assert weight.zero_point.max() > 15  # kept in f32, not clipped to u4
-    else:
-        assert not weight.exact and weight.zero_point is not None
-        zp = weight.zero_point
-        assert np.array_equal(zp, np.round(zp)) and zp.min() >= 0
-        assert not np.allclose(mine, ref, rtol=0, atol=1e-6)  # inexact by design
     compiled = compile_lin_emb(weight, COLS)
     lin, emb = run_identity(compiled, COLS)
     # what OpenVINO computes is exactly the numpy reference of the same encoding
@@ -266,27 +261,6 @@ def test_scale_min_types(tensor_type: T, form: Q4KForm) -> None:
         # the correction's matmul is a compressed FullyConnected of its own
         fc = [la for la in runtime_layers(compiled) if la.kind == "FullyConnected"]
         assert sum(la.inputs[1] in COMPRESSED for la in fc) == 2, fc
-    if form == "rounded":
-        # an integer zero point stays in the codes' type (u4/u8): dynamic quantization allowed
-        fc = [la.inputs for la in runtime_layers(compiled) if la.kind == "FullyConnected"]
-        assert any(len(t) > 4 and t[4] in COMPRESSED for t in fc), fc
-
-
-def test_rounded_is_the_integer_zero_point_of_the_split_fields() -> None:
-    """The rounded form is (q - clip(round(M/S), 0, 15)) * S, what openvino.genai builds."""
-    raw = make_raw(T.Q4_K)
-    split = from_gguf(T.Q4_K, raw, (ROWS, COLS), "split")
-    rounded = from_gguf(T.Q4_K, raw, (ROWS, COLS), "rounded")
-    assert isinstance(split, PackedWeight) and isinstance(rounded, PackedWeight)
-    assert split.correction is not None
-    s, m = split.scale, dequantize_reference(split.correction)
-    live = s != 0
-    zp = np.clip(np.round(np.divide(m, s, out=np.zeros_like(m), where=live)), 0, 15)
-    q = split.codes.reshape(ROWS, -1, 32).astype(np.float32)
-    claim = ((q - zp[..., None]) * s[..., None]).reshape(ROWS, COLS)
-    # sub-blocks with S = 0 are re-encoded exactly in every form
-    claim[np.repeat(~live, 32, axis=1)] = gguf_dequant(raw, T.Q4_K)[np.repeat(~live, 32, axis=1)]
-    assert same_bits(dequantize_reference(rounded), claim)
 
 
 def test_scale_zero_sub_blocks_decode_to_minus_m() -> None:
