@@ -68,10 +68,10 @@ def ensure_export(options: FleetOptions) -> Path:
     """The export to serve: the given one, or ours for this model and these options. Whether
     ours is in place already (every `up` after the first) is checked here, torch hidden: the
     check reads configs only (about 1.3 s, against 5.5 s in a child that loaded torch).
-    Where it is not, `pipeshard export --reuse` makes it in a child process: the export
-    needs torch, which then never enters this process, which goes on as the gateway (no
-    torch: 180 MiB less resident, and nothing left of a first export's heap). run_fleet
-    hides torch first."""
+    Where it is not, `pipeshard export --reuse` makes it in a child process, so nothing of
+    the export's heap (nor transformers, which builds a GGUF's tokenizer the first time, nor
+    torch, which a Hugging Face folder's NNCF compression may load) stays in this process,
+    which goes on as the gateway. run_fleet hides torch first."""
     if options.export is not None:
         return options.export
     from exporter.errors import ExportError

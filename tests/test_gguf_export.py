@@ -15,6 +15,7 @@ import shutil
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openvino as ov
@@ -284,3 +285,35 @@ def test_a_gguf_tokenizer_is_read_once_then_cached(
     mark = '"x_cache_mark": 1, "model_max_length"'
     config.write_text(config.read_text().replace('"model_max_length"', mark))
     assert "x_cache_mark" in (export("third") / "tokenizer" / "tokenizer_config.json").read_text()
+
+
+def test_header_reader_steps_over_arrays_to_the_same_tensors(
+    tiny_gguf: Callable[..., Path],
+) -> None:
+    """The export's header reader skips decoding the vocabulary's arrays and must still land on
+    the same tensor index (names, types, shapes, offsets) and scalar fields as gguf's reader."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from exporter.weights import read_gguf_header
+
+    path = tiny_gguf("qwen2")
+    fast, full = read_gguf_header(path), GGUFReader(str(path))
+    assert read_gguf_header(path) is fast  # parsed once per process
+
+    def index(reader: Any) -> list[tuple[object, ...]]:
+        return [
+            (t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.n_bytes, bytes(t.data))
+            for t in reader.tensors
+        ]
+
+    assert index(fast) == index(full)
+    assert fast.data_offset == full.data_offset
+    assert list(fast.fields) == list(full.fields)
+    arrays = [k for k, f in full.fields.items() if f.types[0] == GGUFValueType.ARRAY]
+    assert "tokenizer.ggml.tokens" in arrays and "tokenizer.ggml.token_type" in arrays
+    for key, field in full.fields.items():
+        if key in arrays:
+            assert fast.fields[key].types == field.types[:2]
+            assert fast.fields[key].data == []  # not decoded
+        else:
+            assert [bytes(p) for p in fast.fields[key].parts] == [bytes(p) for p in field.parts]
