@@ -246,6 +246,14 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-precision", help="KV_CACHE_PRECISION, e.g. f16, f32, u8")
     p.add_argument("--inference-precision", help="INFERENCE_PRECISION_HINT, e.g. f32")
     p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (CACHE_DIR)")
+    p.add_argument(
+        "--ov-property",
+        dest="ov_properties",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any other OpenVINO compile property (repeatable), e.g. "
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE=0",
+    )
     p.add_argument("--max-sessions", type=int, help="sessions held at once (default 64)")
     p.add_argument("--session-idle-timeout", type=float, help="seconds (default 300)")
     p.add_argument(
@@ -269,6 +277,8 @@ def _run_stage(args: argparse.Namespace) -> int:
     from stage_node.settings import StageSettings
 
     overrides = _overrides(args, StageSettings)
+    if args.ov_properties:
+        overrides["ov_properties"] = parse_properties(args.ov_properties)
     return run(_settings(lambda: StageSettings(**overrides)))
 
 

@@ -129,6 +129,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
         kv_cache_precision=settings.kv_cache_precision,
         inference_precision=settings.inference_precision,
         cache_dir=settings.ov_cache_dir,
+        properties=dict(settings.ov_properties),
         max_sessions=settings.max_sessions,
         streams=settings.streams,
         batch_invariant=settings.batch_invariant,
@@ -136,16 +137,23 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     if settings.ov_cache_dir is not None:
         settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)
     runner: ShardRunner | PagedRunner
-    if settings.resolved_kv_backend() == "paged":
-        runner = PagedRunner(
-            settings.shards,
-            settings.stage,
-            options,
-            kv_cache_bytes=int(settings.kv_cache_size * GIB),
-        )
-    else:
-        runner = ShardRunner(settings.shards, settings.stage, options)
-    warm_up(runner)
+    try:
+        if settings.resolved_kv_backend() == "paged":
+            runner = PagedRunner(
+                settings.shards,
+                settings.stage,
+                options,
+                kv_cache_bytes=int(settings.kv_cache_size * GIB),
+            )
+        else:
+            runner = ShardRunner(settings.shards, settings.stage, options)
+        warm_up(runner)
+    except RuntimeError as exc:  # OpenVINO's: an unknown device or property, a bad driver
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = lines[-1] if lines else type(exc).__name__
+        raise ValueError(
+            f"cannot compile stage {settings.stage} on {settings.device}: {why}"
+        ) from None
     digest = manifest_hash(settings.shards)
     manifest_json = (settings.shards / MANIFEST_NAME).read_bytes()
     metrics = StageMetrics()

@@ -138,6 +138,11 @@ class StageSettings(BaseSettings):
     ov_cache_dir: Path | None = Field(
         default_factory=default_ov_cache, description="OpenVINO model cache (CACHE_DIR)"
     )
+    ov_properties: dict[str, str] = Field(
+        default_factory=dict,
+        description="any other OpenVINO compile properties, passed through as given, e.g. "
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE=0 (environment: a JSON object)",
+    )
     max_sessions: int = Field(default=64, ge=1, description="sessions held at once")
     compute_timeout: float = Field(
         default=600.0,

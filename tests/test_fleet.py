@@ -313,3 +313,30 @@ def test_startup_benchmark_times_up_to_serving(tiny_export: ExportFn, tmp_path: 
     assert 0 < float(ready.split()[0]) <= float(serving.split()[0]) <= float(reply.split()[0])
     [data] = tmp_path.glob("startup-*.json")
     assert json.loads(data.read_text())["runs"]["tiny"][0]["serving"] > 0
+
+
+def test_a_stage_passes_ov_properties_to_the_compile(tiny_export: ExportFn) -> None:
+    """--ov-property (or PIPESHARD_STAGE_OV_PROPERTIES, a JSON object) reaches OpenVINO's
+    compile as given: one the device does not know stops the stage with OpenVINO's own reason
+    in one line, not a traceback; a malformed one is refused before anything loads."""
+    export = tiny_export("llama", 2)
+    base = [PIPESHARD, "stage", "--shards", str(export), "--stage", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPESHARD_")}
+    runs = [
+        (["--ov-property", "NOT_A_PROPERTY=1"], env),
+        ([], env | {"PIPESHARD_STAGE_OV_PROPERTIES": '{"NOT_A_PROPERTY": "1"}'}),
+    ]
+    for flags, run_env in runs:
+        listen = ["--listen", f"127.0.0.1:{free_port()}"]
+        stage = subprocess.run(
+            [*base, *listen, *flags], capture_output=True, text=True, timeout=120, env=run_env
+        )
+        assert stage.returncode == 2, stage.stderr
+        last = stage.stderr.strip().splitlines()[-1]
+        assert last.startswith("pipeshard stage: error: cannot compile stage 0 on CPU: ")
+        assert "NOT_A_PROPERTY" in last and "Traceback" not in stage.stderr, stage.stderr
+    bad = subprocess.run(
+        [*base, "--ov-property", "no-equals-sign"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2
+    assert "expected KEY=VALUE, got 'no-equals-sign'" in bad.stderr, bad.stderr
