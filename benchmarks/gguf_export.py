@@ -18,9 +18,10 @@ and a served ring run as they would on the real file (the text is meaningless).
       that it answered and each stage's RSS.
   python benchmarks/gguf_export.py plan [--layers 80 --hidden 8192 ...]
       no file: the split a ``--stages 4`` export of a Llama-3-70B-shaped Q4_K_M GGUF would
-      use, each stage's GGUF and IR bytes from its tensors' types (IR: Q4_K 0.75 B/weight as
-      u4 codes + f32 scale and minimum per 32, Q6_K 1.25 as i8 + f32 scale per 16, Q8_0 1.125,
-      F16 2, F32 4) and the export memory the target allows it (1.25 x IR + 1.5 GiB).
+      use, each stage's GGUF and IR bytes from its tensors' types (IR: Q4_K 0.67 B/weight as
+      u4 codes + f32 scale per 32 + u8 minimum codes per 32 and an f32 dmin per 256, Q6_K
+      1.25 as i8 + f32 scale per 16, Q8_0 1.125, F16 2, F32 4) and the export memory the
+      target allows it (1.25 x IR + 1.5 GiB).
 
 Types follow llama-quantize's Q4_K_M: token_embd Q4_K, output Q6_K, attn_v and ffn_down Q6_K on
 the layers its ``use_more_bits`` picks (the first and last eighth, every third in between), the
@@ -59,7 +60,14 @@ QK_K = 256
 # GGUF bytes per weight (block bytes / block length)
 GGUF_BYTES = {"Q4_K": 144 / 256, "Q6_K": 210 / 256, "Q8_0": 34 / 32, "F16": 2.0, "F32": 4.0}
 # IR bytes per weight as the exporter keeps the blocks (--gguf-form split)
-IR_BYTES = {"Q4_K": 0.75, "Q6_K": 1.25, "Q8_0": 1.125, "F16": 2.0, "F32": 4.0}
+# Q4_K: u4 codes 0.5 + f32 scale per 32 + the minimums as u8 codes per 32 and an f32 dmin per 256
+IR_BYTES = {
+    "Q4_K": 0.5 + 4 / 32 + 1 / 32 + 4 / 256,
+    "Q6_K": 1.25,
+    "Q8_0": 1.125,
+    "F16": 2.0,
+    "F32": 4.0,
+}
 BOUND_FACTOR = 1.25
 BOUND_ALLOWANCE = 1.5 * GIB
 
@@ -665,7 +673,7 @@ def run_plan(opts: argparse.Namespace) -> None:
     lines += [
         "",
         "IR bytes per weight: "
-        + ", ".join(f"{k} {v:g}" for k, v in IR_BYTES.items())
+        + ", ".join(f"{k} {v:.4g}" for k, v in IR_BYTES.items())
         + "; the planner's column is exporter.plan's own estimate (0.9 B per layer weight, "
         "1.2 B per embedding or head weight).",
     ]

@@ -152,7 +152,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         why = lines[-1] if lines else type(exc).__name__
         raise ValueError(
-            f"cannot compile stage {settings.stage} on {settings.device}: {why}"
+            f"cannot load stage {settings.stage} on {settings.device}: {why}"
         ) from None
     digest = manifest_hash(settings.shards)
     manifest_json = (settings.shards / MANIFEST_NAME).read_bytes()
