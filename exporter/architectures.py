@@ -14,7 +14,17 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2 / Qwen2.5",
     "qwen3": "Qwen3 (dense)",
     "gemma3_text": "Gemma 3 (text)",
+    "mistral": "Mistral (a set sliding_window applies to every layer)",
+    "phi3": "Phi-3, Phi-3.5, Phi-4-mini (fused qkv and gate_up, partial rotary)",
 }
+
+# Architectures whose attention and MLP input projections are stored fused (qkv_proj,
+# gate_up_proj): the exporter reads each part as its own projection (exporter.weights).
+FUSED_PROJECTIONS = ("phi3",)
+
+# Architectures whose ``sliding_window``, when set, applies to every layer (their configs have no
+# ``layer_types``): transformers masks all their layers with it.
+_SLIDING_EVERY_LAYER = ("mistral", "phi3")
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,10 @@ def read_architecture(config: Any) -> ArchitectureFacts:
     num_layers = int(config.num_hidden_layers)
     num_heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
-    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if not layer_types:
+        every = model_type in _SLIDING_EVERY_LAYER and getattr(config, "sliding_window", None)
+        layer_types = ["sliding_attention" if every else "full_attention"] * num_layers
     uses_sliding = "sliding_attention" in layer_types
     return ArchitectureFacts(
         model_type=model_type,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exporter.architectures import ArchitectureFacts, read_architecture
+from exporter.architectures import FUSED_PROJECTIONS, ArchitectureFacts, read_architecture
 from exporter.errors import ExportError
 from exporter.plan import (
     StagePlan,
@@ -227,16 +227,22 @@ class _Resolved:
 
     def weight_source(self) -> WeightSource:
         """The model's tensors, read one at a time as a stage asks for them."""
-        from exporter.weights import GGUFSource, SafetensorsSource
+        from exporter.weights import FusedProjections, GGUFSource, SafetensorsSource
 
+        source: WeightSource
         if self.source.kind == "gguf":
             if self.weights.format == "gguf":
                 form = self.weights.gguf_form or "exact"
                 if form == "rounded":  # older manifests only: ExportOptions cannot ask for it
                     raise ExportError("--gguf-form rounded is no longer made: split or exact")
-                return GGUFSource(self.source.path, self.config, form)
-            return GGUFSource(self.source.path, self.config, dense=self.weights.format)
-        return SafetensorsSource(self.source.path, self.weights.format)
+                source = GGUFSource(self.source.path, self.config, form)
+            else:
+                source = GGUFSource(self.source.path, self.config, dense=self.weights.format)
+        else:
+            source = SafetensorsSource(self.source.path, self.weights.format)
+        if self.facts.model_type in FUSED_PROJECTIONS:
+            source = FusedProjections(source, self.config)
+        return source
 
 
 def _resolve(options: ExportOptions) -> _Resolved:

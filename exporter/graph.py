@@ -146,8 +146,9 @@ class _Builder:
             )
         return {k: v.output(0) for k, v in masks.items()}
 
-    def rotary(self, position_ids: Output, layer_type: str) -> tuple[Output, Output]:
-        """cos and sin [B, 1, T, D]: (inv_freq [D/2, 1] @ positions [B, 1, T]) transposed."""
+    def rotary(self, position_ids: Output, layer_type: str) -> tuple[Output, Output, int]:
+        """cos and sin [B, 1, T, R] (R: the rotary channels of a head): (inv_freq [R/2, 1] @
+        positions [B, 1, T]) transposed; and R."""
         rope = self.r.rope[layer_type]
         inv = _const(rope.inv_freq.reshape(1, -1, 1))
         batch = ops.gather(ops.shape_of(position_ids), _i64([0]), _i64(0))
@@ -160,14 +161,28 @@ class _Builder:
         if rope.scaling != 1.0:
             cos = ops.multiply(cos, _const(rope.scaling)).output(0)
             sin = ops.multiply(sin, _const(rope.scaling)).output(0)
-        return ops.unsqueeze(cos, _i64(1)).output(0), ops.unsqueeze(sin, _i64(1)).output(0)
+        return (
+            ops.unsqueeze(cos, _i64(1)).output(0),
+            ops.unsqueeze(sin, _i64(1)).output(0),
+            rope.rotary_dim,
+        )
 
-    def apply_rope(self, x: Output, cos: Output, sin: Output) -> Output:
-        half = self.f.head_dim // 2
-        upper = ops.slice(x, _i64([half]), _i64([np.iinfo(np.int64).max]), _i64([1]), _i64([3]))
-        lower = ops.slice(x, _i64([0]), _i64([half]), _i64([1]), _i64([3]))
+    def apply_rope(self, x: Output, cos: Output, sin: Output, rotary_dim: int) -> Output:
+        """x * cos + rotate_half(x) * sin over the first ``rotary_dim`` channels of each head;
+        the others pass through (partial rotary)."""
+        end = np.iinfo(np.int64).max
+        rot = x
+        if rotary_dim < self.f.head_dim:
+            rot = ops.slice(x, _i64([0]), _i64([rotary_dim]), _i64([1]), _i64([3])).output(0)
+        half = rotary_dim // 2
+        upper = ops.slice(rot, _i64([half]), _i64([end]), _i64([1]), _i64([3]))
+        lower = ops.slice(rot, _i64([0]), _i64([half]), _i64([1]), _i64([3]))
         rotated = ops.concat([ops.multiply(upper, _const(-1.0)), lower], -1)
-        return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin)).output(0)
+        out = ops.add(ops.multiply(rot, cos), ops.multiply(rotated, sin)).output(0)
+        if rotary_dim < self.f.head_dim:
+            rest = ops.slice(x, _i64([rotary_dim]), _i64([end]), _i64([1]), _i64([3]))
+            out = ops.concat([out, rest], -1).output(0)
+        return out
 
     def heads(self, x: Output, count: int) -> Output:
         """[B, T, count * D] -> [B, T, count, D]."""
@@ -179,7 +194,7 @@ class _Builder:
         layer: int,
         local: int,
         mask: Output,
-        rotary: tuple[Output, Output],
+        rotary: tuple[Output, Output, int],
         params: list[ov.Node],
         presents: list[Output],
     ) -> Output:

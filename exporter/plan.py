@@ -164,6 +164,10 @@ def is_fractional(split: Sequence[float]) -> bool:
     return any(not math.isclose(share, round(share), abs_tol=1e-9) for share in split)
 
 
+# The architectures whose MLP output is added as it is, so that it can be summed from parts
+CUTTABLE_MLP = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+
+
 def mlp_channel_step(model_type: str, weight_format: str, group_size: int | None) -> int:
     """The step in which a fractional split may cut an MLP's channels, or why it cannot.
 
@@ -173,9 +177,10 @@ def mlp_channel_step(model_type: str, weight_format: str, group_size: int | None
     which a cut would change. Gemma 3 normalizes the MLP's output before adding it, so its
     MLP cannot be summed from parts.
     """
-    if model_type not in ("llama", "qwen2", "qwen3"):
+    if model_type not in CUTTABLE_MLP:
         raise ExportError(
-            f"a fractional --split is not supported for {model_type} (llama, qwen2 and qwen3 only)"
+            f"a fractional --split is not supported for {model_type} "
+            f"({', '.join(CUTTABLE_MLP)} only)"
         )
     if weight_format == "gguf":
         return GGUF_CHANNEL_STEP

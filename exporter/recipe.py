@@ -25,8 +25,12 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
 class Rope:
     """Rotary embedding of one layer type: cos/sin of ``position * inv_freq``, times scaling."""
 
-    inv_freq: np.ndarray  # float32 [head_dim // 2]
+    inv_freq: np.ndarray  # float32 [rotary_dim // 2]: the first rotary_dim channels rotate
     scaling: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * int(self.inv_freq.shape[0])
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,17 @@ def read_recipe(config: Any) -> Recipe:
     gemma = model_type == "gemma3_text"
     rope = {}
     for layer_type in dict.fromkeys(facts.layer_types):
-        inv, scaling = _inv_freq(_rope_params(config, layer_type), facts.head_dim)
+        params = _rope_params(config, layer_type)
+        # Phi-3's family rotates the first head_dim * partial_rotary_factor channels of each
+        # head, the rest pass through (transformers' apply_rotary_pos_emb)
+        factor = float(
+            params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+            or 1.0
+        )
+        rotary_dim = int(facts.head_dim * factor)
+        if rotary_dim % 2 or not 0 < rotary_dim <= facts.head_dim:
+            raise ExportError(f"{model_type}: partial_rotary_factor {factor} is not supported")
+        inv, scaling = _inv_freq(params, rotary_dim)
         rope[layer_type] = Rope(inv, scaling)
     scale = (
         float(config.query_pre_attn_scalar) ** -0.5 if gemma else facts.head_dim**-0.5

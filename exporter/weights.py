@@ -103,6 +103,9 @@ _GGUF_LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "post_feedforward_layernorm": "post_ffw_norm",
+    # Phi-3's fused projections (llama.cpp keeps them fused: ffn_up holds gate and up)
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 _GGUF_GLOBAL = {
     "model.embed_tokens": "token_embd",
@@ -264,3 +267,60 @@ class SafetensorsSource:
         if dtype == "BF16":
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         return DenseWeight(raw.astype(self.dtype, copy=False))
+
+
+# -- fused projections -------------------------------------------------------------------------
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class FusedProjections:
+    """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the separate projections the graph
+    builds: each part is a span of the fused weight's rows (q, then k, then v; gate, then up,
+    as transformers slices the fused output), taken without touching a value, so the parts are
+    exactly the fused weight (quantized blocks run along the input columns, never across rows).
+    """
+
+    def __init__(self, inner: Any, config: Any) -> None:
+        self.inner = inner
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        q, kv, mlp = heads * head_dim, kv_heads * head_dim, int(config.intermediate_size)
+        self.spans = {
+            "self_attn.qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+            "mlp.gate_up_proj": [(0, mlp), (mlp, 2 * mlp)],
+        }
+
+    def _fused(self, name: str) -> tuple[str, int, int, int] | None:
+        """(the fused tensor's name, this part's rows lo and hi, the fused rows) or None."""
+        stem, _, kind = name.rpartition(".")
+        parts = stem.split(".")
+        rest = ".".join(parts[3:])
+        if parts[:2] != ["model", "layers"] or rest not in _FUSED:
+            return None
+        fused, index = _FUSED[rest]
+        spans = self.spans[fused]
+        lo, hi = spans[index]
+        return f"{'.'.join(parts[:3])}.{fused}.{kind}", lo, hi, spans[-1][1]
+
+    def has(self, name: str) -> bool:
+        found = self._fused(name)
+        return bool(self.inner.has(found[0] if found else name))
+
+    def tensor(self, name: str) -> Weight:
+        found = self._fused(name)
+        if found is None:
+            return self.inner.tensor(name)
+        fused_name, lo, hi, total = found
+        weight: Weight = self.inner.tensor(fused_name)
+        rows = weight.array.shape[0] if isinstance(weight, DenseWeight) else weight.rows
+        if rows != total:
+            raise ExportError(f"{fused_name}: {rows} rows, the config makes it {total}")
+        return weight.take_rows(lo, hi)

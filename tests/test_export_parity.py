@@ -9,7 +9,8 @@ from stage_node.runner import RunnerOptions
 from tests.conftest import EXACT, ExportFn
 
 # (architecture, stages, weight format): every architecture at 1, 2 and 3 stages, both float
-# formats represented. Gemma 3's sliding window (5) is shorter than every test sequence.
+# formats represented. Gemma 3's and Mistral's sliding windows (5) are shorter than every test
+# sequence (Mistral's covers every layer).
 CASES = [
     ("llama", 1, "fp32"),
     ("llama", 2, "fp16"),
@@ -20,6 +21,12 @@ CASES = [
     ("gemma3", 1, "fp32"),
     ("gemma3", 2, "fp32"),
     ("gemma3", 3, "fp16"),
+    ("mistral", 1, "fp32"),
+    ("mistral", 2, "fp16"),
+    ("mistral", 3, "fp32"),
+    ("phi3", 1, "fp32"),
+    ("phi3", 2, "fp16"),
+    ("phi3", 3, "fp32"),
 ]
 # fp32: only the runtime differs from torch. fp16: the reference weights are rounded to fp16 too,
 # so the remaining difference is fp16 storage of small constants (norm weights, embedding scale).
@@ -71,6 +78,7 @@ CUT_CASES = [
     ("qwen2", (2.5, 3.5), "fp32"),
     ("llama", (0.25, 4.5, 1.25), "fp16"),
     ("qwen2", (1.75, 4.25), "int4"),
+    ("phi3", (3.5, 2.5), "fp32"),  # parts of the fused gate_up's gate and up rows
 ]
 
 

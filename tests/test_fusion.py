@@ -33,7 +33,7 @@ def ir_has_beam_gather(xml: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "mistral", "phi3"])
 def test_every_stage_fuses_attention_with_beam_idx(tiny_export: ExportFn, arch: str) -> None:
     export_dir = tiny_export(arch, 3)
     manifest = load_manifest(export_dir)

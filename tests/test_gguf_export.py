@@ -81,6 +81,7 @@ def gguf_export(
         ("qwen2", 2, "split"),
         ("qwen2", 2, "exact"),
         ("qwen3", 2, "split"),
+        ("phi3", 2, "split"),  # llama.cpp's fused attn_qkv and ffn_up (gate and up)
     ],
 )
 def test_gguf_stages_equal_transformers_on_the_same_file(

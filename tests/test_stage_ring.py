@@ -74,6 +74,28 @@ def gemma_ring(
 
 
 @pytest.fixture(scope="module")
+def mistral_ring(
+    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[str]]]:
+    """Every layer in a sliding window of 5, on the paged backend's block tables."""
+    export = tiny_export("mistral", 2)
+    procs, addresses = start_stages(export, tmp_path_factory.mktemp("mistral-ring"))
+    yield export, addresses
+    stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def phi3_ring(
+    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[str]]]:
+    """Fused projections read apart, half of each head rotating, every layer sliding."""
+    export = tiny_export("phi3", 2)
+    procs, addresses = start_stages(export, tmp_path_factory.mktemp("phi3-ring"))
+    yield export, addresses
+    stop_all(procs)
+
+
+@pytest.fixture(scope="module")
 def cut_ring(
     tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Path, list[str]]]:
@@ -84,14 +106,22 @@ def cut_ring(
     stop_all(procs)
 
 
-@pytest.mark.parametrize("ring", ["qwen_ring", "gemma_ring", "cut_ring"])
+@pytest.mark.parametrize(
+    "ring", ["qwen_ring", "gemma_ring", "mistral_ring", "phi3_ring", "cut_ring"]
+)
 def test_ring_equals_chain_and_transformers(
     ring: str, request: pytest.FixtureRequest, tiny_model: object
 ) -> None:
     from transformers import AutoModelForCausalLM
 
     export, addresses = request.getfixturevalue(ring)
-    arch = {"qwen_ring": "qwen2", "gemma_ring": "gemma3", "cut_ring": "llama"}[ring]
+    arch = {
+        "qwen_ring": "qwen2",
+        "gemma_ring": "gemma3",
+        "mistral_ring": "mistral",
+        "phi3_ring": "phi3",
+        "cut_ring": "llama",
+    }[ring]
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch))).eval()  # type: ignore[operator]
     chain = LocalChain(export, EXACT)
 

@@ -26,7 +26,13 @@ import numpy as np
 from tests.tiny_models import VOCAB, make_tokenizer
 
 QK_K = 256  # super-block length of the K-quants
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+}
 TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 # general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 14, "Q4_K_M": 15, "Q6_K": 18}
@@ -279,6 +285,7 @@ def write_gguf(hf_folder: Path, out: Path, types: str | dict[str, str] = "Q4_K_M
         writer.add_value_length(head_dim)
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
+    if arch in ("llama", "phi3"):
         writer.add_rope_dimension_count(head_dim)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
@@ -361,6 +368,12 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
 
         # 128: the head_dim transformers assumes for a qwen3 GGUF (it reads no key_length).
         return Qwen3Config(**common, head_dim=128)
+    if arch == "phi3":
+        from transformers import Phi3Config
+
+        # transformers' GGUF loader reads no sliding window or partial rotary for phi3: full
+        # attention, every channel rotating (as Phi-3-mini's GGUFs are read)
+        return Phi3Config(**common)
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 

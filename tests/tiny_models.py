@@ -75,6 +75,17 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
 
         # Like the real Qwen3s, head_dim is not hidden_size / heads (q_proj widens, o_proj narrows).
         return Qwen3Config(**common, head_dim=32)
+    if arch == "mistral":
+        from transformers import MistralConfig
+
+        # a window far shorter than the tests' prompts + generations: every layer slides
+        return MistralConfig(**common, sliding_window=5)
+    if arch == "phi3":
+        from transformers import Phi3Config
+
+        # fused qkv and gate_up; like Phi-4-mini, part of each head rotates (here half); like
+        # Phi-3-mini, every layer slides (its window is 2047)
+        return Phi3Config(**common, sliding_window=5, partial_rotary_factor=0.5)
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 
