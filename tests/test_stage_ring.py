@@ -142,8 +142,11 @@ def test_ring_equals_chain_and_transformers(
         assert tokens == in_process == expected
 
 
-def test_interleaved_sessions_equal_each_alone(qwen_ring: tuple[Path, list[str]]) -> None:
-    _, addresses = qwen_ring
+@pytest.mark.parametrize("ring", ["qwen_ring", "mistral_ring", "phi3_ring"])
+def test_interleaved_sessions_equal_each_alone(ring: str, request: pytest.FixtureRequest) -> None:
+    """Sessions decoded together (one paged inference call per step) equal each decoded alone;
+    for Mistral and Phi-3 every layer's sliding window is applied per row."""
+    _, addresses = request.getfixturevalue(ring)
 
     async def run() -> tuple[list[list[int]], list[list[int]], list[int]]:
         client = PipelineClient(addresses)
