@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "Gemma 3 (text)",
     "mistral": "Mistral (a set sliding_window applies to every layer)",
     "phi3": "Phi-3 4k (fused qkv and gate_up, partial rotary; not longrope)",
+    "qwen3_moe": "Qwen3-MoE (experts computed sparsely)",
 }
 
 # Architectures whose attention and MLP input projections are stored fused (qkv_proj,
@@ -40,7 +41,18 @@ class ArchitectureFacts:
     layer_types: list[str]
     sliding_window: int | None
     final_logit_softcapping: float | None
-    intermediate_size: int = 0  # MLP channels per layer
+    intermediate_size: int = 0  # MLP channels per layer (a dense layer's, in an MoE model)
+    # Mixture of experts: the layers whose MLP is experts (0-based), how many experts, how
+    # many each token uses, each expert's channels, and whether the chosen weights are
+    # renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
 
 def read_architecture(config: Any) -> ArchitectureFacts:
@@ -61,6 +73,24 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         every = model_type in _SLIDING_EVERY_LAYER and getattr(config, "sliding_window", None)
         layer_types = ["sliding_attention" if every else "full_attention"] * num_layers
     uses_sliding = "sliding_attention" in layer_types
+    moe: dict[str, Any] = {}
+    if model_type == "qwen3_moe":
+        # transformers' Qwen3MoeDecoderLayer: experts unless listed in mlp_only_layers, on
+        # every decoder_sparse_step-th layer
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(config, "mlp_only_layers", None) or [])
+        experts = int(config.num_experts)
+        moe = dict(
+            moe_layers=tuple(
+                i
+                for i in range(num_layers)
+                if i not in dense and experts > 0 and (i + 1) % step == 0
+            ),
+            num_experts=experts,
+            experts_per_token=int(config.num_experts_per_tok),
+            expert_intermediate_size=int(config.moe_intermediate_size),
+            norm_topk_prob=bool(config.norm_topk_prob),
+        )
     return ArchitectureFacts(
         model_type=model_type,
         num_layers=num_layers,
@@ -74,4 +104,5 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         sliding_window=int(config.sliding_window) if uses_sliding else None,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         intermediate_size=int(config.intermediate_size),
+        **moe,
     )

@@ -30,9 +30,15 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 from openvino import Output
+from openvino.utils.node_factory import NodeFactory
 
-from exporter.gguf_quant import DenseWeight, Weight, embedding, linear
+from exporter.errors import ExportError
+from exporter.gguf_quant import DenseWeight, Weight, embedding, linear, weight_node
 from exporter.recipe import Recipe
+
+# opset4's Swish with one input: openvino.opset4.swish always adds a beta input, and the CPU
+# plugin's MoE fusion (ConvertTiledMoeBlockToGatherMatmuls) matches only the one-input form
+_OPSET4 = NodeFactory("opset4")
 
 
 class WeightSource(Protocol):
@@ -116,6 +122,53 @@ class _Builder:
         product = ops.multiply(act, linear(x, up_w, f"{prefix}.up_proj", up_b)).output(0)
         down_w, down_b = part("down_proj", False)
         return linear(product, down_w, f"{prefix}.down_proj", down_b)
+
+    def experts(self, prefix: str, name: str) -> Output:
+        """Every expert's ``name`` weight stacked: [E, rows, cols] f32."""
+        f = self.f
+        parts = [
+            self.src.tensor(f"{prefix}.experts.{e}.{name}.weight") for e in range(f.num_experts)
+        ]
+        if not all(isinstance(p, DenseWeight) for p in parts):
+            raise ExportError(
+                f"{prefix}: quantized expert weights (a GGUF's) are not supported yet; "
+                "export the Hugging Face folder"
+            )
+        stacked = DenseWeight(np.stack([p.array for p in parts]))  # type: ignore[union-attr]
+        return weight_node(stacked, f"{prefix}.experts.{name}")
+
+    def moe(self, x: Output, prefix: str) -> Output:
+        """A sparse MoE block as transformers' Qwen3MoeSparseMoeBlock computes it, in the tiled
+        form (every expert's gate, up and down as one batched matmul over a dense routing
+        matrix) that the CPU plugin turns into GatherMatmul nodes computing only the chosen
+        experts: softmax over the router's logits, top-k, optionally renormalised."""
+        f = self.f
+        experts, k, hidden = f.num_experts, f.experts_per_token, f.hidden_size
+        rows = ops.reshape(x, _i64([-1, hidden]), False)  # [N, H]
+        router = weight_node(self.src.tensor(f"{prefix}.gate.weight"), f"{prefix}.gate")
+        probs = ops.softmax(ops.matmul(rows, router, False, True), -1)  # [N, E]
+        top = ops.topk(probs, _i64(k), -1, "max", "value", ov.Type.i64)
+        chosen, index = top.output(0), top.output(1)
+        if f.norm_topk_prob:
+            chosen = ops.divide(chosen, ops.reduce_sum(chosen, _i64([-1]), True)).output(0)
+        zeros = ops.broadcast(_const(0.0), ops.shape_of(probs))
+        routing = ops.scatter_elements_update(zeros, index, chosen, _i64(1))  # [N, E]
+        tiled = ops.reshape(ops.tile(rows, _i64([experts, 1])), _i64([experts, -1, hidden]), False)
+        gate = ops.matmul(tiled, self.experts(prefix, "gate_proj"), False, True)
+        up = ops.matmul(tiled, self.experts(prefix, "up_proj"), False, True)
+        act = _OPSET4.create("Swish", [gate.output(0)], {})
+        down = ops.matmul(ops.multiply(act, up), self.experts(prefix, "down_proj"), False, True)
+        batch = ops.gather(ops.shape_of(x), _i64([0]), _i64(0))
+        per_expert = ops.reshape(
+            down, ops.concat([_i64([experts]), batch, _i64([-1, hidden])], 0), False
+        )  # [E, B, T, H]
+        weights = ops.reshape(
+            ops.transpose(routing, _i64([1, 0])),
+            ops.concat([_i64([experts]), batch, _i64([-1])], 0),
+            False,
+        )  # [E, B, T]
+        weighted = ops.multiply(per_expert, ops.unsqueeze(weights, _i64(-1)))
+        return ops.reduce_sum(weighted, _i64(0), False).output(0)
 
     # -- per-stage pieces ------------------------------------------------------------------
     def masks(self, attention_mask: Output, position_ids: Output) -> dict[str, Output]:
@@ -300,9 +353,7 @@ class _Builder:
             kind = layer_types[local]
             prefix = f"model.layers.{layer}"
             normed = self.norm(hidden, f"{prefix}.input_layernorm.weight")
-            attn = self.attention(
-                normed, layer, local, masks[kind], rotary[kind], params, presents
-            )
+            attn = self.attention(normed, layer, local, masks[kind], rotary[kind], params, presents)
             if r.sandwich_norms:
                 attn = self.norm(attn, f"{prefix}.post_attention_layernorm.weight")
                 hidden = ops.add(hidden, attn).output(0)
@@ -312,7 +363,10 @@ class _Builder:
                 normed = self.norm(hidden, f"{prefix}.post_attention_layernorm.weight")
             cut = layer == stage.end - 1 and stage.mlp_out is not None
             hi = stage.mlp_out if cut and stage.mlp_out is not None else r.intermediate_size
-            out = self.mlp(normed, f"{prefix}.mlp", 0, hi)
+            if f.is_moe(layer):
+                out = self.moe(normed, f"{prefix}.mlp")
+            else:
+                out = self.mlp(normed, f"{prefix}.mlp", 0, hi)
             if r.sandwich_norms:
                 out = self.norm(out, f"{prefix}.post_feedforward_layernorm.weight")
             hidden = ops.add(hidden, out).output(0)

@@ -77,8 +77,23 @@ class StagePlan:
 Bound = tuple[int, int]
 
 
-def layer_params(facts: ArchitectureFacts, intermediate_size: int) -> int:
+def layer_params(
+    facts: ArchitectureFacts, intermediate_size: int, layer: int | None = None, active: bool = False
+) -> int:
+    """Weights of a decoder layer; of ``layer`` in particular where layers differ (an MoE
+    model's expert layers hold every expert and the router, and a decoded token reads only
+    ``active`` ones: its experts_per_token)."""
+    if layer is not None and facts.is_moe(layer):
+        experts = facts.experts_per_token if active else facts.num_experts
+        expert = mlp_params(facts, facts.expert_intermediate_size)
+        return attention_params(facts) + experts * expert + facts.num_experts * facts.hidden_size
     return attention_params(facts) + mlp_params(facts, intermediate_size)
+
+
+def _layer_params_over_model(
+    facts: ArchitectureFacts, intermediate_size: int, active: bool = False
+) -> list[int]:
+    return [layer_params(facts, intermediate_size, i, active) for i in range(facts.num_layers)]
 
 
 def attention_params(facts: ArchitectureFacts) -> int:
@@ -128,10 +143,9 @@ def decode_balanced_split(
     even = even_split(facts.num_layers, stages)
     if stages == 1:
         return even
+    layers = _layer_params_over_model(facts, intermediate_size, active=True)
     per_layer = (
-        layer_params(facts, intermediate_size)
-        * _LAYER_BYTES[weight_format]
-        * _DECODE_COST[weight_format]
+        sum(layers) / len(layers) * _LAYER_BYTES[weight_format] * _DECODE_COST[weight_format]
     )
     head = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     best: tuple[float, int, list[int]] | None = None
@@ -234,14 +248,14 @@ def plan_stages(
     tied_embeddings: bool = False,
     channel_step: int = 1,
 ) -> list[StagePlan]:
-    per_layer = layer_params(facts, intermediate_size) * _LAYER_BYTES[weight_format]
+    layers = _layer_params_over_model(facts, intermediate_size)
     per_channel = mlp_params(facts, 1) * _LAYER_BYTES[weight_format]
     edge = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     plans = []
     bounds = split_bounds(facts.num_layers, split, intermediate_size, channel_step)
     for index, (start, end, mlp_in, mlp_out) in enumerate(bounds):
         count = end - start
-        weight = per_layer * count
+        weight = sum(layers[start:end]) * _LAYER_BYTES[weight_format]
         if mlp_in is not None:  # the rest of the layer before
             weight += per_channel * (intermediate_size - mlp_in)
         if mlp_out is not None:  # part of its last layer's MLP
@@ -271,8 +285,11 @@ def split_for_memory(
     intermediate_size: int,
     context: int,
 ) -> list[int]:
-    """Give each node layers in proportion to what its memory budget holds; refuse if none fits."""
-    per_layer = layer_params(facts, intermediate_size) * _LAYER_BYTES[weight_format]
+    """Give each node layers in proportion to what its memory budget holds; refuse if none fits.
+    Layers of different sizes (an MoE model's dense ones) are all counted as the largest."""
+    per_layer = (
+        max(_layer_params_over_model(facts, intermediate_size)) * _LAYER_BYTES[weight_format]
+    )
     per_layer += kv_bytes_per_layer(facts, context)
     edge = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     capacity = []

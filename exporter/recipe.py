@@ -116,7 +116,7 @@ def read_recipe(config: Any) -> Recipe:
         activation=_ACTIVATIONS[act_name],
         attention_scale=scale,
         rope=rope,
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         sandwich_norms=gemma,
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=math.sqrt(facts.hidden_size) if gemma else None,

@@ -27,6 +27,9 @@ CASES = [
     ("phi3", 1, "fp32"),
     ("phi3", 2, "fp16"),
     ("phi3", 3, "fp32"),
+    ("qwen3_moe", 1, "fp32"),
+    ("qwen3_moe", 2, "fp16"),
+    ("qwen3_moe", 3, "fp32"),
 ]
 # fp32: only the runtime differs from torch. fp16: the reference weights are rounded to fp16 too,
 # so the remaining difference is fp16 storage of small constants (norm weights, embedding scale).

@@ -54,3 +54,26 @@ def test_no_beam_idx_export_does_not_fuse(tiny_export: ExportFn) -> None:
         types = runtime_layer_types(xml)
         assert types["ScaledDotProductAttention"] == 0
         assert types["Softmax"] == stage.num_layers  # attention left as MatMul/Softmax
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "int4"])
+def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, weights: str) -> None:
+    """Every expert layer of every stage compiles to 3 GatherMatmul nodes (gate, up, down over
+    the chosen experts only), not to matmuls over every expert; NNCF's int4 experts too."""
+    export_dir = tiny_export("qwen3_moe", 3, weights)
+    manifest = load_manifest(export_dir)
+    moe_layers = {0, 1, 3, 4, 5}  # tests.tiny_models: layer 2 keeps a dense MLP
+    for stage in manifest.stages:
+        types = runtime_layer_types(str(export_dir / stage.model_xml))
+        local = moe_layers & set(range(stage.layer_start, stage.layer_end))
+        assert types["GatherMatmul"] == 3 * len(local), f"stage {stage.index}: {types}"
+        assert types["ScaledDotProductAttention"] == stage.num_layers
+        if weights == "fp32":  # the paged backend's transformation keeps them
+            from stage_node.paged import PagedRunner
+            from stage_node.runner import RunnerOptions
+
+            paged = PagedRunner(export_dir, stage.index, RunnerOptions(), kv_cache_bytes=1 << 22)
+            ops = paged.compiled.get_runtime_model().get_ops()
+            kinds = Counter(str(op.get_rt_info()["layerType"].astype(str)) for op in ops)
+            assert kinds["GatherMatmul"] == 3 * len(local), f"paged stage {stage.index}: {kinds}"
+            assert kinds["PagedAttention"] == stage.num_layers

@@ -12,6 +12,7 @@ from exporter.plan import (
     decode_balanced_split,
     even_split,
     format_plan,
+    layer_params,
     mlp_channel_step,
     parse_size,
     plan_stages,
@@ -150,3 +151,44 @@ def test_memory_split_refuses_what_cannot_fit() -> None:
     plans = plan_stages(QWEN15, [27, 1], "fp32", INTERMEDIATE, 4096)
     with pytest.raises(ExportError, match="stage 0 needs"):
         check_fits(plans, [2 * 2**30, 8 * 2**30], 4096)
+
+
+def test_moe_layers_count_every_expert_and_decode_reads_the_active_ones() -> None:
+    """Qwen3-30B-A3B's shape: 48 expert layers of 128 experts (768 channels), 8 per token.
+    A plan holds every expert (30.5 B parameters in all, as published), while the decode
+    balance follows the ~3.3 B active ones, so the split is not the dense model's."""
+    a3b = ArchitectureFacts(
+        model_type="qwen3_moe",
+        num_layers=48,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_context=40960,
+        layer_types=["full_attention"] * 48,
+        sliding_window=None,
+        final_logit_softcapping=None,
+        intermediate_size=6144,
+        moe_layers=tuple(range(48)),
+        num_experts=128,
+        experts_per_token=8,
+        expert_intermediate_size=768,
+        norm_topk_prob=True,
+    )
+    plans = plan_stages(a3b, [24, 24], "fp16", a3b.intermediate_size, 4096)
+    params = sum(p.weight_bytes for p in plans) / 2  # fp16: 2 bytes a parameter
+    assert 30.0e9 < params < 31.0e9
+    active = sum(
+        layer_params(a3b, a3b.intermediate_size, i, active=True) for i in range(48)
+    ) + 2 * a3b.vocab_size * a3b.hidden_size
+    assert 3.0e9 < active < 3.6e9
+    # the head weighs as much as ~9 active layers: the last stage gets fewer layers; were every
+    # expert read (the dense reckoning), the head would weigh less than one layer: an even split
+    split = decode_balanced_split(a3b, 2, "fp16", a3b.intermediate_size)
+    assert split[1] < split[0] - 4
+    dense = ArchitectureFacts(**{**a3b.__dict__, "experts_per_token": 128})
+    assert decode_balanced_split(dense, 2, "fp16", a3b.intermediate_size) == [24, 24]
+    # a dense layer among expert layers (mlp_only_layers) is the smaller one
+    mixed = ArchitectureFacts(**{**a3b.__dict__, "moe_layers": tuple(range(1, 48))})
+    assert layer_params(mixed, 6144, 0) < layer_params(mixed, 6144, 1)

@@ -96,6 +96,17 @@ def phi3_ring(
 
 
 @pytest.fixture(scope="module")
+def moe_ring(
+    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[str]]]:
+    """Sparse experts (GatherMatmul) under the paged backend's transformation."""
+    export = tiny_export("qwen3_moe", 2)
+    procs, addresses = start_stages(export, tmp_path_factory.mktemp("moe-ring"))
+    yield export, addresses
+    stop_all(procs)
+
+
+@pytest.fixture(scope="module")
 def cut_ring(
     tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Path, list[str]]]:
@@ -107,7 +118,7 @@ def cut_ring(
 
 
 @pytest.mark.parametrize(
-    "ring", ["qwen_ring", "gemma_ring", "mistral_ring", "phi3_ring", "cut_ring"]
+    "ring", ["qwen_ring", "gemma_ring", "mistral_ring", "phi3_ring", "moe_ring", "cut_ring"]
 )
 def test_ring_equals_chain_and_transformers(
     ring: str, request: pytest.FixtureRequest, tiny_model: object
@@ -120,6 +131,7 @@ def test_ring_equals_chain_and_transformers(
         "gemma_ring": "gemma3",
         "mistral_ring": "mistral",
         "phi3_ring": "phi3",
+        "moe_ring": "qwen3_moe",
         "cut_ring": "llama",
     }[ring]
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch))).eval()  # type: ignore[operator]
@@ -142,7 +154,7 @@ def test_ring_equals_chain_and_transformers(
         assert tokens == in_process == expected
 
 
-@pytest.mark.parametrize("ring", ["qwen_ring", "mistral_ring", "phi3_ring"])
+@pytest.mark.parametrize("ring", ["qwen_ring", "mistral_ring", "phi3_ring", "moe_ring"])
 def test_interleaved_sessions_equal_each_alone(ring: str, request: pytest.FixtureRequest) -> None:
     """Sessions decoded together (one paged inference call per step) equal each decoded alone;
     for Mistral and Phi-3 every layer's sliding window is applied per row."""

@@ -86,6 +86,19 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
         # fused qkv and gate_up; like Phi-4-mini, part of each head rotates (here half); like
         # Phi-3-mini, every layer slides (its window is 2047)
         return Phi3Config(**common, sliding_window=5, partial_rotary_factor=0.5)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        # 8 experts, 2 per token, renormalised; layer 2 keeps a dense MLP (mlp_only_layers)
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[2],
+        )
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 
