@@ -258,11 +258,6 @@ def _resolve(options: ExportOptions) -> _Resolved:
     source = resolve_source(options.model, options.cache_dir, progress=not options.quiet)
     config = source.load_config()
     facts = read_architecture(config)
-    if facts.moe_layers and source.kind == "gguf":
-        raise ExportError(
-            f"{facts.model_type} from a GGUF file is not supported yet (its experts are stacked "
-            "3-D quantized tensors): export the Hugging Face folder"
-        )
     if options.max_context:
         facts = _with_context(facts, options.max_context)
     weights = _weights(options, source)

@@ -584,13 +584,17 @@ def _code_constant(values: np.ndarray, code_type: str, shape: list[int], name: s
     return node.output(0)
 
 
-def _zero_point(weight: PackedWeight, name: str) -> ov.Output | None:
+def _zero_point(
+    weight: PackedWeight, name: str, shape: list[int] | None = None
+) -> ov.Output | None:
+    """The zero point as a constant of ``shape`` (default [rows, groups, 1]; a scalar when
+    every group has the same one)."""
     zp = weight.zero_point
     if zp is None:
         return None
     uniform = zp.size > 0 and bool(np.all(zp == zp.flat[0]))
     values = zp.flat[0:1] if uniform else zp
-    shape = [] if uniform else [weight.rows, weight.groups, 1]
+    shape = [] if uniform else (shape or [weight.rows, weight.groups, 1])
     lo, hi = _CODE_RANGES[weight.code_type]
     integral = bool(np.all((values == np.round(values)) & (values >= lo) & (values <= hi)))
     if integral:
@@ -640,6 +644,35 @@ def weight_node(weight: Weight, name: str) -> ov.Output:
         m = ops.unsqueeze(weight_node(weight.correction, f"{name}/correction"), _i64([2]))
         w = ops.subtract(w, m).output(0)
     return _as_matrix(w, weight, name)
+
+
+def expert_weights(weight: Weight, experts: int, name: str) -> ov.Output:
+    """Every expert's matrix stacked, [experts, rows / experts, cols] f32, from one weight whose
+    rows are the experts' rows one after another (a GGUF's 3-D ``*_exps`` tensor, or the
+    experts' tensors concatenated), kept compressed in the pattern the CPU plugin's
+    GatherMatmul takes: codes [E, O, groups, group] -> Convert -> Subtract zero point ->
+    Multiply scale -> Reshape. The split form's correction cannot ride along (GatherMatmul
+    takes a plain decompression): ask for the exact form."""
+    if isinstance(weight, DenseWeight):
+        array = weight.array.reshape(experts, -1, weight.array.shape[-1])
+        return weight_node(DenseWeight(array), name)
+    if weight.correction is not None:
+        raise ValueError(f"{name}: expert weights need the exact form, not split")
+    if weight.rows % experts:
+        raise ValueError(f"{name}: {weight.rows} rows do not split into {experts} experts")
+    out_rows = weight.rows // experts
+    shape = [experts, out_rows, weight.groups, weight.group]
+    w = ops.convert(
+        _code_constant(weight.codes, weight.code_type, shape, f"{name}/codes"), ov.Type.f32
+    ).output(0)
+    zp = _zero_point(weight, name, [experts, out_rows, weight.groups, 1])
+    if zp is not None:
+        w = ops.subtract(w, zp).output(0)
+    scale = np.ascontiguousarray(weight.scale).reshape(experts, out_rows, weight.groups, 1)
+    w = ops.multiply(w, _float_constant(scale, f"{name}/scale")).output(0)
+    node = ops.reshape(w, _i64([experts, out_rows, weight.cols]), special_zero=False)
+    node.set_friendly_name(name)
+    return node.output(0)
 
 
 def _group_sums(x: ov.Output, weight: PackedWeight, name: str) -> ov.Output:

@@ -33,7 +33,14 @@ from openvino import Output
 from openvino.utils.node_factory import NodeFactory
 
 from exporter.errors import ExportError
-from exporter.gguf_quant import DenseWeight, Weight, embedding, linear, weight_node
+from exporter.gguf_quant import (
+    DenseWeight,
+    Weight,
+    embedding,
+    expert_weights,
+    linear,
+    weight_node,
+)
 from exporter.recipe import Recipe
 
 # opset4's Swish with one input: openvino.opset4.swish always adds a beta input, and the CPU
@@ -123,19 +130,27 @@ class _Builder:
         down_w, down_b = part("down_proj", False)
         return linear(product, down_w, f"{prefix}.down_proj", down_b)
 
-    def experts(self, prefix: str, name: str) -> Output:
-        """Every expert's ``name`` weight stacked: [E, rows, cols] f32."""
-        f = self.f
-        parts = [
-            self.src.tensor(f"{prefix}.experts.{e}.{name}.weight") for e in range(f.num_experts)
-        ]
-        if not all(isinstance(p, DenseWeight) for p in parts):
+    def experts(self, prefix: str, name: str, rows: int, cols: int) -> Output:
+        """Every expert's ``name`` weight stacked: [E, rows, cols] f32, kept compressed: a
+        GGUF's 3-D tensor as it is, or a Hugging Face folder's experts one after another."""
+        experts = self.f.num_experts
+        stacked_name = f"{prefix}.experts.{name}.weight"
+        if self.src.has(stacked_name):
+            weight = self.src.tensor(stacked_name)
+        else:
+            parts = [self.src.tensor(f"{prefix}.experts.{e}.{name}.weight") for e in range(experts)]
+            if not all(isinstance(p, DenseWeight) for p in parts):
+                raise ExportError(f"{prefix}: experts stored quantized one by one")
+            weight = DenseWeight(np.concatenate([p.array for p in parts]))  # type: ignore[union-attr]
+        shape = (
+            weight.array.shape if isinstance(weight, DenseWeight) else (weight.rows, weight.cols)
+        )
+        if tuple(shape) != (experts * rows, cols):
             raise ExportError(
-                f"{prefix}: quantized expert weights (a GGUF's) are not supported yet; "
-                "export the Hugging Face folder"
+                f"{stacked_name}: shape {tuple(shape)}, the config makes it "
+                f"{experts} experts x [{rows}, {cols}]"
             )
-        stacked = DenseWeight(np.stack([p.array for p in parts]))  # type: ignore[union-attr]
-        return weight_node(stacked, f"{prefix}.experts.{name}")
+        return expert_weights(weight, experts, f"{prefix}.experts.{name}")
 
     def moe(self, x: Output, prefix: str) -> Output:
         """A sparse MoE block as transformers' Qwen3MoeSparseMoeBlock computes it, in the tiled
@@ -154,10 +169,13 @@ class _Builder:
         zeros = ops.broadcast(_const(0.0), ops.shape_of(probs))
         routing = ops.scatter_elements_update(zeros, index, chosen, _i64(1))  # [N, E]
         tiled = ops.reshape(ops.tile(rows, _i64([experts, 1])), _i64([experts, -1, hidden]), False)
-        gate = ops.matmul(tiled, self.experts(prefix, "gate_proj"), False, True)
-        up = ops.matmul(tiled, self.experts(prefix, "up_proj"), False, True)
+        size = f.expert_intermediate_size
+        gate = ops.matmul(tiled, self.experts(prefix, "gate_proj", size, hidden), False, True)
+        up = ops.matmul(tiled, self.experts(prefix, "up_proj", size, hidden), False, True)
         act = _OPSET4.create("Swish", [gate.output(0)], {})
-        down = ops.matmul(ops.multiply(act, up), self.experts(prefix, "down_proj"), False, True)
+        down = ops.matmul(
+            ops.multiply(act, up), self.experts(prefix, "down_proj", hidden, size), False, True
+        )
         batch = ops.gather(ops.shape_of(x), _i64([0]), _i64(0))
         per_expert = ops.reshape(
             down, ops.concat([_i64([experts]), batch, _i64([-1, hidden])], 0), False

@@ -103,6 +103,11 @@ _GGUF_LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "post_feedforward_layernorm": "post_ffw_norm",
+    # MoE: the router, and every expert's matrices stacked in one 3-D tensor each
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
     # Phi-3's fused projections (llama.cpp keeps them fused: ffn_up holds gate and up)
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
@@ -170,6 +175,10 @@ class GGUFSource:
             raise ExportError(f"{self.path.name} has no tensor for {name}") from None
         raw = _pread(self.path, int(info.data_offset), int(info.n_bytes))
         shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists the fastest dim first
+        form = self.form
+        if len(shape) == 3:  # experts [E, rows, cols]: their rows one after another
+            shape = (shape[0] * shape[1], shape[2])
+            form = "exact"  # GatherMatmul takes a plain decompression, not split's extra matmul
         weight: Weight
         if self.dense is not None:
             from gguf.quants import dequantize
@@ -178,7 +187,7 @@ class GGUFSource:
             dtype = np.float16 if self.dense == "fp16" else np.float32
             weight = DenseWeight(values.astype(dtype, copy=False))
         else:
-            weight = from_gguf(info.tensor_type, raw, shape, self.form)
+            weight = from_gguf(info.tensor_type, raw, shape, form)
         note = getattr(weight, "note", "")
         if note:  # what was done with a tensor that has no exact compressed form
             log.log(logging.WARNING if "inexact" in note else logging.DEBUG, "%s: %s", key, note)
@@ -200,18 +209,21 @@ def gguf_type_summary(path: Path, form: Q4KForm) -> list[GGUFTypeEntry]:
     from exporter.gguf_quant import describe
 
     reader = read_gguf_header(path)
-    counts = Counter((t.tensor_type, len(t.shape) >= 2) for t in reader.tensors)
+    # (type, matrix, experts): an MoE's 3-D expert tensors always take the exact form
+    counts = Counter(
+        (t.tensor_type, len(t.shape) >= 2, len(t.shape) == 3) for t in reader.tensors
+    )
     entries = []
-    for (tensor_type, matrix), count in sorted(
-        counts.items(), key=lambda kv: (kv[0][0].name, not kv[0][1])
+    for (tensor_type, matrix, experts), count in sorted(
+        counts.items(), key=lambda kv: (kv[0][0].name, not kv[0][1], kv[0][2])
     ):
-        becomes, exactness = describe(tensor_type, form, matrix)
+        becomes, exactness = describe(tensor_type, "exact" if experts else form, matrix)
         entries.append(
             GGUFTypeEntry(
                 type=tensor_type.name,
                 matrix=matrix,
                 tensors=count,
-                becomes=becomes,
+                becomes=f"experts (GatherMatmul): {becomes}" if experts else becomes,
                 exactness=exactness,
             )
         )

@@ -82,6 +82,7 @@ def gguf_export(
         ("qwen2", 2, "exact"),
         ("qwen3", 2, "split"),
         ("phi3", 2, "split"),  # llama.cpp's fused attn_qkv and ffn_up (gate and up)
+        ("qwen3_moe", 2, "split"),  # 3-D Q4_K / Q6_K expert tensors, exact form
     ],
 )
 def test_gguf_stages_equal_transformers_on_the_same_file(
@@ -105,13 +106,18 @@ def _check_type_summary(manifest: ShardManifest, form: str) -> None:
     from gguf import GGUFReader
 
     counts = Counter(
-        (t.tensor_type.name, len(t.shape) >= 2) for t in GGUFReader(manifest.source.path).tensors
+        (t.tensor_type.name, len(t.shape) >= 2, len(t.shape) == 3)
+        for t in GGUFReader(manifest.source.path).tensors
     )
     types = manifest.weights.gguf_types or []
-    assert {(e.type, e.matrix): e.tensors for e in types} == counts
-    exactness = {(e.type, e.matrix): e.exactness for e in types}
-    assert exactness["Q6_K", True] == exactness["F32", False] == "bit-exact"
-    assert exactness["Q4_K", True] == {"split": "bit-exact", "exact": "within 1 f32 ulp"}[form]
+    experts = "experts (GatherMatmul): "
+    assert {(e.type, e.matrix, e.becomes.startswith(experts)): e.tensors for e in types} == counts
+    exactness = {(e.type, e.matrix, e.becomes.startswith(experts)): e.exactness for e in types}
+    assert exactness["Q6_K", True, False] == exactness["F32", False, False] == "bit-exact"
+    q4k = {"split": "bit-exact", "exact": "within 1 f32 ulp"}[form]
+    assert exactness["Q4_K", True, False] == q4k
+    if ("Q4_K", True, True) in exactness:  # an MoE's experts always take the exact form
+        assert exactness["Q4_K", True, True] == "within 1 f32 ulp"
 
 
 def test_gguf_split_equals_unsplit_under_the_default_runtime(
@@ -171,6 +177,24 @@ def test_gguf_stages_keep_compressed_weights_and_fuse_attention(
             )
         ]
         assert compressed, f"stage {stage.index}: no compressed FullyConnected"
+
+
+def test_gguf_experts_stay_compressed_and_sparse(gguf_export: Callable[..., Path]) -> None:
+    """A GGUF's 3-D expert tensors become GatherMatmul nodes (3 an expert layer) over the
+    file's own codes: the compiled stage holds no f32 matrix as large as an expert's."""
+    export = gguf_export("qwen3_moe", 2)
+    manifest = load_manifest(export)
+    core = ov.Core()
+    for stage in manifest.stages:
+        compiled = core.compile_model(
+            export / stage.model_xml, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+        )
+        ops = compiled.get_runtime_model().get_ops()
+        types = Counter(op.get_rt_info()["layerType"].astype(str) for op in ops)
+        assert types["GatherMatmul"] == 3 * stage.num_layers, types
+        gather = [op for op in ops if op.get_rt_info()["layerType"].astype(str) == "GatherMatmul"]
+        weight_types = {op.input_value(1).get_element_type().get_type_name() for op in gather}
+        assert weight_types == {"u4", "i8"}, weight_types  # Q4_K and Q6_K codes as stored
 
 
 def test_paged_gguf_stages_equal_stateful(gguf_export: Callable[..., Path]) -> None:

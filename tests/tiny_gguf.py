@@ -32,6 +32,7 @@ GGUF_ARCH = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
+    "qwen3_moe": "qwen3moe",
 }
 TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 # general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
@@ -173,7 +174,7 @@ def tensor_type(name: str, shape: tuple[int, ...], types: str | dict[str, str]) 
     F16). A dict maps name substrings to types, the longest match winning and unmatched 2-D
     weights staying F32: ``{"": "Q8_0", "ffn_down": "Q6_K"}`` is Q8_0 but for ffn_down.
     """
-    if len(shape) < 2:
+    if len(shape) < 2 or ".ffn_gate_inp." in name:  # llama-quantize keeps MoE routers F32
         return "F32"
     if isinstance(types, dict):
         hits = [key for key in types if key in name]
@@ -183,13 +184,33 @@ def tensor_type(name: str, shape: tuple[int, ...], types: str | dict[str, str]) 
             raise ValueError(f"unknown type {types!r}")
         return types
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
-    more_bits = (".attn_v." in name or ".ffn_down." in name) and layer % 2 == 0
+    more_bits = (".attn_v." in name or ".ffn_down" in name) and layer % 2 == 0  # + _exps
     choice = "Q6_K" if more_bits or name.startswith(("token_embd", "output.")) else "Q4_K"
     fallbacks = {"Q4_K": ["Q4_K", "Q5_0", "F16"], "Q6_K": ["Q6_K", "Q8_0", "F16"]}[choice]
     return next(t for t in fallbacks if _fits(t, shape[-1]))
 
 
 # ---------------------------------------------------------------------------- the writer
+
+
+def _stack_experts(state: dict[str, Any]) -> dict[str, Any]:
+    """convert_hf_to_gguf's MoE merge: ``mlp.experts.{e}.{proj}`` of a layer -> one
+    ``mlp.experts.{proj}`` tensor [experts, rows, cols], expert by expert."""
+    import re
+
+    import torch
+
+    merged: dict[str, Any] = {}
+    experts: dict[str, dict[int, Any]] = {}
+    for name, tensor in state.items():
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)", name)
+        if m is None:
+            merged[name] = tensor
+        else:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = tensor
+    for name, parts in experts.items():
+        merged[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return merged
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -287,6 +308,10 @@ def write_gguf(hf_folder: Path, out: Path, types: str | dict[str, str] = "Q4_K_M
         writer.add_vocab_size(config.vocab_size)
     if arch in ("llama", "phi3"):
         writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
@@ -304,6 +329,7 @@ def write_gguf(hf_folder: Path, out: Path, types: str | dict[str, str] = "Q4_K_M
     tied = bool(config.tie_word_embeddings)
     names = gguf.get_tensor_name_map(model_arch, n_layers)
     state = load_file(str(hf_folder / "model.safetensors"))
+    state = _stack_experts(state)
     for hf_name, tensor in state.items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reuses token_embd as the output head
@@ -368,6 +394,19 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
 
         # 128: the head_dim transformers assumes for a qwen3 GGUF (it reads no key_length).
         return Qwen3Config(**common, head_dim=128)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        # transformers' GGUF loader reads no expert width: keep its default (768, as
+        # Qwen3-30B-A3B's); norm_topk_prob True is what it assumes for a GGUF
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=64,
+            moe_intermediate_size=768,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        )
     if arch == "phi3":
         from transformers import Phi3Config
 
