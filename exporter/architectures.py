@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "mistral": "Mistral (a set sliding_window applies to every layer)",
     "phi3": "Phi-3 4k (fused qkv and gate_up, partial rotary; not longrope)",
     "qwen3_moe": "Qwen3-MoE (experts computed sparsely)",
+    "mixtral": "Mixtral (experts computed sparsely; a set sliding_window masks every layer)",
 }
 
 # Architectures whose attention and MLP input projections are stored fused (qkv_proj,
@@ -25,7 +26,7 @@ FUSED_PROJECTIONS = ("phi3",)
 
 # Architectures whose ``sliding_window``, when set, applies to every layer (their configs have no
 # ``layer_types``): transformers masks all their layers with it.
-_SLIDING_EVERY_LAYER = ("mistral", "phi3")
+_SLIDING_EVERY_LAYER = ("mistral", "mixtral", "phi3")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,14 @@ def read_architecture(config: Any) -> ArchitectureFacts:
             experts_per_token=int(config.num_experts_per_tok),
             expert_intermediate_size=int(config.moe_intermediate_size),
             norm_topk_prob=bool(config.norm_topk_prob),
+        )
+    if model_type == "mixtral":  # every layer's MLP is experts; the chosen weights sum to 1
+        moe = dict(
+            moe_layers=tuple(range(num_layers)),
+            num_experts=int(config.num_local_experts),
+            experts_per_token=int(config.num_experts_per_tok),
+            expert_intermediate_size=int(config.intermediate_size),
+            norm_topk_prob=True,
         )
     return ArchitectureFacts(
         model_type=model_type,

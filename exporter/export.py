@@ -227,7 +227,12 @@ class _Resolved:
 
     def weight_source(self) -> WeightSource:
         """The model's tensors, read one at a time as a stage asks for them."""
-        from exporter.weights import FusedProjections, GGUFSource, SafetensorsSource
+        from exporter.weights import (
+            FusedProjections,
+            GGUFSource,
+            MixtralNames,
+            SafetensorsSource,
+        )
 
         source: WeightSource
         if self.source.kind == "gguf":
@@ -242,6 +247,8 @@ class _Resolved:
             source = SafetensorsSource(self.source.path, self.weights.format)
         if self.facts.model_type in FUSED_PROJECTIONS:
             source = FusedProjections(source, self.config)
+        if self.facts.model_type == "mixtral" and self.source.kind != "gguf":
+            source = MixtralNames(source)
         return source
 
 
@@ -258,6 +265,15 @@ def _resolve(options: ExportOptions) -> _Resolved:
     source = resolve_source(options.model, options.cache_dir, progress=not options.quiet)
     config = source.load_config()
     facts = read_architecture(config)
+    if source.kind == "gguf" and not facts.moe_layers:
+        from exporter.weights import gguf_expert_count
+
+        if experts := gguf_expert_count(source.path):
+            raise ExportError(
+                f"{source.path.name} holds {experts} experts a layer (a mixture of experts, "
+                f"e.g. Mixtral), which transformers reads as a dense {facts.model_type}: "
+                "not supported from a GGUF; export the Hugging Face folder"
+            )
     if options.max_context:
         facts = _with_context(facts, options.max_context)
     weights = _weights(options, source)

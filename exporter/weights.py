@@ -201,6 +201,16 @@ class GGUFSource:
         return weight
 
 
+def gguf_expert_count(path: Path) -> int:
+    """The file's ``{architecture}.expert_count`` (0 for a dense model)."""
+    fields = read_gguf_header(path).fields
+    arch = fields.get("general.architecture")
+    if arch is None:
+        return 0
+    field = fields.get(f"{bytes(arch.parts[arch.data[0]]).decode()}.expert_count")
+    return int(field.parts[field.data[0]][0]) if field is not None else 0
+
+
 def gguf_type_summary(path: Path, form: Q4KForm) -> list[GGUFTypeEntry]:
     """Each tensor type of the file (matrices and 1-D apart), how many tensors, and what the
     export makes of them: read from the header alone, so every stage's export says the same."""
@@ -336,3 +346,32 @@ class FusedProjections:
         if rows != total:
             raise ExportError(f"{fused_name}: {rows} rows, the config makes it {total}")
         return weight.take_rows(lo, hi)
+
+
+# -- Mixtral's names ---------------------------------------------------------------------------
+
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+class MixtralNames:
+    """Mixtral's ``block_sparse_moe`` tensors under the names the graph asks for (Qwen3-MoE's:
+    ``mlp.gate``, ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` = w1 / w3 / w2)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @staticmethod
+    def _name(name: str) -> str:
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"] or len(parts) < 5 or parts[3] != "mlp":
+            return name
+        rest = parts[4:]
+        if rest[0] == "experts" and len(rest) == 4 and rest[2] in _MIXTRAL_EXPERT:
+            rest = ["experts", rest[1], _MIXTRAL_EXPERT[rest[2]], rest[3]]
+        return ".".join([*parts[:3], "block_sparse_moe", *rest])
+
+    def has(self, name: str) -> bool:
+        return bool(self.inner.has(self._name(name)))
+
+    def tensor(self, name: str) -> Weight:
+        return self.inner.tensor(self._name(name))

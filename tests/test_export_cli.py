@@ -99,7 +99,7 @@ def test_bad_input_exits_with_one_line(
         capsys,
         ["export", str(gpt2), "--out", str(tmp_path / "o2")],
         "architecture 'gpt2' is not supported; "
-        "supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3",
+        "supported: gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe",
     )
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"0")

@@ -56,13 +56,17 @@ def test_no_beam_idx_export_does_not_fuse(tiny_export: ExportFn) -> None:
         assert types["Softmax"] == stage.num_layers  # attention left as MatMul/Softmax
 
 
-@pytest.mark.parametrize("weights", ["fp32", "fp16", "int4"])
-def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, weights: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "weights"),
+    [("qwen3_moe", "fp32"), ("qwen3_moe", "fp16"), ("qwen3_moe", "int4"), ("mixtral", "fp32")],
+)
+def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, weights: str) -> None:
     """Every expert layer of every stage compiles to 3 GatherMatmul nodes (gate, up, down over
     the chosen experts only), not to matmuls over every expert; NNCF's int4 experts too."""
-    export_dir = tiny_export("qwen3_moe", 3, weights)
+    export_dir = tiny_export(arch, 3, weights)
     manifest = load_manifest(export_dir)
-    moe_layers = {0, 1, 3, 4, 5}  # tests.tiny_models: layer 2 keeps a dense MLP
+    # tests.tiny_models: qwen3_moe's layer 2 keeps a dense MLP; every mixtral layer is experts
+    moe_layers = {0, 1, 3, 4, 5} if arch == "qwen3_moe" else set(range(6))
     for stage in manifest.stages:
         types = runtime_layer_types(str(export_dir / stage.model_xml))
         local = moe_layers & set(range(stage.layer_start, stage.layer_end))

@@ -21,6 +21,7 @@ import numpy as np
 import openvino as ov
 import pytest
 
+from exporter.errors import ExportError
 from exporter.export import ExportOptions, export_model
 from exporter.verify import verify_export
 from protos.manifest import ShardManifest, load_manifest, manifest_hash
@@ -195,6 +196,23 @@ def test_gguf_experts_stay_compressed_and_sparse(gguf_export: Callable[..., Path
         gather = [op for op in ops if op.get_rt_info()["layerType"].astype(str) == "GatherMatmul"]
         weight_types = {op.input_value(1).get_element_type().get_type_name() for op in gather}
         assert weight_types == {"u4", "i8"}, weight_types  # Q4_K and Q6_K codes as stored
+
+
+def test_a_gguf_whose_experts_transformers_cannot_read_is_refused(tmp_path: Path) -> None:
+    """llama.cpp writes Mixtral as a llama file with experts, which transformers reads as a
+    dense llama: the export says so instead of failing on a missing tensor."""
+    from tests.tiny_gguf import make_hf_model, write_gguf
+
+    gguf = write_gguf(
+        make_hf_model("llama", tmp_path / "hf", layers=2),
+        tmp_path / "moe.gguf",
+        "F32",
+        extra={"llama.expert_count": 8},
+    )
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match=r"holds 8 experts a layer .* not supported from a GGUF"):
+        export_model(ExportOptions(model=str(gguf), out=out, stages=1, quiet=True))
+    assert not out.exists()
 
 
 def test_paged_gguf_stages_equal_stateful(gguf_export: Callable[..., Path]) -> None:

@@ -267,11 +267,17 @@ def _write_tokenizer(writer: Any, folder: Path, vocab_size: int) -> None:
     gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
 
 
-def write_gguf(hf_folder: Path, out: Path, types: str | dict[str, str] = "Q4_K_M") -> Path:
+def write_gguf(
+    hf_folder: Path,
+    out: Path,
+    types: str | dict[str, str] = "Q4_K_M",
+    extra: dict[str, int] | None = None,
+) -> Path:
     """Write the HF model in ``hf_folder`` (config, safetensors, tokenizer) as the GGUF ``out``.
 
     ``types``: "F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K" for every 2-D weight, "Q4_K_M" for
-    llama-quantize's mix, or a dict of name substring -> type (see ``tensor_type``).
+    llama-quantize's mix, or a dict of name substring -> type (see ``tensor_type``). ``extra``:
+    more uint32 metadata, e.g. ``{"llama.expert_count": 8}``.
     """
     import gguf
     from safetensors.torch import load_file
@@ -322,6 +328,8 @@ def write_gguf(hf_folder: Path, out: Path, types: str | dict[str, str] = "Q4_K_M
     if label not in ("F32", "F16"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _write_tokenizer(writer, hf_folder, config.vocab_size)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
 
     if arch == "llama" and rope.get("rope_type") == "llama3":
         # llama.cpp's generate_extra_tensors: written first, before the model's own.

@@ -99,6 +99,14 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
             norm_topk_prob=True,
             mlp_only_layers=[2],
         )
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        # 8 experts of 32 channels, 2 per token; every layer slides (window 5)
+        mixtral = {**common, "intermediate_size": 32}
+        return MixtralConfig(
+            **mixtral, num_local_experts=8, num_experts_per_tok=2, sliding_window=5
+        )
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 
