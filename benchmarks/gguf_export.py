@@ -16,12 +16,13 @@ and a served ring run as they would on the real file (the text is meaningless).
       (``<name>-<date>.md/.json``). --serve then starts the stages (``pipeshard stage --threads
       1``) and a gateway (``pipeshard serve``), sends one 8-token chat completion and reports
       that it answered and each stage's RSS.
-  python benchmarks/gguf_export.py plan [--layers 80 --hidden 8192 ...]
-      no file: the split a ``--stages 4`` export of a Llama-3-70B-shaped Q4_K_M GGUF would
-      use, each stage's GGUF and IR bytes from its tensors' types (IR: Q4_K 0.67 B/weight as
-      u4 codes + f32 scale per 32 + u8 minimum codes per 32 and an f32 dmin per 256, Q6_K
-      1.25 as i8 + f32 scale per 16, Q8_0 1.125, F16 2, F32 4) and the export memory the
-      target allows it (1.25 x IR + 1.5 GiB).
+  python benchmarks/gguf_export.py plan [--model qwen3-30b-a3b] [--node-memory 16GB,16GB]
+      no file: the split a ``--stages 4`` (or ``--node-memory``) export of a Llama-3-70B-,
+      Qwen3-30B-A3B- or Qwen3-235B-A22B-shaped Q4_K_M GGUF would use, each stage's GGUF and
+      IR bytes from its tensors' types (IR: Q4_K 0.67 B/weight as u4 codes + f32 scale per
+      32 + u8 minimum codes per 32 and an f32 dmin per 256 (experts: 0.75, the exact form),
+      Q6_K 1.25 as i8 + f32 scale per 16, Q8_0 1.125, F16 2, F32 4), what a decoded token
+      reads, and the export memory the target allows it (1.25 x IR + 1.5 GiB).
 
 Types follow llama-quantize's Q4_K_M: token_embd Q4_K, output Q6_K, attn_v and ffn_down Q6_K on
 the layers its ``use_more_bits`` picks (the first and last eighth, every third in between), the
@@ -68,6 +69,8 @@ IR_BYTES = {
     "F16": 2.0,
     "F32": 4.0,
 }
+# MoE experts take the exact form (GatherMatmul): u4 codes + f32 scale and f32 zero point per 32
+EXPERT_Q4_K_IR_BYTES = 0.5 + 4 / 32 + 4 / 32
 BOUND_FACTOR = 1.25
 BOUND_ALLOWANCE = 1.5 * GIB
 
@@ -84,10 +87,21 @@ class Shape:
     context: int
     rope_theta: float
     rms_eps: float = 1e-5
+    # mixture of experts (Qwen3-MoE): every layer's MLP is this many experts of this width
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
 
 LLAMA3_8B = Shape(32, 4096, 14336, 32, 8, 128, 128256, 8192, 500000.0)
 LLAMA3_70B = Shape(80, 8192, 28672, 64, 8, 128, 128256, 8192, 500000.0)
+QWEN3_30B_A3B = Shape(48, 2048, 6144, 32, 4, 128, 151936, 8192, 1e6, 1e-6, 128, 8, 768)
+QWEN3_235B_A22B = Shape(94, 4096, 12288, 64, 4, 128, 151936, 8192, 1e6, 1e-6, 128, 8, 1536)
+PLAN_SHAPES = {
+    "llama3-70b": ("Llama-3-70B", LLAMA3_70B),
+    "qwen3-30b-a3b": ("Qwen3-30B-A3B", QWEN3_30B_A3B),
+    "qwen3-235b-a22b": ("Qwen3-235B-A22B", QWEN3_235B_A22B),
+}
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,8 @@ class Tensor:
 
     @property
     def ir_bytes(self) -> int:
+        if len(self.shape) == 3 and self.type == "Q4_K":  # experts: the exact form
+            return round(self.elements * EXPERT_Q4_K_IR_BYTES)
         return round(self.elements * IR_BYTES[self.type])
 
 
@@ -132,6 +148,17 @@ def q4_k_m_tensors(shape: Shape) -> list[Tensor]:
             Tensor(f"blk.{i}.attn_v.weight", (kv, h), more, i),
             Tensor(f"blk.{i}.attn_output.weight", (h, q), "Q4_K", i),
             Tensor(f"blk.{i}.ffn_norm.weight", (h,), "F32", i),
+        ]
+        if shape.experts:  # llama.cpp's stacked expert tensors; the router stays F32
+            e, mid = shape.experts, shape.expert_intermediate
+            out += [
+                Tensor(f"blk.{i}.ffn_gate_inp.weight", (e, h), "F32", i),
+                Tensor(f"blk.{i}.ffn_gate_exps.weight", (e, mid, h), "Q4_K", i),
+                Tensor(f"blk.{i}.ffn_up_exps.weight", (e, mid, h), "Q4_K", i),
+                Tensor(f"blk.{i}.ffn_down_exps.weight", (e, h, mid), more, i),
+            ]
+            continue
+        out += [
             Tensor(f"blk.{i}.ffn_gate.weight", (shape.intermediate, h), "Q4_K", i),
             Tensor(f"blk.{i}.ffn_up.weight", (shape.intermediate, h), "Q4_K", i),
             Tensor(f"blk.{i}.ffn_down.weight", (h, shape.intermediate), more, i),
@@ -620,8 +647,17 @@ def run_measure(opts: argparse.Namespace) -> None:
 def facts_for(shape: Shape) -> Any:
     from exporter.architectures import ArchitectureFacts
 
+    moe: dict[str, Any] = {}
+    if shape.experts:
+        moe = dict(
+            moe_layers=tuple(range(shape.layers)),
+            num_experts=shape.experts,
+            experts_per_token=shape.experts_per_token,
+            expert_intermediate_size=shape.expert_intermediate,
+            norm_topk_prob=True,
+        )
     return ArchitectureFacts(
-        model_type="llama",
+        model_type="qwen3_moe" if shape.experts else "llama",
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         num_heads=shape.heads,
@@ -633,49 +669,93 @@ def facts_for(shape: Shape) -> Any:
         sliding_window=None,
         final_logit_softcapping=None,
         intermediate_size=shape.intermediate,
+        **moe,
     )
 
 
-def plan_for(shape: Shape, stages: int) -> list[Any]:
+def plan_for(shape: Shape, stages: int, node_memory: list[int] | None = None) -> list[Any]:
     """The exporter's own plan for a GGUF (``--weights gguf``) of this shape: the split it picks
-    when given only --stages."""
-    from exporter.plan import decode_balanced_split, plan_stages
+    when given only --stages, or --node-memory (then checked to fit)."""
+    from exporter.plan import check_fits, decode_balanced_split, plan_stages, split_for_memory
 
     facts = facts_for(shape)
-    split = decode_balanced_split(facts, stages, "gguf", shape.intermediate)
-    return plan_stages(facts, split, "gguf", shape.intermediate, shape.context)
+    if node_memory:
+        split = split_for_memory(facts, node_memory, "gguf", shape.intermediate, shape.context)
+    else:
+        split = decode_balanced_split(facts, stages, "gguf", shape.intermediate)
+    plans = plan_stages(facts, split, "gguf", shape.intermediate, shape.context)
+    if node_memory:
+        check_fits(plans, node_memory, shape.context)
+    return plans
 
 
 def run_plan(opts: argparse.Namespace) -> None:
-    shape = shape_from(opts, LLAMA3_70B)
-    plans = plan_for(shape, opts.stages)
+    from exporter.errors import ExportError
+    from exporter.plan import layer_params, parse_size
+
+    title, default = PLAN_SHAPES[opts.model]
+    shape = shape_from(opts, default)
+    budgets = [parse_size(s) for s in opts.node_memory.split(",")] if opts.node_memory else None
+    stages = len(budgets) if budgets else opts.stages
     tensors = q4_k_m_tensors(shape)
     gguf_total = sum(t.gguf_bytes for t in tensors)
+    mlp = (
+        f"{shape.experts} experts of {shape.expert_intermediate} channels, "
+        f"{shape.experts_per_token} a token"
+        if shape.experts
+        else f"intermediate {shape.intermediate}"
+    )
+    on = f"PCs of {opts.node_memory}" if budgets else "the exporter's split for --stages alone"
     lines = [
-        f"Export plan: Llama-3-shaped Q4_K_M GGUF, {shape.layers} layers, hidden {shape.hidden}, "
-        f"intermediate {shape.intermediate}, {shape.heads}/{shape.kv_heads} heads, vocab "
-        f"{shape.vocab}: {gguf_total / 1e9:.1f} GB of GGUF, over {opts.stages} stages "
-        "(the exporter's split for --stages alone).",
+        f"Export plan: {title}-shaped Q4_K_M GGUF, {shape.layers} layers, hidden "
+        f"{shape.hidden}, {mlp}, {shape.heads}/{shape.kv_heads} heads, vocab {shape.vocab}: "
+        f"{gguf_total / 1e9:.1f} GB of GGUF, over {stages} stages ({on}, context "
+        f"{shape.context}).",
         "",
+    ]
+    try:
+        plans = plan_for(shape, stages, budgets)
+    except ExportError as exc:
+        print("\n".join([*lines, f"Does not fit: {exc}"]))
+        return
+    facts = facts_for(shape)
+    lines += [
         "| stage | layers | count | GGUF GiB | IR GiB (estimate) | planner's weights GiB "
-        "| export memory GiB (1.25 x IR + 1.5) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| planner's total GiB (+ KV, runtime) | read a token GiB | export memory GiB "
+        "(1.25 x IR + 1.5) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in plans:
         last = p.index == len(plans) - 1
         picked = stage_tensors(tensors, p.layer_start, p.layer_end, last)
         ir = sum(t.ir_bytes for t in picked)
+        ratio = ir / max(
+            1,
+            sum(
+                layer_params(facts, shape.intermediate, i)
+                for i in range(p.layer_start, p.layer_end)
+            ),
+        )
+        active = ratio * sum(
+            layer_params(facts, shape.intermediate, i, active=True)
+            for i in range(p.layer_start, p.layer_end)
+        )
+        if last:
+            active += shape.vocab * shape.hidden * IR_BYTES["Q6_K"]
         lines.append(
             f"| {p.index} | {p.layer_start}-{p.layer_end - 1} | {p.layer_end - p.layer_start} | "
             f"{_gib(sum(t.gguf_bytes for t in picked))} | {_gib(ir)} | "
-            f"{_gib(p.weight_bytes)} | {_gib(_bound(ir))} |"
+            f"{_gib(p.weight_bytes)} | {_gib(p.total_bytes)} | {_gib(active)} | "
+            f"{_gib(_bound(ir))} |"
         )
     lines += [
         "",
         "IR bytes per weight: "
         + ", ".join(f"{k} {v:.4g}" for k, v in IR_BYTES.items())
-        + "; the planner's column is exporter.plan's own estimate (0.9 B per layer weight, "
-        "1.2 B per embedding or head weight).",
+        + f" (MoE experts' Q4_K: {EXPERT_Q4_K_IR_BYTES:.4g}, the exact form); the planner's "
+        "columns are exporter.plan's own estimates (0.9 B per layer weight, 1.2 B per "
+        "embedding or head weight; 'read a token': the attention, the token's experts and, "
+        "last, the head).",
     ]
     print("\n".join(lines))
 
@@ -737,9 +817,11 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--results", type=Path, default=RESULTS)
     m.add_argument("--name", default="gguf-export-8b")
 
-    p = sub.add_parser("plan", help="the export plan of a Llama-3-70B-shaped GGUF (no file)")
+    p = sub.add_parser("plan", help="the export plan of a big model's shape (no file)")
+    p.add_argument("--model", choices=sorted(PLAN_SHAPES), default="llama3-70b")
     add_shape_args(p, LLAMA3_70B)
     p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--node-memory", help="the PCs' memory, e.g. 16GB,16GB (sets the stages)")
 
     opts = parser.parse_args(argv)
     if opts.command == "write":

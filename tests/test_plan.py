@@ -192,3 +192,18 @@ def test_moe_layers_count_every_expert_and_decode_reads_the_active_ones() -> Non
     # a dense layer among expert layers (mlp_only_layers) is the smaller one
     mixed = ArchitectureFacts(**{**a3b.__dict__, "moe_layers": tuple(range(1, 48))})
     assert layer_params(mixed, 6144, 0) < layer_params(mixed, 6144, 1)
+
+
+def test_big_model_plans_print_per_stage_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/gguf_export.py plan: Qwen3-30B-A3B fits two 16 GB PCs; Qwen3-235B-A22B does
+    not fit four 32 GB ones and says so."""
+    from benchmarks.gguf_export import main as gguf_export_main
+
+    gguf_export_main(["plan", "--model", "qwen3-30b-a3b", "--node-memory", "16GB,16GB"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
+    assert len(rows) == 2 and "128 experts of 768 channels, 8 a token" in out
+    totals = [float(row.split("|")[7]) for row in rows]  # planner's total GiB
+    assert all(t < 16e9 / 2**30 for t in totals)
+    gguf_export_main(["plan", "--model", "qwen3-235b-a22b", "--node-memory", "32GB,32GB,32GB,32GB"])
+    assert "Does not fit: the model does not fit" in capsys.readouterr().out
