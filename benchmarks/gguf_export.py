@@ -149,9 +149,11 @@ def q4_k_m_tensors(shape: Shape) -> list[Tensor]:
             Tensor(f"blk.{i}.attn_output.weight", (h, q), "Q4_K", i),
             Tensor(f"blk.{i}.ffn_norm.weight", (h,), "F32", i),
         ]
-        if shape.experts:  # llama.cpp's stacked expert tensors; the router stays F32
+        if shape.experts:  # Qwen3-MoE: q/k norms; llama.cpp's stacked experts, router F32
             e, mid = shape.experts, shape.expert_intermediate
             out += [
+                Tensor(f"blk.{i}.attn_q_norm.weight", (shape.head_dim,), "F32", i),
+                Tensor(f"blk.{i}.attn_k_norm.weight", (shape.head_dim,), "F32", i),
                 Tensor(f"blk.{i}.ffn_gate_inp.weight", (e, h), "F32", i),
                 Tensor(f"blk.{i}.ffn_gate_exps.weight", (e, mid, h), "Q4_K", i),
                 Tensor(f"blk.{i}.ffn_up_exps.weight", (e, mid, h), "Q4_K", i),
@@ -211,10 +213,11 @@ def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
 
 def _chunks(rng: np.random.Generator, t: Tensor, chunk_bytes: int) -> Iterator[np.ndarray]:
     """The tensor's data, a few rows at a time."""
-    if t.type == "F32":  # norms: around 1, as trained models have them
-        yield rng.normal(1.0, 0.1, t.shape).astype(np.float32)
+    if t.type == "F32":  # norms: around 1, as trained models have them; a router: small
+        mean, spread = (0.0, 0.02) if "ffn_gate_inp" in t.name else (1.0, 0.1)
+        yield rng.normal(mean, spread, t.shape).astype(np.float32)
         return
-    rows, cols = t.shape
+    rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]  # experts: their rows one after another
     row_blocks = cols // QK_K
     row_bytes = round(cols * GGUF_BYTES[t.type])
     step = max(1, chunk_bytes // row_bytes)
@@ -233,8 +236,9 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
     if shape.hidden % QK_K or shape.intermediate % QK_K:
         raise SystemExit("--hidden and --intermediate must be multiples of 256 (K-quants)")
     tensors = q4_k_m_tensors(shape)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name(f"llama3-shaped-{shape.layers}L-random")
+    arch = "qwen3moe" if shape.experts else "llama"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"{arch}-shaped-{shape.layers}L-random")
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
@@ -243,11 +247,16 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
-    if shape.head_dim != shape.hidden // shape.heads:
+    if shape.head_dim != shape.hidden // shape.heads or shape.experts:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
-    writer.add_vocab_size(shape.vocab)
-    writer.add_rope_dimension_count(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_per_token)
+        writer.add_expert_feed_forward_length(shape.expert_intermediate)
+    else:
+        writer.add_vocab_size(shape.vocab)
+        writer.add_rope_dimension_count(shape.head_dim)
     writer.add_file_type(FILE_TYPES["Q4_K_M"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     with tempfile.TemporaryDirectory() as tmp:
@@ -276,7 +285,7 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
             raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.gguf_bytes}")
         writer.write_padding(fout, written)
         done += written
-        if t.name.endswith("ffn_down.weight") or t.layer is None:
+        if t.name.endswith(("ffn_down.weight", "ffn_down_exps.weight")) or t.layer is None:
             print(
                 f"\r{done / 1e9:6.2f} / {total / 1e9:.2f} GB  {time.monotonic() - started:5.0f} s",
                 end="",
@@ -788,7 +797,10 @@ def shape_from(opts: argparse.Namespace, default: Shape) -> Shape:
             values[key] = getattr(opts, key)
     if opts.context_length is not None:
         values["context"] = opts.context_length
-    values["head_dim"] = opts.head_dim or values["hidden"] // values["heads"]
+    reshaped = opts.hidden is not None or opts.heads is not None
+    values["head_dim"] = opts.head_dim or (
+        values["hidden"] // values["heads"] if reshaped else default.head_dim
+    )
     return Shape(**values)
 
 
@@ -798,6 +810,12 @@ def main(argv: list[str] | None = None) -> None:
 
     w = sub.add_parser("write", help="write a Llama-3-8B-shaped Q4_K_M GGUF of random blocks")
     w.add_argument("file", type=Path)
+    w.add_argument(
+        "--model",
+        choices=["llama3-8b", *sorted(PLAN_SHAPES)],
+        default="llama3-8b",
+        help="the shape (cut with --layers)",
+    )
     add_shape_args(w, LLAMA3_8B)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--chunk-mib", type=int, default=64, help="bytes generated at a time")
@@ -825,7 +843,8 @@ def main(argv: list[str] | None = None) -> None:
 
     opts = parser.parse_args(argv)
     if opts.command == "write":
-        shape = shape_from(opts, LLAMA3_8B)
+        default = LLAMA3_8B if opts.model == "llama3-8b" else PLAN_SHAPES[opts.model][1]
+        shape = shape_from(opts, default)
         started = time.monotonic()
         size = write_gguf(opts.file, shape, opts.seed, opts.chunk_mib)
         print(
