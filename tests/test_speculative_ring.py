@@ -321,3 +321,36 @@ def test_a_draft_of_another_vocabulary_is_refused(exports: dict[int, Path]) -> N
     later.check_target(vocab)
     with pytest.raises(ValueError, match=rf"differs from the target's \({vocab + 44}\)"):
         later.check_target(vocab + 44)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "qwen3_moe", "mixtral"])
+def test_speculation_with_a_draft_of_the_same_architecture(arch: str, tmp_path: Path) -> None:
+    """The newer architectures (every layer sliding, fused projections, sparse experts) on 2
+    paged stages: greedy with a draft of the same vocabulary (its weights plus noise) equals
+    plain greedy decoding, alone and 4 requests at once."""
+    target = make_model(arch, tmp_path / "target", chat_template=CHAT_TEMPLATE)
+    draft = make_draft(target, tmp_path / "draft-model", noise=0.3)
+    export = tmp_path / "export"
+    export_model(
+        ExportOptions(
+            model=str(target),
+            out=export,
+            stages=2,
+            weights=WeightSpec(format="fp32"),
+            draft=str(draft),
+            quiet=True,
+        )
+    )
+    expected = plain_greedy(export)
+    procs, addresses = start_stages(export, tmp_path)
+    try:
+        vocab = load_manifest(export).model.vocab_size
+        proposer = DraftProposer(export / "draft", EXACT, vocab, DRAFT_CHUNK)
+        metrics = GatewayMetrics()
+        assert generate(addresses, proposer, 4, metrics=metrics) == expected
+        accepted = metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
+        assert accepted  # the draft was used, not just asked
+        assert generate(addresses, proposer, 0, concurrent=True) == expected
+    finally:
+        for proc in procs:
+            proc.stop()
