@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.microbatch import run_users  # noqa: E402
 from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
-from benchmarks.report import save  # noqa: E402
+from benchmarks.report import reachable_eos, save  # noqa: E402
 from benchmarks.suite.stats import fmt, ratios, spread  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def main() -> int:
     if any(len(cores) != manifest.num_stages for cores in layouts):
         p.error(f"--layouts: give a core for each of the {manifest.num_stages} stages")
     names = ["/".join(cores) for cores in layouts]
-    eos = manifest.tokenizer.eos_token_ids
+    eos = reachable_eos(manifest)
     flags = shlex.split(opts.gateway_flags)
     logs = Path(tempfile.mkdtemp(prefix="core-placement-"))
     procs: list[Proc] = []

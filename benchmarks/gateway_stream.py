@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.microbatch import cpu_seconds, run_users  # noqa: E402
 from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
-from benchmarks.report import save  # noqa: E402
+from benchmarks.report import reachable_eos, save  # noqa: E402
 from benchmarks.suite.stats import fmt, spread  # noqa: E402
 from stage_node.settings import parse_cpus  # noqa: E402
 
@@ -79,7 +79,7 @@ def main() -> int:
     from protos.manifest import load_manifest
 
     manifest = load_manifest(opts.export)
-    eos = manifest.tokenizer.eos_token_ids
+    eos = reachable_eos(manifest)
     flags = shlex.split(opts.gateway_flags)
     logs = Path(tempfile.mkdtemp(prefix="gateway-stream-"))
     procs: list[Proc] = []

@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import delay_stages  # noqa: E402
 from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
-from benchmarks.report import save  # noqa: E402
+from benchmarks.report import reachable_eos, save  # noqa: E402
 from benchmarks.stand_in import is_stand_in, stand_in_label  # noqa: E402
 from benchmarks.suite.stats import fmt, ratios  # noqa: E402
 
@@ -483,7 +483,7 @@ def main() -> int:
             os.sched_setaffinity(0, parse_cpus(opts.gateway_cores))
         url = next(iter(gateways.values()))[1]
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        eos = list(manifest.tokenizer.eos_token_ids)
+        eos = reachable_eos(manifest)
         for _, url in gateways.values():
             # warm-up: every call shape the rounds will see (the CPU plugin prepares kernels
             # per input shape once), so the first round is not slower than the others

@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.microbatch import busy_seconds, median_row, run_users, summarize  # noqa: E402
 from benchmarks.microbatch import plot as plot_users  # noqa: E402
 from benchmarks.processes import PIPESHARD, Proc, start_gateway, start_pinned_stages  # noqa: E402
-from benchmarks.report import describe, machine, save  # noqa: E402
+from benchmarks.report import describe, machine, reachable_eos, save  # noqa: E402
 from benchmarks.workers import PIPESHARD_CPU, measure  # noqa: E402
 
 BACKENDS = ("stateful", "paged")
@@ -275,7 +275,7 @@ def main() -> int:
     from protos.manifest import load_manifest
 
     manifest = load_manifest(opts.export)
-    eos = list(manifest.tokenizer.eos_token_ids)
+    eos = reachable_eos(manifest)
     logs = Path(tempfile.mkdtemp(prefix="paged-"))
     print(f"logs: {logs}", flush=True)
 

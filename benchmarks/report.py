@@ -88,3 +88,11 @@ def save(
     }
     Path(f"{stem}.json").write_text(json.dumps(payload, indent=2))
     return stem
+
+
+def reachable_eos(manifest: Any) -> list[int]:
+    """The export's end-of-sequence ids the model can emit (a tokenizer may add special tokens
+    past the model's rows, e.g. transformers' Qwen converter on a file without them): the ids
+    the benchmarks bias away so that every request decodes its full length."""
+    vocab = manifest.model.vocab_size
+    return [e for e in manifest.tokenizer.eos_token_ids if e < vocab]

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency_proxy import delay_stages  # noqa: E402
 from benchmarks.processes import run_async, start_pinned_stages  # noqa: E402
-from benchmarks.report import save  # noqa: E402
+from benchmarks.report import reachable_eos, save  # noqa: E402
 
 if TYPE_CHECKING:
     from server.engine import Engine
@@ -246,7 +246,7 @@ def main() -> int:
     if manifest.draft is None:
         raise SystemExit(f"{opts.export} has no draft (export with --draft)")
     prompts = chat_ids(opts.export)
-    eos = list(manifest.tokenizer.eos_token_ids)
+    eos = reachable_eos(manifest)
     proposer = DraftProposer(
         opts.export / manifest.draft.directory,
         RunnerOptions(threads=opts.draft_threads),

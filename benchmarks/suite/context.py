@@ -149,7 +149,9 @@ class Bench:
 
     @property
     def eos(self) -> list[int]:
-        return list(self.manifest.tokenizer.eos_token_ids)
+        from benchmarks.report import reachable_eos
+
+        return reachable_eos(self.manifest)
 
     @property
     def max_context(self) -> int:
