@@ -15,7 +15,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3 (dense)",
     "gemma3_text": "Gemma 3 (text)",
     "mistral": "Mistral (a set sliding_window applies to every layer)",
-    "phi3": "Phi-3 4k (fused qkv and gate_up, partial rotary; not longrope)",
+    "phi3": "Phi-3, Phi-3.5-mini, Phi-4-mini (fused qkv and gate_up, partial rotary, LongRoPE)",
     "qwen3_moe": "Qwen3-MoE (experts computed sparsely)",
     "mixtral": "Mixtral (experts computed sparsely; a set sliding_window masks every layer)",
 }

@@ -399,7 +399,7 @@ def export_model(options: ExportOptions) -> ExportReport:
         tmp.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        recipe = read_recipe(config)
+        recipe = read_recipe(config, r.facts.max_context)
         stage_sizes = {}
         for plan in _progress(selected, f"export {source.model_id}", options.quiet):
             stage_sizes[plan.index] = _export_stage(r, recipe, plan, tmp, options)

@@ -74,6 +74,37 @@ def _inv_freq(params: dict[str, Any], head_dim: int) -> tuple[np.ndarray, float]
     raise ExportError(f"RoPE type {kind!r} is not supported (default, linear and llama3 are)")
 
 
+def _longrope(params: dict[str, Any], dim: int, config: Any, context: int) -> Rope:
+    """LongRoPE (Phi-3.5-mini, Phi-4-mini, the 128k Phi-3s) as transformers'
+    _compute_longrope_parameters computes it: inverse frequencies divided per channel pair by
+    the short or the long factors, cos and sin scaled by the attention factor. transformers
+    switches to the long factors while a forward call's positions pass
+    original_max_position_embeddings; here, as llama.cpp does, the export's context decides
+    once: longer than the original, the long factors for every position (what transformers
+    computes once a sequence has passed it), else the short ones (what it computes before)."""
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    if not original:
+        raise ExportError("longrope needs original_max_position_embeddings")
+    original = int(original)
+    factor = params.get("factor")
+    if factor is None:  # Phi-3: the ratio of the context lengths (transformers' note)
+        factor = int(config.max_position_embeddings) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = np.asarray(
+        params["long_factor" if context > original else "short_factor"], dtype=np.float32
+    )
+    if factors.shape != (dim // 2,):
+        raise ExportError(f"longrope: {factors.size} factors for {dim // 2} frequencies")
+    base = float(params.get("rope_theta", 10000.0))
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    powers = (np.float64(base) ** exponents.astype(np.float64)).astype(np.float32)
+    return Rope((np.float32(1.0) / (factors * powers)).astype(np.float32), float(attention))
+
+
 def _rope_params(config: Any, layer_type: str) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or {}
     if layer_type in params and isinstance(params[layer_type], dict):
@@ -84,8 +115,9 @@ def _rope_params(config: Any, layer_type: str) -> dict[str, Any]:
     return params
 
 
-def read_recipe(config: Any) -> Recipe:
-    """The recipe of a supported decoder config; ExportError names what is not supported."""
+def read_recipe(config: Any, context: int | None = None) -> Recipe:
+    """The recipe of a supported decoder config; ExportError names what is not supported.
+    ``context``: the longest sequence the export serves (LongRoPE picks its factors by it)."""
     facts = read_architecture(config)
     model_type = facts.model_type
     act_name = str(getattr(config, "hidden_activation", None) or config.hidden_act)
@@ -104,8 +136,12 @@ def read_recipe(config: Any) -> Recipe:
         rotary_dim = int(facts.head_dim * factor)
         if rotary_dim % 2 or not 0 < rotary_dim <= facts.head_dim:
             raise ExportError(f"{model_type}: partial_rotary_factor {factor} is not supported")
-        inv, scaling = _inv_freq(params, rotary_dim)
-        rope[layer_type] = Rope(inv, scaling)
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind == "longrope":
+            rope[layer_type] = _longrope(params, rotary_dim, config, context or facts.max_context)
+        else:
+            inv, scaling = _inv_freq(params, rotary_dim)
+            rope[layer_type] = Rope(inv, scaling)
     scale = (
         float(config.query_pre_attn_scalar) ** -0.5 if gemma else facts.head_dim**-0.5
     )

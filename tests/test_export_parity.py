@@ -27,6 +27,7 @@ CASES = [
     ("phi3", 1, "fp32"),
     ("phi3", 2, "fp16"),
     ("phi3", 3, "fp32"),
+    ("phi3-longrope", 2, "fp32"),
     ("qwen3_moe", 1, "fp32"),
     ("qwen3_moe", 2, "fp16"),
     ("qwen3_moe", 3, "fp32"),

@@ -107,6 +107,22 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
         return MixtralConfig(
             **mixtral, num_local_experts=8, num_experts_per_tok=2, sliding_window=5
         )
+    if arch == "phi3-longrope":
+        from transformers import Phi3Config
+
+        # Phi-3.5-mini's and Phi-4-mini's LongRoPE, its original context (4) shorter than every
+        # test prompt: transformers computes every forward call with the long factors, as the
+        # export (256 positions) does
+        return Phi3Config(
+            **common,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=4,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.25, 1.5, 2.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+            },
+        )
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 
