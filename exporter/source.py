@@ -42,6 +42,12 @@ class ModelSource:
         return str(self.path), {}
 
     def load_config(self) -> Any:
+        config = self._load_config()
+        if self.kind == "gguf":
+            config = _gguf_mixtral(self.path, config)
+        return config
+
+    def _load_config(self) -> Any:
         from transformers import AutoConfig
 
         where, extra = self._location()
@@ -141,6 +147,35 @@ def _cache_tokenizer(tokenizer: Any, folder: Path) -> None:
         log.debug("cannot cache the tokenizer in %s: %s", folder, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_mixtral(path: Path, config: Any) -> Any:
+    """llama.cpp writes Mixtral as a ``llama`` file with ``llama.expert_count`` experts a layer
+    (``feed_forward_length`` each, ``expert_used_count`` a token), which transformers reads as a
+    dense Llama: make it the Mixtral config it is."""
+    if getattr(config, "model_type", None) != "llama":
+        return config
+    from exporter.weights import gguf_expert_count, read_gguf_header
+
+    experts = gguf_expert_count(path)
+    if not experts:
+        return config
+    field = read_gguf_header(path).fields.get("llama.expert_used_count")
+    if field is None:
+        raise ExportError(f"{path.name}: {experts} experts a layer but no llama.expert_used_count")
+    from transformers import MixtralConfig
+
+    values = config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "mlp_bias"):
+        values.pop(key, None)
+    values.update(
+        num_local_experts=experts,
+        num_experts_per_tok=int(field.parts[field.data[0]][0]),
+        sliding_window=None,  # not in the file: llama.cpp attends to the whole context
+    )
+    mixtral = MixtralConfig(**values)
+    mixtral._name_or_path = getattr(config, "_name_or_path", "")
+    return mixtral
 
 
 @contextlib.contextmanager

@@ -199,20 +199,43 @@ def test_gguf_experts_stay_compressed_and_sparse(gguf_export: Callable[..., Path
 
 
 def test_a_gguf_whose_experts_transformers_cannot_read_is_refused(tmp_path: Path) -> None:
-    """llama.cpp writes Mixtral as a llama file with experts, which transformers reads as a
-    dense llama: the export says so instead of failing on a missing tensor."""
+    """A file holding experts that transformers reads as a dense model (here a qwen2 file with
+    an expert count): the export says so instead of failing on a missing tensor."""
     from tests.tiny_gguf import make_hf_model, write_gguf
 
     gguf = write_gguf(
-        make_hf_model("llama", tmp_path / "hf", layers=2),
+        make_hf_model("qwen2", tmp_path / "hf", layers=2),
         tmp_path / "moe.gguf",
         "F32",
-        extra={"llama.expert_count": 8},
+        extra={"qwen2.expert_count": 8},
     )
     out = tmp_path / "out"
     with pytest.raises(ExportError, match=r"holds 8 experts a layer .* not supported from a GGUF"):
         export_model(ExportOptions(model=str(gguf), out=out, stages=1, quiet=True))
     assert not out.exists()
+
+
+def test_a_mixtral_gguf_is_read_as_mixtral(tmp_path: Path) -> None:
+    """llama.cpp writes Mixtral as a llama file with experts (llama.expert_count), which
+    transformers reads as a dense Llama; the export reads it as the Mixtral it is. Written in
+    F32 from a Mixtral folder, its 2 stages give that model's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from exporter.verify import reference_greedy
+    from tests.tiny_gguf import make_hf_model, write_gguf
+
+    hf = make_hf_model("mixtral", tmp_path / "hf", layers=3)
+    gguf = write_gguf(hf, tmp_path / "mixtral.gguf", "F32")
+    out = tmp_path / "out"
+    export_model(ExportOptions(model=str(gguf), out=out, stages=2, quiet=True))
+    manifest = load_manifest(out)
+    assert manifest.model.architecture == "mixtral"
+    reference = AutoModelForCausalLM.from_pretrained(str(hf)).eval()
+    chain = LocalChain(out, EXACT_GGUF)
+    for i, prompt in enumerate(PROMPTS):
+        tokens, _ = chain.greedy(f"p{i}", prompt, 16)
+        expected, _ = reference_greedy(reference, prompt, 16)
+        assert tokens == expected
 
 
 def test_paged_gguf_stages_equal_stateful(gguf_export: Callable[..., Path]) -> None:

@@ -33,6 +33,7 @@ GGUF_ARCH = {
     "gemma3_text": "gemma3",
     "phi3": "phi3",
     "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp's Mixtral: a llama file with experts
 }
 TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 # general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
@@ -203,7 +204,9 @@ def _stack_experts(state: dict[str, Any]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     experts: dict[str, dict[int, Any]] = {}
     for name, tensor in state.items():
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)", name)
+        m = re.fullmatch(
+            r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)", name
+        )
         if m is None:
             merged[name] = tensor
         else:
@@ -318,6 +321,9 @@ def write_gguf(
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if config.model_type == "mixtral":
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
@@ -414,6 +420,13 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
             num_experts=8,
             num_experts_per_tok=2,
             norm_topk_prob=True,
+        )
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        # no sliding window: a GGUF carries none
+        return MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
         )
     if arch == "phi3":
         from transformers import Phi3Config
