@@ -266,9 +266,9 @@ def _resolve(options: ExportOptions) -> _Resolved:
     config = source.load_config()
     facts = read_architecture(config)
     if source.kind == "gguf" and not facts.moe_layers:
-        from exporter.weights import gguf_expert_count
+        from exporter.weights import gguf_model_field
 
-        if experts := gguf_expert_count(source.path):
+        if experts := gguf_model_field(source.path, "expert_count"):
             raise ExportError(
                 f"{source.path.name} holds {experts} experts a layer (a mixture of experts, "
                 f"e.g. Mixtral), which transformers reads as a dense {facts.model_type}: "

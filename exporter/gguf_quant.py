@@ -120,7 +120,7 @@ class PackedWeight:
         if self.correction is not None:
             if self.zero_point is not None:
                 raise ValueError("the split form (correction) takes no zero point")
-            shape = _shape(self.correction)
+            shape = weight_shape(self.correction)
             if shape != (self.rows, groups):
                 raise ValueError(f"correction shape {shape} != {(self.rows, groups)}")
             if isinstance(self.correction, PackedWeight) and self.correction.correction is not None:
@@ -189,7 +189,7 @@ class PackedWeight:
 Weight = DenseWeight | PackedWeight
 
 
-def _shape(weight: Weight) -> tuple[int, ...]:
+def weight_shape(weight: Weight) -> tuple[int, ...]:
     if isinstance(weight, DenseWeight):
         return tuple(weight.array.shape)
     return (weight.rows, weight.cols)

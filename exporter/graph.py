@@ -40,6 +40,7 @@ from exporter.gguf_quant import (
     expert_weights,
     linear,
     weight_node,
+    weight_shape,
 )
 from exporter.recipe import Recipe
 
@@ -138,16 +139,16 @@ class _Builder:
         if self.src.has(stacked_name):
             weight = self.src.tensor(stacked_name)
         else:
-            parts = [self.src.tensor(f"{prefix}.experts.{e}.{name}.weight") for e in range(experts)]
-            if not all(isinstance(p, DenseWeight) for p in parts):
-                raise ExportError(f"{prefix}: experts stored quantized one by one")
-            weight = DenseWeight(np.concatenate([p.array for p in parts]))  # type: ignore[union-attr]
-        shape = (
-            weight.array.shape if isinstance(weight, DenseWeight) else (weight.rows, weight.cols)
-        )
-        if tuple(shape) != (experts * rows, cols):
+            arrays = []
+            for e in range(experts):
+                part = self.src.tensor(f"{prefix}.experts.{e}.{name}.weight")
+                if not isinstance(part, DenseWeight):
+                    raise ExportError(f"{prefix}: experts stored quantized one by one")
+                arrays.append(part.array)
+            weight = DenseWeight(np.concatenate(arrays))
+        if weight_shape(weight) != (experts * rows, cols):
             raise ExportError(
-                f"{stacked_name}: shape {tuple(shape)}, the config makes it "
+                f"{stacked_name}: shape {weight_shape(weight)}, the config makes it "
                 f"{experts} experts x [{rows}, {cols}]"
             )
         return expert_weights(weight, experts, f"{prefix}.experts.{name}")

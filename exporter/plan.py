@@ -90,10 +90,8 @@ def layer_params(
     return attention_params(facts) + mlp_params(facts, intermediate_size)
 
 
-def _layer_params_over_model(
-    facts: ArchitectureFacts, intermediate_size: int, active: bool = False
-) -> list[int]:
-    return [layer_params(facts, intermediate_size, i, active) for i in range(facts.num_layers)]
+def _layer_params_over_model(facts: ArchitectureFacts, intermediate_size: int) -> list[int]:
+    return [layer_params(facts, intermediate_size, i) for i in range(facts.num_layers)]
 
 
 def attention_params(facts: ArchitectureFacts) -> int:
@@ -146,9 +144,10 @@ def decode_balanced_split(
         # balancing decode work would pile the layers onto the first stages (measured on an
         # 8-layer Qwen3-30B-A3B cut: 7 and 1, 3.6 and 0.9 GB). Even layers, even memory.
         return even
-    layers = _layer_params_over_model(facts, intermediate_size, active=True)
     per_layer = (
-        sum(layers) / len(layers) * _LAYER_BYTES[weight_format] * _DECODE_COST[weight_format]
+        layer_params(facts, intermediate_size)
+        * _LAYER_BYTES[weight_format]
+        * _DECODE_COST[weight_format]
     )
     head = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     best: tuple[float, int, list[int]] | None = None

@@ -51,12 +51,17 @@ class Recipe:
         return self.facts.model_type
 
 
-def _inv_freq(params: dict[str, Any], head_dim: int) -> tuple[np.ndarray, float]:
-    """inverse frequencies as transformers' ROPE_INIT_FUNCTIONS compute them (in float32)."""
+def _inv_freq(
+    params: dict[str, Any], head_dim: int, config: Any, context: int
+) -> tuple[np.ndarray, float]:
+    """inverse frequencies as transformers' ROPE_INIT_FUNCTIONS compute them (in float32), and
+    the scaling of cos and sin."""
     base = float(params.get("rope_theta", 10000.0))
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv = (1.0 / (np.float64(base) ** exponents.astype(np.float64))).astype(np.float32)
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "longrope":
+        return _longrope(params, head_dim, config, context)
     if kind == "default":
         return inv, 1.0
     if kind == "linear":
@@ -71,10 +76,14 @@ def _inv_freq(params: dict[str, Any], head_dim: int) -> tuple[np.ndarray, float]
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
-    raise ExportError(f"RoPE type {kind!r} is not supported (default, linear and llama3 are)")
+    raise ExportError(
+        f"RoPE type {kind!r} is not supported (default, linear, llama3 and longrope are)"
+    )
 
 
-def _longrope(params: dict[str, Any], dim: int, config: Any, context: int) -> Rope:
+def _longrope(
+    params: dict[str, Any], dim: int, config: Any, context: int
+) -> tuple[np.ndarray, float]:
     """LongRoPE (Phi-3.5-mini, Phi-4-mini, the 128k Phi-3s) as transformers'
     _compute_longrope_parameters computes it: inverse frequencies divided per channel pair by
     the short or the long factors, cos and sin scaled by the attention factor. transformers
@@ -102,7 +111,7 @@ def _longrope(params: dict[str, Any], dim: int, config: Any, context: int) -> Ro
     base = float(params.get("rope_theta", 10000.0))
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     powers = (np.float64(base) ** exponents.astype(np.float64)).astype(np.float32)
-    return Rope((np.float32(1.0) / (factors * powers)).astype(np.float32), float(attention))
+    return (np.float32(1.0) / (factors * powers)).astype(np.float32), float(attention)
 
 
 def _rope_params(config: Any, layer_type: str) -> dict[str, Any]:
@@ -136,12 +145,8 @@ def read_recipe(config: Any, context: int | None = None) -> Recipe:
         rotary_dim = int(facts.head_dim * factor)
         if rotary_dim % 2 or not 0 < rotary_dim <= facts.head_dim:
             raise ExportError(f"{model_type}: partial_rotary_factor {factor} is not supported")
-        kind = params.get("rope_type", params.get("type", "default")) or "default"
-        if kind == "longrope":
-            rope[layer_type] = _longrope(params, rotary_dim, config, context or facts.max_context)
-        else:
-            inv, scaling = _inv_freq(params, rotary_dim)
-            rope[layer_type] = Rope(inv, scaling)
+        inv, scaling = _inv_freq(params, rotary_dim, config, context or facts.max_context)
+        rope[layer_type] = Rope(inv, scaling)
     scale = (
         float(config.query_pre_attn_scalar) ** -0.5 if gemma else facts.head_dim**-0.5
     )

@@ -155,13 +155,13 @@ def _gguf_mixtral(path: Path, config: Any) -> Any:
     dense Llama: make it the Mixtral config it is."""
     if getattr(config, "model_type", None) != "llama":
         return config
-    from exporter.weights import gguf_expert_count, read_gguf_header
+    from exporter.weights import gguf_model_field
 
-    experts = gguf_expert_count(path)
+    experts = gguf_model_field(path, "expert_count")
     if not experts:
         return config
-    field = read_gguf_header(path).fields.get("llama.expert_used_count")
-    if field is None:
+    used = gguf_model_field(path, "expert_used_count")
+    if used is None:
         raise ExportError(f"{path.name}: {experts} experts a layer but no llama.expert_used_count")
     from transformers import MixtralConfig
 
@@ -169,8 +169,8 @@ def _gguf_mixtral(path: Path, config: Any) -> Any:
     for key in ("model_type", "architectures", "transformers_version", "mlp_bias"):
         values.pop(key, None)
     values.update(
-        num_local_experts=experts,
-        num_experts_per_tok=int(field.parts[field.data[0]][0]),
+        num_local_experts=int(experts),
+        num_experts_per_tok=int(used),
         sliding_window=None,  # not in the file: llama.cpp attends to the whole context
     )
     mixtral = MixtralConfig(**values)

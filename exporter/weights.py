@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from exporter.errors import ExportError
-from exporter.gguf_quant import DenseWeight, Q4KForm, Weight, from_gguf
+from exporter.gguf_quant import DenseWeight, Q4KForm, Weight, from_gguf, weight_shape
 from protos.manifest import GGUFTypeEntry
 
 log = logging.getLogger(__name__)
@@ -156,9 +156,7 @@ class GGUFSource:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         reader = read_gguf_header(path)
         arch_field = reader.fields.get("general.architecture")
-        self.arch = (
-            bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "unknown"
-        )
+        self.arch = arch_field.contents() if arch_field else "unknown"
         self.tensors = {t.name: t for t in reader.tensors}
 
     def has(self, name: str) -> bool:
@@ -201,14 +199,12 @@ class GGUFSource:
         return weight
 
 
-def gguf_expert_count(path: Path) -> int:
-    """The file's ``{architecture}.expert_count`` (0 for a dense model)."""
+def gguf_model_field(path: Path, name: str) -> Any:
+    """The file's scalar ``{architecture}.{name}`` (e.g. ``expert_count``), or None."""
     fields = read_gguf_header(path).fields
     arch = fields.get("general.architecture")
-    if arch is None:
-        return 0
-    field = fields.get(f"{bytes(arch.parts[arch.data[0]]).decode()}.expert_count")
-    return int(field.parts[field.data[0]][0]) if field is not None else 0
+    field = fields.get(f"{arch.contents()}.{name}") if arch is not None else None
+    return field.contents() if field is not None else None
 
 
 def gguf_type_summary(path: Path, form: Q4KForm) -> list[GGUFTypeEntry]:
@@ -342,7 +338,7 @@ class FusedProjections:
             return self.inner.tensor(name)
         fused_name, lo, hi, total = found
         weight: Weight = self.inner.tensor(fused_name)
-        rows = weight.array.shape[0] if isinstance(weight, DenseWeight) else weight.rows
+        rows = weight_shape(weight)[0]
         if rows != total:
             raise ExportError(f"{fused_name}: {rows} rows, the config makes it {total}")
         return weight.take_rows(lo, hi)

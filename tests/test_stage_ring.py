@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -53,87 +53,57 @@ def stop_all(procs: list[Proc]) -> None:
         proc.stop()
 
 
+# The rings the tests start, each once per module: (architecture, stages, layers per stage)
+RINGS: dict[str, tuple[str, int, tuple[float, ...] | None]] = {
+    "qwen": ("qwen2", 2, None),
+    "gemma": ("gemma3", 3, None),
+    # every layer in a sliding window of 5, on the paged backend's block tables
+    "mistral": ("mistral", 2, None),
+    # fused projections read apart, half of each head rotating, every layer sliding
+    "phi3": ("phi3", 2, None),
+    # sparse experts (GatherMatmul) under the paged backend's transformation
+    "moe": ("qwen3_moe", 2, None),
+    # boundaries inside MLPs: [tokens, 2 * hidden] on both hops
+    "cut": ("llama", 3, (1.5, 3.25, 1.25)),
+}
+Ring = tuple[Path, list[str]]
+
+
 @pytest.fixture(scope="module")
-def qwen_ring(
+def ring_of(
     tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[str]]]:
-    export = tiny_export("qwen2", 2)
-    procs, addresses = start_stages(export, tmp_path_factory.mktemp("qwen-ring"))
-    yield export, addresses
+) -> Iterator[Callable[[str], Ring]]:
+    """``ring_of(name)``: the export and stage addresses of RINGS[name], started when first
+    asked for; every ring stops at the end of the module."""
+    started: dict[str, Ring] = {}
+    procs: list[Proc] = []
+
+    def get(name: str) -> Ring:
+        if name not in started:
+            arch, stages, split = RINGS[name]
+            export = tiny_export(arch, stages, split=split)
+            ring_procs, addresses = start_stages(export, tmp_path_factory.mktemp(f"{name}-ring"))
+            procs.extend(ring_procs)
+            started[name] = (export, addresses)
+        return started[name]
+
+    yield get
     stop_all(procs)
 
 
 @pytest.fixture(scope="module")
-def gemma_ring(
-    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[str]]]:
-    export = tiny_export("gemma3", 3)
-    procs, addresses = start_stages(export, tmp_path_factory.mktemp("gemma-ring"))
-    yield export, addresses
-    stop_all(procs)
+def qwen_ring(ring_of: Callable[[str], Ring]) -> Ring:
+    return ring_of("qwen")
 
 
-@pytest.fixture(scope="module")
-def mistral_ring(
-    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[str]]]:
-    """Every layer in a sliding window of 5, on the paged backend's block tables."""
-    export = tiny_export("mistral", 2)
-    procs, addresses = start_stages(export, tmp_path_factory.mktemp("mistral-ring"))
-    yield export, addresses
-    stop_all(procs)
-
-
-@pytest.fixture(scope="module")
-def phi3_ring(
-    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[str]]]:
-    """Fused projections read apart, half of each head rotating, every layer sliding."""
-    export = tiny_export("phi3", 2)
-    procs, addresses = start_stages(export, tmp_path_factory.mktemp("phi3-ring"))
-    yield export, addresses
-    stop_all(procs)
-
-
-@pytest.fixture(scope="module")
-def moe_ring(
-    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[str]]]:
-    """Sparse experts (GatherMatmul) under the paged backend's transformation."""
-    export = tiny_export("qwen3_moe", 2)
-    procs, addresses = start_stages(export, tmp_path_factory.mktemp("moe-ring"))
-    yield export, addresses
-    stop_all(procs)
-
-
-@pytest.fixture(scope="module")
-def cut_ring(
-    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[str]]]:
-    """3 stages whose boundaries fall inside MLPs: [tokens, 2 * hidden] on both hops."""
-    export = tiny_export("llama", 3, split=(1.5, 3.25, 1.25))
-    procs, addresses = start_stages(export, tmp_path_factory.mktemp("cut-ring"))
-    yield export, addresses
-    stop_all(procs)
-
-
-@pytest.mark.parametrize(
-    "ring", ["qwen_ring", "gemma_ring", "mistral_ring", "phi3_ring", "moe_ring", "cut_ring"]
-)
+@pytest.mark.parametrize("ring", list(RINGS))
 def test_ring_equals_chain_and_transformers(
-    ring: str, request: pytest.FixtureRequest, tiny_model: object
+    ring: str, ring_of: Callable[[str], Ring], tiny_model: object
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    export, addresses = request.getfixturevalue(ring)
-    arch = {
-        "qwen_ring": "qwen2",
-        "gemma_ring": "gemma3",
-        "mistral_ring": "mistral",
-        "phi3_ring": "phi3",
-        "moe_ring": "qwen3_moe",
-        "cut_ring": "llama",
-    }[ring]
+    export, addresses = ring_of(ring)
+    arch = RINGS[ring][0]
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch))).eval()  # type: ignore[operator]
     chain = LocalChain(export, EXACT)
 
@@ -154,11 +124,13 @@ def test_ring_equals_chain_and_transformers(
         assert tokens == in_process == expected
 
 
-@pytest.mark.parametrize("ring", ["qwen_ring", "mistral_ring", "phi3_ring", "moe_ring"])
-def test_interleaved_sessions_equal_each_alone(ring: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("ring", ["qwen", "mistral", "phi3", "moe"])
+def test_interleaved_sessions_equal_each_alone(
+    ring: str, ring_of: Callable[[str], Ring]
+) -> None:
     """Sessions decoded together (one paged inference call per step) equal each decoded alone;
     for Mistral and Phi-3 every layer's sliding window is applied per row."""
-    _, addresses = request.getfixturevalue(ring)
+    _, addresses = ring_of(ring)
 
     async def run() -> tuple[list[list[int]], list[list[int]], list[int]]:
         client = PipelineClient(addresses)
