@@ -23,6 +23,12 @@ and a served ring run as they would on the real file (the text is meaningless).
       32 + u8 minimum codes per 32 and an f32 dmin per 256 (experts: 0.75, the exact form),
       Q6_K 1.25 as i8 + f32 scale per 16, Q8_0 1.125, F16 2, F32 4), what a decoded token
       reads, and the export memory the target allows it (1.25 x IR + 1.5 GiB).
+  python benchmarks/gguf_export.py dense-moe EXPORT --out DIR
+      a copy of an MoE export in the dense form: each expert block's one-input Swish becomes
+      the two-input form (beta 1.0), the same arithmetic, which OpenVINO's CPU MoE fusion
+      (ConvertTiledMoeBlockToGatherMatmuls) does not match, so every expert is computed for
+      every token as the tiled graph says; time it against the export with
+      benchmarks/gguf_speed.py to see what the sparse GatherMatmul form saves.
 
 Types follow llama-quantize's Q4_K_M: token_embd Q4_K, output Q6_K, attn_v and ffn_down Q6_K on
 the layers its ``use_more_bits`` picks (the first and last eighth, every third in between), the
@@ -789,6 +795,29 @@ def add_shape_args(p: argparse.ArgumentParser, default: Shape) -> None:
         p.add_argument(f"--{name}", type=kind, default=None, help=f"default {value}")
 
 
+def write_dense_moe(export: Path, out: Path) -> None:
+    import openvino as ov
+    from openvino import opset4
+
+    if out.exists():
+        raise SystemExit(f"{out} exists")
+    shutil.copytree(export, out, ignore=shutil.ignore_patterns("model.bin", "model.xml", "draft"))
+    core = ov.Core()
+    for xml in sorted(export.glob("stage-*/model.xml")):
+        model = core.read_model(xml)
+        swishes = [
+            op for op in model.get_ordered_ops()
+            if op.get_type_name() == "Swish" and op.get_input_size() == 1
+        ]
+        for op in swishes:
+            beta = opset4.constant(np.float32(1.0))
+            op.output(0).replace(opset4.swish(op.input_value(0), beta).output(0))
+        ov.save_model(model, out / xml.parent.name / "model.xml", compress_to_fp16=False)
+        print(f"{xml.parent.name}: {len(swishes)} expert blocks made dense")
+    if not any(out.glob("stage-*/model.xml")):
+        raise SystemExit(f"{export}: no stage-*/model.xml")
+
+
 def shape_from(opts: argparse.Namespace, default: Shape) -> Shape:
     """The default shape with the flags given; head_dim follows hidden / heads unless given."""
     values = asdict(default)
@@ -841,8 +870,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--node-memory", help="the PCs' memory, e.g. 16GB,16GB (sets the stages)")
 
+    d = sub.add_parser("dense-moe", help="a copy of an MoE export, experts computed densely")
+    d.add_argument("export", type=Path)
+    d.add_argument("--out", type=Path, required=True)
+
     opts = parser.parse_args(argv)
-    if opts.command == "write":
+    if opts.command == "dense-moe":
+        write_dense_moe(opts.export, opts.out)
+    elif opts.command == "write":
         default = LLAMA3_8B if opts.model == "llama3-8b" else PLAN_SHAPES[opts.model][1]
         shape = shape_from(opts, default)
         started = time.monotonic()

@@ -81,3 +81,25 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
             kinds = Counter(str(op.get_rt_info()["layerType"].astype(str)) for op in ops)
             assert kinds["GatherMatmul"] == 3 * len(local), f"paged stage {stage.index}: {kinds}"
             assert kinds["PagedAttention"] == stage.num_layers
+
+
+def test_the_benchmarks_dense_moe_form_computes_every_expert_alike(
+    tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``benchmarks/gguf_export.py dense-moe`` (what the sparse form is timed against): the
+    same tokens as the export, with no GatherMatmul left (every expert computed)."""
+    from benchmarks.gguf_export import main as gguf_export_main
+    from stage_node.chain import LocalChain
+    from tests.conftest import EXACT
+
+    export_dir = tiny_export("qwen3_moe", 2)
+    dense_dir = tmp_path_factory.mktemp("dense-moe") / "export"
+    gguf_export_main(["dense-moe", str(export_dir), "--out", str(dense_dir)])
+    for stage in load_manifest(dense_dir).stages:
+        types = runtime_layer_types(str(dense_dir / stage.model_xml))
+        assert types["GatherMatmul"] == 0, f"stage {stage.index}: {types}"
+    prompt = [5, 17, 3, 99, 42, 8, 61]
+    sparse, sparse_logits = LocalChain(export_dir, EXACT).greedy("s", prompt, 16)
+    dense, dense_logits = LocalChain(dense_dir, EXACT).greedy("d", prompt, 16)
+    assert dense == sparse
+    assert abs(dense_logits - sparse_logits).max() < 1e-4

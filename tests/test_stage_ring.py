@@ -63,6 +63,8 @@ RINGS: dict[str, tuple[str, int, tuple[float, ...] | None]] = {
     "phi3": ("phi3", 2, None),
     # sparse experts (GatherMatmul) under the paged backend's transformation
     "moe": ("qwen3_moe", 2, None),
+    # experts in every layer, sliding windows
+    "mixtral": ("mixtral", 2, None),
     # boundaries inside MLPs: [tokens, 2 * hidden] on both hops
     "cut": ("llama", 3, (1.5, 3.25, 1.25)),
 }
@@ -124,7 +126,7 @@ def test_ring_equals_chain_and_transformers(
         assert tokens == in_process == expected
 
 
-@pytest.mark.parametrize("ring", ["qwen", "mistral", "phi3", "moe"])
+@pytest.mark.parametrize("ring", ["qwen", "mistral", "phi3", "moe", "mixtral"])
 def test_interleaved_sessions_equal_each_alone(
     ring: str, ring_of: Callable[[str], Ring]
 ) -> None:
