@@ -56,12 +56,30 @@ class ArchitectureFacts:
         return layer in self.moe_layers
 
 
+# Mixture-of-experts families people ask for that the export does not build, and why: refused
+# with the reason rather than the bare list.
+NOT_YET = {
+    "gpt_oss": "gpt-oss's experts (a fused, interleaved gate_up projection with biases and a "
+    "clamped SwiGLU) do not fuse into GatherMatmul on CPU in OpenVINO 2026.4, so every expert "
+    "would be computed for every token",
+    "qwen2_moe": "Qwen2-MoE's shared expert (with its sigmoid gate beside the routed experts) "
+    "is not built",
+    "deepseek_v2": "DeepSeek's multi-head latent attention and shared experts are not built",
+    "deepseek_v3": "DeepSeek's multi-head latent attention, shared experts and grouped routing "
+    "are not built",
+    "llama4": "Llama 4's shared expert, sigmoid routing and chunked attention are not built",
+}
+
+
 def read_architecture(config: Any) -> ArchitectureFacts:
     """Check that ``config`` is a supported decoder and read its shape facts."""
     model_type = getattr(config, "model_type", None) or "unknown"
     if model_type not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise ExportError(f"architecture {model_type!r} is not supported; supported: {supported}")
+        why = f" ({NOT_YET[model_type]})" if model_type in NOT_YET else ""
+        raise ExportError(
+            f"architecture {model_type!r} is not supported{why}; supported: {supported}"
+        )
     if getattr(config, "attn_logit_softcapping", None):
         raise ExportError(
             f"{model_type}: attention logit soft-capping is not supported by the fused attention"

@@ -101,6 +101,16 @@ def test_bad_input_exits_with_one_line(
         "architecture 'gpt2' is not supported; "
         "supported: gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe",
     )
+    gpt_oss = tmp_path / "gpt-oss"
+    gpt_oss.mkdir()
+    (gpt_oss / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    _expect_error(
+        capsys,
+        ["export", str(gpt_oss), "--out", str(tmp_path / "o4")],
+        "architecture 'gpt_oss' is not supported (gpt-oss's experts (a fused, interleaved "
+        "gate_up projection with biases and a clamped SwiGLU) do not fuse into GatherMatmul on "
+        "CPU in OpenVINO 2026.4",
+    )
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"0")
     _expect_error(capsys, ["export", str(not_gguf), "--out", str(tmp_path / "o3")], "not a .gguf")
