@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from protos import pipeshard_v1_pb2 as pb
-from stage_node.sampling import SampledToken, SamplingParams
+from protos.sampling import SampledToken, SamplingParams
 
 _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT16: np.dtype("<f2"),

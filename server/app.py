@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import hmac
-import json
 import logging
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,52 +22,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common import systemd
+from common.net import check_can_listen, split_listen
+from server.edge import Edge
 from server.engine import Engine
+from server.errors import APIError, error_response, errors_to_api_error
 from server.metrics import GatewayMetrics
+from server.openapi import body_schema, document, operation_responses
 from server.pipeline import PipelineClient, PipelineError
-from server.protocol import (
-    APIError,
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    errors_to_api_error,
-    parse_request,
-)
+from server.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from server.responses import ChatCompletion, Completion, ModelCard, ModelList
 from server.serving import CompletionService
 from server.settings import GatewaySettings
 from server.speculative import DraftProposer, NgramProposer, Proposer
 from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from server.tokenization import codec_from_files, load_codec
-from stage_node import systemd
 from stage_node.runner import RunnerOptions
-from stage_node.settings import check_can_listen, split_listen
 
 log = logging.getLogger(__name__)
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-
-# What each error status of the API means; the OpenAPI schema lists them per operation.
-_ERRORS = {
-    400: "Invalid request: bad JSON, a bad field, or more tokens than the model's context",
-    401: "Missing or wrong API key (Authorization: Bearer KEY)",
-    404: "No such model",
-    413: "Request body over the gateway's limit (--max-body-bytes)",
-    429: "Too many requests queued: retry after Retry-After seconds",
-    503: "The gateway is starting, a stage is down, or the request waited too long in the queue",
-    504: "A pipeline step took longer than the step timeout",
-}
-_BEARER = "bearerAuth"
-_REF_TEMPLATE = "#/components/schemas/{model}"
 
 
 class StageReadiness(BaseModel):
@@ -184,12 +154,6 @@ def make_proposer(settings: GatewaySettings) -> Proposer | None:
     proposer = DraftProposer(settings.draft, options, None)
     log.info("speculative decoding with draft %s on %s", proposer.model_id, settings.draft_device)
     return proposer
-
-
-def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        exc.response(), status_code=exc.status, headers={**exc.headers, **(headers or {})}
-    )
 
 
 def gateway_server(app: FastAPI, log_level: str) -> GatewayServer:
@@ -315,29 +279,29 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     app.state.gateway = gateway
     keys = [k.get_secret_value().encode() for k in settings.api_keys]
     app.add_middleware(Edge, keys=keys, max_body=settings.max_body_bytes, metrics=gateway.metrics)
-    _document(app, secured=bool(keys))
+    document(app, secured=bool(keys))
     auth = (401,) if keys else ()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(errors_to_api_error(exc.errors(), strip_body=True))
+        return error_response(errors_to_api_error(exc.errors(), strip_body=True))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         # Keep the exception's headers: a 405 must say which methods are allowed (Allow).
-        return _error(
+        return error_response(
             APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
         )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in request %s", getattr(request.state, "request_id", "?"))
-        return _error(APIError(500, "internal error", type="server_error"))
+        return error_response(APIError(500, "internal error", type="server_error"))
 
     def service() -> CompletionService:
         if gateway.service is None:
@@ -363,21 +327,23 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
 
     @app.post(
         "/v1/chat/completions",
-        openapi_extra=_body_schema(ChatCompletionRequest),
-        responses=_responses(ChatCompletion, generation_errors, stream=True),
+        openapi_extra=body_schema(ChatCompletionRequest),
+        responses=operation_responses(ChatCompletion, generation_errors, stream=True),
     )
     async def chat_completions(request: Request) -> Response:
         return await run(request, ChatCompletionRequest)
 
     @app.post(
         "/v1/completions",
-        openapi_extra=_body_schema(CompletionRequest),
-        responses=_responses(Completion, generation_errors, stream=True),
+        openapi_extra=body_schema(CompletionRequest),
+        responses=operation_responses(Completion, generation_errors, stream=True),
     )
     async def completions(request: Request) -> Response:
         return await run(request, CompletionRequest)
 
-    @app.get("/v1/models", response_model=ModelList, responses=_responses(None, (*auth, 503)))
+    @app.get(
+        "/v1/models", response_model=ModelList, responses=operation_responses(None, (*auth, 503))
+    )
     async def models() -> dict[str, Any]:
         svc = service()
         return ModelList(data=[ModelCard(id=svc.model, created=gateway.created)]).model_dump()
@@ -385,7 +351,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     @app.get(
         "/v1/models/{model_id:path}",
         response_model=ModelCard,
-        responses=_responses(None, (*auth, 404, 503)),
+        responses=operation_responses(None, (*auth, 404, 503)),
     )
     async def model(model_id: str) -> dict[str, Any]:
         svc = service()
@@ -433,77 +399,6 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     return app
 
 
-class Edge:
-    """The gateway's edge, before any route work: the request id, authentication, the
-    body-size limit, the request counter and the access log.
-
-    A plain ASGI middleware: an ``@app.middleware("http")`` one would pass every streamed
-    chunk through a task and a memory stream of its own, and hide the client's disconnect
-    from the route. The request id (the client's ``x-request-id`` when it is well formed,
-    else a new one) is in ``request.state.request_id`` and in every response's headers; the
-    log line and the counter come when the response has been sent (a stream: its end).
-    """
-
-    def __init__(self, app: ASGIApp, keys: list[bytes], max_body: int, metrics: GatewayMetrics):
-        self.app, self.keys, self.max_body, self.metrics = app, keys, max_body, metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        incoming = headers.get("x-request-id", "")
-        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        started = time.perf_counter()
-        status = 500  # what the client gets when the route raises past its handlers
-        tag = (b"x-request-id", request_id.encode())
-
-        async def tagged(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), tag]}
-            await send(message)
-
-        try:
-            refusal = self._refusal(scope["path"], headers)
-            await (refusal or self.app)(scope, receive, tagged)
-        finally:
-            route = scope.get("route")
-            endpoint = route.path if route is not None else "other"
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            log.info(
-                "request %s %s %s -> %d in %.1f ms",
-                request_id,
-                scope["method"],
-                scope["path"],
-                status,
-                (time.perf_counter() - started) * 1000,
-            )
-
-    def _refusal(self, path: str, headers: Headers) -> JSONResponse | None:
-        """A 401 without a valid key (on /v1/ when keys are set), a 413 for a declared body
-        over the limit; None to go on."""
-        if self.keys and path.startswith("/v1/"):
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            presented = token.strip().encode() if scheme.lower() == "bearer" else b""
-            # Compare with every key, always, so the time taken says nothing about which matched.
-            matched = False
-            for key in self.keys:
-                matched |= hmac.compare_digest(presented, key)
-            if not matched:
-                message = "Incorrect API key provided." if presented else "Missing API key."
-                return _error(
-                    APIError(401, message, type="invalid_request_error", code="invalid_api_key"),
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return _error(APIError(413, f"request body over {self.max_body} bytes"))
-        return None
-
-
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run ``work``; cancel it (and so free its queue place or sessions) if the client leaves."""
     task = asyncio.ensure_future(work)
@@ -544,93 +439,3 @@ async def _read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:  # the client left before it sent the whole body
         raise APIError(499, "client closed the request") from None
     return b"".join(chunks)
-
-
-_REQUEST_MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest]
-
-
-@functools.cache
-def _request_schemas() -> tuple[dict[type[BaseModel], dict[str, Any]], dict[str, Any]]:
-    """References to the request models and their component schemas (with nested models)."""
-    refs, schema = models_json_schema(
-        [(model, "validation") for model in _REQUEST_MODELS], ref_template=_REF_TEMPLATE
-    )
-    return {model: refs[(model, "validation")] for model in _REQUEST_MODELS}, schema["$defs"]
-
-
-def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """Document the JSON body in the OpenAPI schema (the route parses it itself, for 400s)."""
-    refs, _ = _request_schemas()
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": refs[model]}},
-        }
-    }
-
-
-def _responses(
-    ok: type[BaseModel] | None, errors: tuple[int, ...], stream: bool = False
-) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI responses: the 200 (a model, and with ``stream`` also an SSE stream) and the
-    error statuses, each with the OpenAI error envelope."""
-    out: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in errors
-    }
-    if ok is not None:
-        out[200] = {"model": ok, "description": "Successful Response"}
-    if stream:
-        out[200]["description"] = "The completion; with stream=true, server-sent events"
-        out[200]["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
-    return out
-
-
-# One server-sent event of a streamed completion (OpenAPI before 3.2: `schema` is per event).
-_SSE_EVENT = {
-    "type": "object",
-    "required": ["data"],
-    "properties": {
-        "data": {
-            "type": "string",
-            "description": "a JSON chunk (chat.completion.chunk or text_completion), an "
-            '{"error": {...}} envelope if generation fails after the 200, and last [DONE]',
-        },
-        "event": {"type": "string"},
-        "id": {"type": "string"},
-        "retry": {"type": "integer"},
-    },
-}
-
-
-def _document(app: FastAPI, secured: bool) -> None:
-    """Make the generated OpenAPI schema tell the truth about the API.
-
-    * the request bodies' models are components (their nested ``$ref`` resolve);
-    * no 422 (validation errors are 400 in the OpenAI envelope, listed per operation);
-    * with API keys, the ``/v1`` operations need Bearer authentication.
-    """
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = generate()
-        components = schema.setdefault("components", {})
-        schemas = components.setdefault("schemas", {})
-        _, defs = _request_schemas()
-        for name, definition in defs.items():
-            if schemas.setdefault(name, definition) != definition:
-                raise RuntimeError(f"two different OpenAPI schemas are named {name}")
-        for path, item in schema["paths"].items():
-            for operation in item.values():
-                operation["responses"].pop("422", None)
-                if secured and path.startswith("/v1/"):
-                    operation["security"] = [{_BEARER: []}]
-        if "/HTTPValidationError" not in json.dumps(schema["paths"]):
-            schemas.pop("HTTPValidationError", None)
-            schemas.pop("ValidationError", None)
-        if secured:
-            components["securitySchemes"] = {_BEARER: {"type": "http", "scheme": "bearer"}}
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]

@@ -22,20 +22,12 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from protos.sampling import SampledToken, SamplingParams
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient, PipelineError
-from server.scheduler import (
-    Phase,
-    QueueFull,
-    QueueTimeout,
-    Release,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    Work,
-)
+from server.scheduler import Scheduler, SchedulerConfig
+from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
 from server.speculative import Acceptance, Proposer, SharedK
-from stage_node.sampling import SampledToken, SamplingParams
 from stage_node.speculative import DraftDistribution
 
 __all__ = [

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import grpc
 
+from common.net import local_address
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata, open_channel
 from server.settings import GatewaySettings
-from stage_node.settings import StageSettings, hung_call, local_address
+from stage_node.settings import StageSettings, hung_call
 
 STAGE_ENV = "PIPESHARD_STAGE_"
 GATEWAY_ENV = "PIPESHARD_GATEWAY_"

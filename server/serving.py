@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from protos.sampling import SampledToken
 from server.detokenizer import IncrementalDetokenizer
 from server.engine import (
     Engine,
@@ -27,28 +28,30 @@ from server.engine import (
     SchedulingFailed,
     ShuttingDown,
 )
+from server.errors import APIError
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineError
-from server.protocol import (
-    APIError,
-    ChatChoiceLogprobs,
-    ChatCompletion,
-    ChatCompletionChoice,
+from server.requests import (
     ChatCompletionRequest,
-    ChatResponseMessage,
-    ChatTokenLogprob,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    FinishReason,
-    Usage,
-    chat_token_logprob,
     effective_max_tokens,
     include_usage,
     stop_list,
     template_messages,
     to_sampling_params,
+)
+from server.responses import (
+    ChatChoiceLogprobs,
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    FinishReason,
+    Usage,
+    chat_token_logprob,
 )
 from server.sse import (
     chat_content_chunk,
@@ -63,7 +66,6 @@ from server.sse import (
     sse_event,
 )
 from server.tokenization import TextCodec
-from stage_node.sampling import SampledToken
 
 log = logging.getLogger(__name__)
 

@@ -16,15 +16,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from common.net import check_listen, check_tls_pair, default_ov_cache, local_address, split_listen
 from server.hosts import stages_here
 from server.scheduler import SchedulerConfig
-from stage_node.settings import (
-    check_listen,
-    check_tls_pair,
-    default_ov_cache,
-    local_address,
-    split_listen,
-)
 
 # Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
 # 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.

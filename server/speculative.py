@@ -26,14 +26,9 @@ from typing import Protocol
 import numpy as np
 
 from protos.manifest import load_manifest
+from protos.sampling import SamplingParams
 from stage_node.runner import RunnerOptions, ShardRunner
-from stage_node.sampling import (
-    SamplingParams,
-    _adjust,
-    _inverse_cdf,
-    greedy_token,
-    probabilities,
-)
+from stage_node.sampling import _adjust, _inverse_cdf, greedy_token, probabilities
 from stage_node.speculative import DraftDistribution, uniform
 
 DRAFT_TOP_K = 64  # the draft's sampling distribution is truncated to this many tokens
@@ -62,9 +57,10 @@ class Proposer(Protocol):
 
 # Tokens the draft takes in per call. Prompts and catch-ups (after plain steps) longer than
 # this go in over several calls, so that other requests' proposals, which wait for the one draft
-# thread, run in between instead of behind a whole long prompt. Measured on 2 cores (README,
-# "Speculative decoding"): a streaming user's longest pause while another sent a 2,535-token
-# prompt was 16-17 s in one call, 4.1-5.3 s in chunks of 256, 1.4-2.0 s in chunks of 64.
+# thread, run in between instead of behind a whole long prompt. Measured on 2 cores
+# (docs/scheduling.md, "Long prompts and the draft"): a streaming user's longest pause while
+# another sent a 2,535-token prompt was 16-17 s in one call, 4.1-5.3 s in chunks of 256,
+# 1.4-2.0 s in chunks of 64.
 DRAFT_CHUNK = 64
 
 

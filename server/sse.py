@@ -23,8 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from server.protocol import (
-    APIError,
+from server.errors import APIError
+from server.responses import (
     ChatChoiceLogprobs,
     ChatChunkChoice,
     ChatCompletionChunk,

@@ -22,10 +22,11 @@ from typing import Protocol
 
 import numpy as np
 
+from protos.sampling import SampledToken, SamplingParams
 from stage_node.metrics import StageMetrics
 from stage_node.paged import PagedRunner, PagedStep
 from stage_node.runner import InvalidStageInput, ShardBase, ShardRunner
-from stage_node.sampling import SampledToken, SamplingParams, sample
+from stage_node.sampling import sample
 from stage_node.speculative import DraftDistribution, verify
 
 

@@ -35,15 +35,14 @@ distribution, so the wider look gives the identical token, only slower.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from protos.sampling import SampledToken, SamplingParams
+
 __all__ = [
-    "SampledToken",
-    "SamplingParams",
     "annotate",
     "greedy_token",
     "probabilities",
@@ -54,70 +53,10 @@ FloatArray = npt.NDArray[np.float32]
 IdArray = npt.NDArray[np.int64]
 ProbArray = npt.NDArray[np.float64]
 
-MAX_TOP_LOGPROBS = 20
 # Tokens the nucleus / plain-temperature paths look at first (then 16x more, then all).
 NUCLEUS_CANDIDATES = 512
 _GROUP = 64  # stride-group size of the top-k prefilter
 _SEED_MOD = 1 << 64
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings (OpenAI semantics). Call :meth:`validate` once per request."""
-
-    temperature: float = 0.0  # 0 = greedy (argmax; ties -> lowest id)
-    top_p: float = 1.0  # nucleus, (0, 1]
-    top_k: int = 0  # 0 = off
-    seed: int | None = None  # None: fixed seed 0; the gateway picks a random one per request
-    top_logprobs: int = 0  # 0..20 alternatives to report
-    logprobs: bool = False  # report the chosen token's logprob
-    logit_bias: Mapping[int, float] = field(default_factory=dict)  # added before everything
-    presence_penalty: float = 0.0  # subtracted once from every token in `history`
-    frequency_penalty: float = 0.0  # subtracted once per occurrence in `history`
-
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first out-of-range parameter."""
-        _check_range("temperature", self.temperature, 0.0, 2.0)
-        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (_is_int(self.top_k) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and not (
-            _is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 63)
-        ):
-            raise ValueError(f"seed must be a 64-bit signed integer or None, got {self.seed!r}")
-        if not (_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(
-                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
-                f"got {self.top_logprobs!r}"
-            )
-        if not isinstance(self.logprobs, bool | np.bool_):
-            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        for token, bias in self.logit_bias.items():
-            if not (_is_int(token) and 0 <= token < vocab_size):
-                raise ValueError(
-                    f"logit_bias token id {token!r} is outside the vocabulary [0, {vocab_size})"
-                )
-            if not (_is_real(bias) and -100.0 <= bias <= 100.0):
-                raise ValueError(
-                    f"logit_bias value for token {token} must be in [-100, 100], got {bias!r}"
-                )
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """A chosen token with the logprobs that were asked for.
-
-    ``logprob`` is None unless ``logprobs`` or ``top_logprobs > 0`` was requested. Both it and
-    ``top`` are log-softmax values of the logits after bias and penalties, before temperature and
-    truncation. ``top`` is sorted by logprob desc (ties: lowest id first), ``top_logprobs`` long.
-    """
-
-    token_id: int
-    logprob: float | None
-    top: list[tuple[int, float]]
 
 
 def sample(
@@ -180,21 +119,6 @@ def probabilities(
 
 
 # --- internals -------------------------------------------------------------------------------
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
-        value, bool | np.bool_
-    )
-
-
-def _check_range(name: str, value: float, low: float, high: float) -> None:
-    if not (_is_real(value) and low <= value <= high):  # False for NaN too
-        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
 
 
 def _seed_key(seed: int | None) -> int:

@@ -14,21 +14,16 @@ import grpc
 import numpy as np
 from prometheus_client import start_http_server
 
+from common import systemd
+from common.net import bind_problem, check_can_listen
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.manifest import MANIFEST_NAME, manifest_hash
 from protos.transport import CHANNEL_OPTIONS, MANIFEST_KEY, OPEN_METHODS, SECRET_KEY
-from stage_node import systemd
 from stage_node.metrics import StageMetrics
 from stage_node.paged import GIB, PagedRunner, PagedStep
 from stage_node.runner import RunnerOptions, ShardRunner
 from stage_node.service import StageService
-from stage_node.settings import (
-    StageSettings,
-    bind_problem,
-    check_can_listen,
-    hung_call,
-    pin_process,
-)
+from stage_node.settings import StageSettings, hung_call, pin_process
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from protos.sampling import SampledToken, SamplingParams
 from stage_node.sampling import (
-    SampledToken,
-    SamplingParams,
     _adjust,
     _distribution,
     _inverse_cdf,

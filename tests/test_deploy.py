@@ -318,7 +318,7 @@ def test_gateway_env_example_makes_valid_settings(monkeypatch: pytest.MonkeyPatc
 
 
 def test_commands_without_flags_parse() -> None:
-    from server.cli import build_parser
+    from pipeshard.cli import build_parser
 
     for command in ("stage", "serve"):
         assert build_parser().parse_args([command]).command == command

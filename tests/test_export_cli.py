@@ -13,8 +13,8 @@ from typing import Any
 import openvino as ov
 import pytest
 
+from pipeshard.cli import main
 from protos.manifest import load_manifest, manifest_hash, sha256_file
-from server.cli import main
 from tests.conftest import ExportFn
 
 

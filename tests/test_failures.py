@@ -21,7 +21,7 @@ import pytest
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata
-from server.scheduler import Work
+from server.sequence import Work
 from tests.conftest import EXACT, ExportFn
 from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_stages
 from tests.test_gateway import MESSAGES, export_chat_model

@@ -24,8 +24,8 @@ import pytest
 from exporter.errors import ExportError
 from exporter.export import ExportOptions, export_model
 from exporter.verify import verify_export
+from pipeshard.cli import main
 from protos.manifest import ShardManifest, load_manifest, manifest_hash
-from server.cli import main
 from stage_node.chain import LocalChain
 from stage_node.runner import RunnerOptions
 

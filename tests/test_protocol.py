@@ -14,33 +14,38 @@ from openai.types.chat import ChatCompletion as OpenAIChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from pydantic import BaseModel, ValidationError
 
-from server.protocol import (
+from protos.sampling import SamplingParams
+from server.errors import (
     APIError,
+    errors_to_api_error,
+    model_not_found,
+    validation_error_to_api_error,
+)
+from server.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    effective_max_tokens,
+    include_usage,
+    message_text,
+    parse_request,
+    stop_list,
+    template_messages,
+    to_sampling_params,
+)
+from server.responses import (
     ChatChoiceLogprobs,
     ChatCompletion,
     ChatCompletionChoice,
-    ChatCompletionRequest,
     ChatResponseMessage,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     ModelCard,
     ModelList,
     TopLogprob,
     Usage,
     chat_token_logprob,
-    effective_max_tokens,
-    errors_to_api_error,
-    include_usage,
-    message_text,
-    model_not_found,
     new_id,
-    parse_request,
-    stop_list,
-    template_messages,
-    to_sampling_params,
-    validation_error_to_api_error,
 )
 from server.sse import (
     chat_content_chunk,
@@ -54,7 +59,6 @@ from server.sse import (
     sse_error,
     sse_event,
 )
-from stage_node.sampling import SamplingParams
 
 try:  # the HTTP library the installed openai client is built on
     import httpx2 as httpx

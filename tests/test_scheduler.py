@@ -6,18 +6,8 @@ import random
 
 import pytest
 
-from server.scheduler import (
-    MAX_SESSION_LOSSES,
-    Phase,
-    QueueFull,
-    QueueTimeout,
-    Release,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    Work,
-    chunk_end,
-)
+from server.scheduler import MAX_SESSION_LOSSES, Scheduler, SchedulerConfig, chunk_end
+from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
 
 EOS = 0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import main
+from pipeshard.cli import main
 from server.settings import GatewaySettings
 from stage_node.settings import StageSettings
 from tests.conftest import ExportFn, make_certificates

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from protos.sampling import SamplingParams
 from server.speculative import Acceptance, AdaptiveK, NgramProposer, SharedK, StepCost
-from stage_node.sampling import SamplingParams, probabilities, sample
+from stage_node.sampling import probabilities, sample
 from stage_node.speculative import verify
 
 GREEDY = SamplingParams()

@@ -16,13 +16,14 @@ import pytest
 
 from exporter.export import ExportOptions, export_model
 from protos.manifest import WeightSpec, load_manifest
+from protos.sampling import SamplingParams
 from server.engine import Engine, GenerationRequest
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient
-from server.scheduler import Phase, SchedulerConfig
+from server.scheduler import SchedulerConfig
+from server.sequence import Phase
 from server.speculative import DRAFT_CHUNK, DraftProposer, NgramProposer, Proposal, Proposer
 from stage_node.chain import LocalChain
-from stage_node.sampling import SamplingParams
 from tests.conftest import EXACT
 from tests.processes import start_gateway, start_stages
 from tests.tiny_models import CHAT_TEMPLATE, make_draft, make_model

@@ -1,26 +1,17 @@
-"""The OpenAI-compatible wire protocol: request and response models, errors, and helpers.
-
-Requests (:class:`ChatCompletionRequest`, :class:`CompletionRequest`) follow the OpenAI spec as
-described in ``/work/shared/notes/openai-api.md``:
+"""The OpenAI-compatible requests (:class:`ChatCompletionRequest`, :class:`CompletionRequest`),
+as described in ``/work/shared/notes/openai-api.md``, and what the gateway reads from them:
 
 * unknown extra fields are ignored, nearly every optional field accepts ``null``;
 * numbers and booleans are strict (``"3"``, ``3.0`` or ``true`` are not a valid ``max_tokens``);
-* out-of-range values are rejected; :func:`parse_request` / :func:`validation_error_to_api_error`
-  turn any failure into an :class:`APIError` 400 ``invalid_request_error`` whose ``param`` is the
-  path of the first failing field (``"temperature"``, ``"messages[0].role"``);
+* out-of-range values are rejected; :func:`parse_request` turns any failure into an
+  :class:`~server.errors.APIError` 400 ``invalid_request_error`` whose ``param`` is the path of
+  the first failing field;
 * so is a body nested deeper than ``MAX_JSON_DEPTH`` or holding a string that is not Unicode
   (a lone surrogate such as ``"\\ud800"``, which JSON can carry).
 
 Union-typed fields (message ``content``, ``stop``, ``prompt``, ``logit_bias``) are checked by
 ``before`` validators so that an error names the field itself with one readable message, never
 one error per union member; their JSON schema (the OpenAPI document) says what those accept.
-
-Responses serialize (``model_dump_json()``) to exactly the JSON the ``openai`` Python client
-parses: a chat message always carries ``"refusal": null``, chunk choices carry ``"logprobs"``
-and ``"finish_reason"`` (``null`` until the last one), every chunk carries ``"usage"`` (``null``
-except on the usage chunk), and a streamed ``delta`` holds only the keys that are set (the last
-choice chunk has ``"delta": {}``). Non-finite logprobs are reported as ``-9999.0``, as OpenAI
-does, so the JSON stays valid.
 """
 
 from __future__ import annotations
@@ -28,16 +19,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -45,51 +33,12 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
-    model_serializer,
 )
 
-from stage_node.sampling import SamplingParams
+from protos.sampling import SamplingParams
+from server.errors import APIError, param_path, short_json, validation_error_to_api_error
 
-__all__ = [
-    "APIError",
-    "ChatChoiceLogprobs",
-    "ChatChunkChoice",
-    "ChatCompletion",
-    "ChatCompletionChoice",
-    "ChatCompletionChunk",
-    "ChatCompletionRequest",
-    "ChatDelta",
-    "ChatMessage",
-    "ChatResponseMessage",
-    "ChatTokenLogprob",
-    "Completion",
-    "CompletionChoice",
-    "CompletionChunk",
-    "CompletionChunkChoice",
-    "CompletionLogprobs",
-    "CompletionRequest",
-    "ErrorBody",
-    "ErrorResponse",
-    "FinishReason",
-    "ModelCard",
-    "ModelList",
-    "StreamOptions",
-    "TextContentPart",
-    "TopLogprob",
-    "Usage",
-    "chat_token_logprob",
-    "effective_max_tokens",
-    "errors_to_api_error",
-    "include_usage",
-    "message_text",
-    "model_not_found",
-    "new_id",
-    "parse_request",
-    "stop_list",
-    "template_messages",
-    "to_sampling_params",
-    "validation_error_to_api_error",
-]
+_Model = TypeVar("_Model", bound=BaseModel)
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -100,11 +49,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 LOGIT_BIAS_LIMIT = 100.0
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (a real request needs about 5)
-UNLIKELY_LOGPROB = -9999.0  # what OpenAI reports for a logprob that is -inf
-OWNER = "pipeshard"
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
-FinishReason = Literal["stop", "length"]
 
 # Strict scalars: JSON "3", 3.0 or true are not accepted where an integer is expected.
 PositiveInt32 = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
@@ -139,161 +85,6 @@ _PROMPT_SCHEMA = {
         {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
     ]
 }
-
-
-def _finite_logprob(value: float) -> float:
-    return value if math.isfinite(value) else UNLIKELY_LOGPROB
-
-
-Logprob = Annotated[float, AfterValidator(_finite_logprob)]
-
-
-def new_id(prefix: str) -> str:
-    """A fresh response id such as ``chatcmpl-<32 hex>`` or ``cmpl-<32 hex>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-# --- errors ------------------------------------------------------------------------------------
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
-
-
-class APIError(Exception):
-    """An error to send as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.headers = headers or {}
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(
-            error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
-        )
-
-    def response(self) -> dict[str, Any]:
-        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return self.body().model_dump()
-
-    def __repr__(self) -> str:
-        return (
-            f"APIError(status={self.status}, message={self.message!r}, type={self.type!r}, "
-            f"param={self.param!r}, code={self.code!r})"
-        )
-
-
-def model_not_found(model: str) -> APIError:
-    """404 for an unknown ``model`` (policy: 404 ``model_not_found``, as OpenAI answers)."""
-    return APIError(
-        404,
-        f"The model `{model}` does not exist.",
-        type="invalid_request_error",
-        param="model",
-        code="model_not_found",
-    )
-
-
-# Location items pydantic adds for union members and dict keys; they are not part of the path.
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
-_INSTANCE_OF = re.compile(r" or instance of \w+")
-
-
-def _param_path(loc: Sequence[int | str]) -> str | None:
-    path = ""
-    for item in loc:
-        if isinstance(item, int):
-            path += f"[{item}]"
-        elif item == "[key]" or _UNION_TAG.match(item):
-            continue
-        else:
-            path += f".{item}" if path else item
-    return path or None
-
-
-def _short_json(value: Any, limit: int = 80) -> str:
-    try:
-        text = json.dumps(value, ensure_ascii=False, default=repr)
-    except ValueError:  # NaN / circular
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _describe(error: Mapping[str, Any], param: str | None) -> str:
-    kind = str(error.get("type", ""))
-    ctx = error.get("ctx") or {}
-    name = f"'{param}'" if param else "the request body"
-    if kind == "missing":
-        return f"Missing required parameter: {name}."
-    if kind == "json_invalid":
-        return "We could not parse the JSON body of your request: it is not valid JSON."
-    if kind == "value_error" and "error" in ctx:
-        text = str(ctx["error"]).rstrip()
-        return f"Invalid value for {name}: {text}{'' if text.endswith('.') else '.'}"
-    got = _short_json(error.get("input"))
-    if kind == "too_short":
-        return (
-            f"Invalid value for {name}: expected at least {ctx.get('min_length')} item(s), "
-            f"got {ctx.get('actual_length')}."
-        )
-    if kind == "too_long":
-        return (
-            f"Invalid value for {name}: expected at most {ctx.get('max_length')} item(s), "
-            f"got {ctx.get('actual_length')}."
-        )
-    msg = _INSTANCE_OF.sub("", str(error.get("msg", "invalid value")))
-    msg = msg[:1].lower() + msg[1:]
-    return f"Invalid value for {name}: {msg}, got {got}."
-
-
-def errors_to_api_error(errors: Sequence[Mapping[str, Any]], strip_body: bool = False) -> APIError:
-    """A 400 for pydantic-style error dicts (``exc.errors()``), naming the first one.
-
-    ``strip_body`` drops a leading ``"body"`` location item, as in FastAPI's
-    ``RequestValidationError.errors()``.
-    """
-    if not errors:
-        return APIError(400, "Invalid request.")
-    first = errors[0]
-    loc = list(first.get("loc", ()))
-    if strip_body and loc and loc[0] == "body":
-        loc = loc[1:]
-    if first.get("type") == "json_invalid":
-        loc = []
-    param = _param_path(loc)
-    message = _describe(first, param)
-    if len(errors) > 1:
-        more = len(errors) - 1
-        message += f" ({more} more error{'s' if more > 1 else ''} in the request.)"
-    return APIError(400, message, param=param)
-
-
-def validation_error_to_api_error(exc: ValidationError) -> APIError:
-    """A 400 ``invalid_request_error`` naming the first failing field (``param`` = its path)."""
-    return errors_to_api_error(exc.errors(include_url=False))
-
-
-_Model = TypeVar("_Model", bound=BaseModel)
 
 
 def _reject_constant(name: str) -> Any:
@@ -342,7 +133,7 @@ def _check_text(text: str, loc: tuple[int | str, ...]) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        param = _param_path(loc)
+        param = param_path(loc)
         name = f"'{param}'" if param else "the request body"
         bad = text[exc.start]
         raise APIError(
@@ -407,12 +198,11 @@ class ChatMessage(_Request):
             )
         for i, part in enumerate(value):
             if not isinstance(part, Mapping):
-                raise ValueError(f"content part {i} must be an object, got {_short_json(part)}")
+                raise ValueError(f"content part {i} must be an object, got {short_json(part)}")
             kind = part.get("type")
             if kind != "text":
                 raise ValueError(
-                    f"content part {i} has type {_short_json(kind)}: only 'text' parts are "
-                    "supported"
+                    f"content part {i} has type {short_json(kind)}: only 'text' parts are supported"
                 )
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"content part {i} must have a string 'text'")
@@ -433,7 +223,7 @@ def _check_stop(value: Any) -> Any:
         raise ValueError(f"stop may hold at most {MAX_STOP} sequences, got {len(items)}")
     for item in items:
         if not isinstance(item, str):
-            raise ValueError(f"stop sequences must be strings, got {_short_json(item)}")
+            raise ValueError(f"stop sequences must be strings, got {short_json(item)}")
         if not item:
             raise ValueError("stop sequences must not be empty")
     return value
@@ -449,7 +239,7 @@ def _check_logit_bias(value: Any) -> Any:
         token = _token_key(key)
         if token is None:
             raise ValueError(
-                f"logit_bias keys must be token ids (integers as strings), got {_short_json(key)}"
+                f"logit_bias keys must be token ids (integers as strings), got {short_json(key)}"
             )
         if isinstance(bias, bool) or not isinstance(bias, int | float):
             raise ValueError(f"logit_bias value for token {token} must be a number")
@@ -548,7 +338,7 @@ class CompletionRequest(_SamplingRequest):
         for item in value:
             if isinstance(item, bool) or not isinstance(item, int) or item < 0:
                 raise ValueError(
-                    f"prompt token ids must be non-negative integers, got {_short_json(item)}"
+                    f"prompt token ids must be non-negative integers, got {short_json(item)}"
                 )
         return value
 
@@ -677,164 +467,3 @@ def to_sampling_params(req: AnyRequest, vocab_size: int | None = None) -> Sampli
             param = next((p for p in _PARAM_NAMES if text.startswith(p)), None)
             raise APIError(400, f"Invalid value for '{param}': {text}", param=param) from None
     return params
-
-
-# --- responses ---------------------------------------------------------------------------------
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: Logprob
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(BaseModel):
-    token: str
-    logprob: Logprob
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-def chat_token_logprob(
-    raw: bytes, logprob: float, top: Sequence[tuple[bytes, float]] = ()
-) -> ChatTokenLogprob:
-    """A chat logprob entry from raw token bytes (possibly half a UTF-8 character).
-
-    ``token`` is their lossy UTF-8 decoding, ``bytes`` the exact bytes; ``top`` is
-    ``(raw bytes, logprob)`` pairs, most probable first.
-    """
-    return ChatTokenLogprob(
-        token=raw.decode("utf-8", errors="replace"),
-        logprob=logprob,
-        bytes=list(raw),
-        top_logprobs=[
-            TopLogprob(token=t.decode("utf-8", errors="replace"), logprob=lp, bytes=list(t))
-            for t, lp in top
-        ],
-    )
-
-
-class ChatChoiceLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-    refusal: None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: None = None
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    """A streamed delta; serializes only the keys that are set (``{}`` on the last chunk)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        return {key: value for key, value in data.items() if value is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy logprobs: parallel lists, one entry per generated token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Logprob] = Field(default_factory=list)
-    top_logprobs: list[dict[str, Logprob]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class CompletionChunkChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = OWNER
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from server.options import comma_list, comma_numbers, parse_properties
+from pipeshard.arguments import COMMON, add_export_parser, export_options
+from server.options import parse_properties
 
 if TYPE_CHECKING:
-    from exporter.export import ExportOptions
     from stage_node.runner import RunnerOptions
 
 
@@ -56,107 +56,6 @@ def _runner_options(args: argparse.Namespace) -> RunnerOptions:
     )
 
 
-def _export_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export", parents=[_COMMON], help="split a model into stateful OpenVINO stage shards"
-    )
-    p.add_argument("model", help="Hugging Face folder, .gguf file, or a built-in model name")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--stages", type=int, default=None, help="number of stages (default 1)")
-    p.add_argument(
-        "--split",
-        type=comma_numbers,
-        default=None,
-        help="layers per stage, e.g. 14,14; a fraction cuts inside a layer's MLP, e.g. 15.7,12.3",
-    )
-    p.add_argument(
-        "--node-memory",
-        type=comma_list,
-        default=None,
-        help="memory budget per node, e.g. 16GB,8GB: layers are split to fit",
-    )
-    p.add_argument(
-        "--weights",
-        choices=["auto", "gguf", "fp32", "fp16", "int8", "int4"],
-        default="auto",
-        help="gguf: a GGUF file's own quantized blocks, as they are (auto's choice for a .gguf); "
-        "int4/int8: NNCF compression (auto's choice for a Hugging Face folder: int4); "
-        "fp16/fp32: plain floats",
-    )
-    p.add_argument(
-        "--gguf-form",
-        choices=["split", "exact"],
-        default="split",
-        help="--weights gguf: how blocks with a minimum (Q4_K, Q5_K, ...) are kept: split "
-        "(default; exact, the minimum as a small matmul of its own), exact (f32 zero points, "
-        "slower on CPU)",
-    )
-    p.add_argument(
-        "--stage",
-        type=int,
-        default=None,
-        help="export only stage K of the plan (+ manifest and tokenizer), reading only its "
-        "tensors: each PC builds its own stage into the same --out",
-    )
-    p.add_argument("--group-size", type=int, default=128, help="int4 group size (-1: per channel)")
-    p.add_argument("--sym", action="store_true", help="symmetric int4 (default asymmetric)")
-    p.add_argument("--draft", default=None, help="draft model exported beside the target")
-    p.add_argument(
-        "--no-beam-idx",
-        action="store_true",
-        help="leave out the beam_idx Gather (benchmark control: no KV-cache fusion)",
-    )
-    p.add_argument("--max-context", type=int, default=None, help="override the maximum context")
-    p.add_argument(
-        "--plan-context",
-        type=int,
-        default=None,
-        help="context length for the KV memory estimate (default: the maximum context)",
-    )
-    p.add_argument("--cache-dir", type=Path, default=None, help="download cache (built-in models)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
-    p.add_argument(
-        "--reuse",
-        action="store_true",
-        help="do nothing if the output folder already holds this export; else (re)export",
-    )
-    p.add_argument("--quiet", action="store_true", help="no plan, no progress bars")
-
-
-def export_options(args: argparse.Namespace) -> ExportOptions:
-    """`pipeshard export`'s parsed arguments as the exporter's options."""
-    from exporter.export import ExportOptions
-    from exporter.plan import parse_size
-    from protos.manifest import WeightSpec
-
-    int4 = args.weights == "int4"
-    weights = None  # auto: decided by the source
-    if args.weights != "auto":
-        weights = WeightSpec(
-            format=args.weights,
-            group_size=args.group_size if int4 else None,
-            symmetric=args.sym if int4 else None,
-        )
-    return ExportOptions(
-        model=args.model,
-        out=args.out,
-        stages=args.stages,
-        split=args.split,
-        node_memory=[parse_size(s) for s in args.node_memory] if args.node_memory else None,
-        weights=weights,
-        gguf_form=args.gguf_form,
-        stage=args.stage,
-        draft=args.draft,
-        beam_idx=not args.no_beam_idx,
-        force=args.force,
-        reuse=args.reuse,
-        quiet=args.quiet,
-        max_context=args.max_context,
-        plan_context=args.plan_context,
-        cache_dir=args.cache_dir,
-    )
-
-
 def _run_export(args: argparse.Namespace) -> int:
     from exporter.export import export_model
     from exporter.plan import format_bytes
@@ -175,7 +74,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _verify_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "verify", parents=[_COMMON], help="compare the chained stages with the unsplit model"
+        "verify", parents=[COMMON], help="compare the chained stages with the unsplit model"
     )
     p.add_argument("export_dir", type=Path)
     p.add_argument("--against", type=Path, default=None, help="another export to compare with")
@@ -213,7 +112,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "stage",
-        parents=[_COMMON],
+        parents=[COMMON],
         help="serve one stage shard over gRPC",
         description="Each flag can also be set as PIPESHARD_STAGE_<NAME>, e.g. "
         "PIPESHARD_STAGE_THREADS=2.",
@@ -309,7 +208,7 @@ def _settings(make: Callable[[], Any]) -> Any:
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        parents=[_COMMON],
+        parents=[COMMON],
         help="run the OpenAI-compatible gateway over a ring of stages",
         description="Each flag can also be set as PIPESHARD_GATEWAY_<NAME> or in the --config "
         "TOML file (flags win over the environment, which wins over the file).",
@@ -423,7 +322,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _up_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "up",
-        parents=[_COMMON],
+        parents=[COMMON],
         help="export (once) and run a whole local fleet: stages + gateway on 127.0.0.1",
     )
     p.add_argument("--model", default="default", help="model to export (default: built-in)")
@@ -479,7 +378,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from server.fleet import FleetOptions, run_fleet
+    from pipeshard.fleet import FleetOptions, run_fleet
     from server.settings import speculation_users
 
     try:
@@ -510,7 +409,7 @@ def _run_up(args: argparse.Namespace) -> int:
 def _health_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "health",
-        parents=[_COMMON],
+        parents=[COMMON],
         help="is a stage or a gateway serving? exit 0 if so, 1 if not (Docker's HEALTHCHECK)",
         description="Ask a stage (its gRPC Health call: a stopped or stuck stage fails it, and "
         "so does one whose inference call runs too long) or a gateway (GET /health) whether "
@@ -555,12 +454,13 @@ def _run_health(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    # Its options are the benchmarks' own (`pipeshard bench --help`): main() hands them over.
+    # Its suites and their options are the benchmarks' own (`pipeshard bench --help`, `pipeshard
+    # bench SUITE --help`): main() hands them over.
     sub.add_parser(
         "bench",
         add_help=False,
-        help="run the paper's experiments on this machine: report, raw data, plots "
-        "(= python -m benchmarks)",
+        help="measure on this machine, one suite at a time (the paper's experiments when none "
+        "is named): report, raw data, plots (= python -m benchmarks)",
     )
 
 
@@ -585,20 +485,6 @@ COMMANDS = {
 SERVICES = {"stage", "serve", "up"}
 
 
-def _common() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    # SUPPRESS: given after the subcommand it wins, absent it leaves the global one alone.
-    common.add_argument(
-        "--log-level",
-        default=argparse.SUPPRESS,
-        help="DEBUG, INFO, WARNING, ERROR (default: INFO for services, WARNING for tools)",
-    )
-    return common
-
-
-_COMMON = _common()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeshard", description=__doc__)
     parser.add_argument(
@@ -607,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="DEBUG, INFO, WARNING, ERROR (default: INFO for services, WARNING for tools)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    _export_parser(sub)
+    add_export_parser(sub)
     _verify_parser(sub)
     _stage_parser(sub)
     _serve_parser(sub)

@@ -8,6 +8,7 @@ stage processes are tied to this one (they get SIGTERM if it dies), so none is l
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from stage_node.settings import bind_problem
+from common.net import bind_problem
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -77,7 +78,7 @@ def ensure_export(options: FleetOptions) -> Path:
     from exporter.errors import ExportError
     from exporter.export import reusable_export
     from exporter.source import resolve_source
-    from server.cli import build_parser, export_options
+    from pipeshard.arguments import export_options
 
     source = resolve_source(options.model)  # a built-in model is fetched here, once
     out = export_path(options, source.model_id)
@@ -96,14 +97,23 @@ def ensure_export(options: FleetOptions) -> Path:
     if draft is not None:
         argv += ["--draft", draft]
     try:
-        if reusable_export(export_options(build_parser().parse_args(argv))) is not None:
+        if reusable_export(export_options(_parse_export(argv))) is not None:
             return out
     except (ExportError, ImportError) as exc:  # the child says why, or needs torch to tell
         log.debug("reuse check of %s: %s", out, exc)
-    code = subprocess.run([sys.executable, "-m", "server.cli", *argv], check=False).returncode
+    code = subprocess.run([sys.executable, "-m", "pipeshard", *argv], check=False).returncode
     if code != 0:
         raise ExportError(f"the export of {options.model} failed (exit status {code}; see above)")
     return out
+
+
+def _parse_export(argv: list[str]) -> argparse.Namespace:
+    """``pipeshard export ARGV...`` parsed as the command line parses it."""
+    from pipeshard.arguments import add_export_parser
+
+    parser = argparse.ArgumentParser(prog="pipeshard", allow_abbrev=False)
+    add_export_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
 
 
 def check_ports_free(options: FleetOptions, stages: int) -> None:
@@ -128,7 +138,7 @@ def start_stages(export: Path, options: FleetOptions, count: int) -> list[subpro
         args = [
             sys.executable,
             "-m",
-            "server.cli",
+            "pipeshard.cli",
             "stage",
             "--shards",
             str(export),

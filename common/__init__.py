@@ -1,0 +1,1 @@
+"""Helpers both services (the gateway and the stages) use: no project imports here."""

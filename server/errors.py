@@ -1,0 +1,161 @@
+"""The OpenAI error envelope: :class:`APIError` (status, type, ``param``, code) and the turn of
+a pydantic validation failure into one 400 ``invalid_request_error`` naming the path of the first
+failing field (``"temperature"``, ``"messages[0].role"``) with one readable message."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import (
+    BaseModel,
+    ValidationError,
+)
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class APIError(Exception):
+    """An error to send as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.headers = headers or {}
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+    def response(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return self.body().model_dump()
+
+    def __repr__(self) -> str:
+        return (
+            f"APIError(status={self.status}, message={self.message!r}, type={self.type!r}, "
+            f"param={self.param!r}, code={self.code!r})"
+        )
+
+
+def model_not_found(model: str) -> APIError:
+    """404 for an unknown ``model`` (policy: 404 ``model_not_found``, as OpenAI answers)."""
+    return APIError(
+        404,
+        f"The model `{model}` does not exist.",
+        type="invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+# Location items pydantic adds for union members and dict keys; they are not part of the path.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+_INSTANCE_OF = re.compile(r" or instance of \w+")
+
+
+def param_path(loc: Sequence[int | str]) -> str | None:
+    path = ""
+    for item in loc:
+        if isinstance(item, int):
+            path += f"[{item}]"
+        elif item == "[key]" or _UNION_TAG.match(item):
+            continue
+        else:
+            path += f".{item}" if path else item
+    return path or None
+
+
+def short_json(value: Any, limit: int = 80) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=repr)
+    except ValueError:  # NaN / circular
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(error: Mapping[str, Any], param: str | None) -> str:
+    kind = str(error.get("type", ""))
+    ctx = error.get("ctx") or {}
+    name = f"'{param}'" if param else "the request body"
+    if kind == "missing":
+        return f"Missing required parameter: {name}."
+    if kind == "json_invalid":
+        return "We could not parse the JSON body of your request: it is not valid JSON."
+    if kind == "value_error" and "error" in ctx:
+        text = str(ctx["error"]).rstrip()
+        return f"Invalid value for {name}: {text}{'' if text.endswith('.') else '.'}"
+    got = short_json(error.get("input"))
+    if kind == "too_short":
+        return (
+            f"Invalid value for {name}: expected at least {ctx.get('min_length')} item(s), "
+            f"got {ctx.get('actual_length')}."
+        )
+    if kind == "too_long":
+        return (
+            f"Invalid value for {name}: expected at most {ctx.get('max_length')} item(s), "
+            f"got {ctx.get('actual_length')}."
+        )
+    msg = _INSTANCE_OF.sub("", str(error.get("msg", "invalid value")))
+    msg = msg[:1].lower() + msg[1:]
+    return f"Invalid value for {name}: {msg}, got {got}."
+
+
+def errors_to_api_error(errors: Sequence[Mapping[str, Any]], strip_body: bool = False) -> APIError:
+    """A 400 for pydantic-style error dicts (``exc.errors()``), naming the first one.
+
+    ``strip_body`` drops a leading ``"body"`` location item, as in FastAPI's
+    ``RequestValidationError.errors()``.
+    """
+    if not errors:
+        return APIError(400, "Invalid request.")
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    if strip_body and loc and loc[0] == "body":
+        loc = loc[1:]
+    if first.get("type") == "json_invalid":
+        loc = []
+    param = param_path(loc)
+    message = _describe(first, param)
+    if len(errors) > 1:
+        more = len(errors) - 1
+        message += f" ({more} more error{'s' if more > 1 else ''} in the request.)"
+    return APIError(400, message, param=param)
+
+
+def validation_error_to_api_error(exc: ValidationError) -> APIError:
+    """A 400 ``invalid_request_error`` naming the first failing field (``param`` = its path)."""
+    return errors_to_api_error(exc.errors(include_url=False))
+
+
+def error_response(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``exc`` as the HTTP response: its status, the OpenAI envelope, its headers and
+    ``headers``."""
+    return JSONResponse(
+        exc.response(), status_code=exc.status, headers={**exc.headers, **(headers or {})}
+    )

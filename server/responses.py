@@ -1,0 +1,198 @@
+"""The OpenAI-compatible responses: chat and text completions, their streamed chunks, models.
+
+They serialize (``model_dump_json()``) to exactly the JSON the ``openai`` Python client parses: a
+chat message always carries ``"refusal": null``, chunk choices carry ``"logprobs"`` and
+``"finish_reason"`` (``null`` until the last one), every chunk carries ``"usage"`` (``null``
+except on the usage chunk), and a streamed ``delta`` holds only the keys that are set (the last
+choice chunk has ``"delta": {}``). Non-finite logprobs are reported as ``-9999.0``, as OpenAI
+does, so the JSON stays valid.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+
+UNLIKELY_LOGPROB = -9999.0  # what OpenAI reports for a logprob that is -inf
+OWNER = "pipeshard"
+FinishReason = Literal["stop", "length"]
+
+
+def _finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else UNLIKELY_LOGPROB
+
+
+Logprob = Annotated[float, AfterValidator(_finite_logprob)]
+
+
+def new_id(prefix: str) -> str:
+    """A fresh response id such as ``chatcmpl-<32 hex>`` or ``cmpl-<32 hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: Logprob
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: Logprob
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+def chat_token_logprob(
+    raw: bytes, logprob: float, top: Sequence[tuple[bytes, float]] = ()
+) -> ChatTokenLogprob:
+    """A chat logprob entry from raw token bytes (possibly half a UTF-8 character).
+
+    ``token`` is their lossy UTF-8 decoding, ``bytes`` the exact bytes; ``top`` is
+    ``(raw bytes, logprob)`` pairs, most probable first.
+    """
+    return ChatTokenLogprob(
+        token=raw.decode("utf-8", errors="replace"),
+        logprob=logprob,
+        bytes=list(raw),
+        top_logprobs=[
+            TopLogprob(token=t.decode("utf-8", errors="replace"), logprob=lp, bytes=list(t))
+            for t, lp in top
+        ],
+    )
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """A streamed delta; serializes only the keys that are set (``{}`` on the last chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Logprob] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = OWNER
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
