@@ -1,4 +1,4 @@
-"""`python -m benchmarks`: the paper's experiments in one run (the same as `pipeshard bench`)."""
+"""`python -m benchmarks [SUITE] ...`: the same as `pipeshard bench` (no suite: the paper run)."""
 
 from benchmarks.suite.cli import main
 

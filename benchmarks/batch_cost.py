@@ -22,7 +22,7 @@ suggests the ``--split`` that evens the stages out (each stage's time minus its 
 every stage the same total), to export with a fractional ``--split`` (README "Cuts inside a
 layer").
 
-Usage: python benchmarks/batch_cost.py [--export DIR] [--rows 1,2,4,8] [--threads 1] [--cores 0]
+Usage: pipeshard bench batch-cost [--export DIR] [--rows 1,2,4,8] [--threads 1] [--cores 0]
        [--side-by-side] [--stateful]
 Writes benchmarks/results/batch_cost-<date>.{md,json}.
 """
@@ -179,8 +179,12 @@ def suggested_split(shares: list[float], ms: list[float]) -> list[float]:
     return split
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench batch-cost",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2d")
     p.add_argument("--rows", default="1,2,4,8", help="users (rows) per inference call")
     p.add_argument("--threads", type=int, default=1)
@@ -197,7 +201,7 @@ def main() -> int:
         help="also time the stateful backend's one-row call, in the same rounds",
     )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
     rows = [int(r) for r in opts.rows.split(",") if r]
     first, _, last = opts.cores.partition("-")
     os.sched_setaffinity(0, set(range(int(first), int(last or first) + 1)))

@@ -5,7 +5,7 @@ Both paths use the same running stage processes; requests alternate between the 
 machine noise hits both alike. Streaming requests with max_tokens=1: the first content chunk
 over HTTP against the first sampled token from PipelineClient.step.
 
-Usage: python benchmarks/gateway_overhead.py [--export DIR] [--requests 20]
+Usage: pipeshard bench gateway [--export DIR] [--requests 20]
 Writes benchmarks/results/gateway_overhead-<date>.{json,md}.
 """
 
@@ -71,12 +71,16 @@ async def measure(
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench gateway",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--export", type=Path, default=ROOT / "benchmarks/out/shard_parity/s2")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
 
     from protos.manifest import load_manifest
     from server.tokenization import load_codec

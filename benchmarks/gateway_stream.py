@@ -6,13 +6,13 @@ Each round, ``--users`` clients (threads of this process) stream a chat completi
 (user + system, all threads) over the round, divided by the tokens streamed. The stages are
 pinned to ``--stage-cores`` (1 inference thread each) and the clients to ``--client-cores``.
 Over a real model the stages set the pace and the gateway's share is small; over a tiny export
-(fast stages: a random model from ``python -m benchmarks.gateway_stream --make-tiny DIR``) the
+(fast stages: a random model from ``pipeshard bench gateway-stream --make-tiny DIR``) the
 gateway is the bottleneck, and its CPU per token is the cost of the streaming path itself: the
 result stream from the last stage, detokenizing, the SSE chunk, the HTTP write.
 
-Usage: python benchmarks/gateway_stream.py --export DIR [--users 4] [--tokens 200] [--rounds 3]
+Usage: pipeshard bench gateway-stream --export DIR [--users 4] [--tokens 200] [--rounds 3]
        [--gateway-flags="--no-batching"] [--gateway-cores 1] [--stage-cores 0] [--client-cores 0]
-       python benchmarks/gateway_stream.py --make-tiny DIR   (needs the exporter's torch)
+       pipeshard bench gateway-stream --make-tiny DIR   (needs the exporter's torch)
 Writes benchmarks/results/gateway_stream-<date>.{json,md}.
 """
 
@@ -55,8 +55,12 @@ def make_tiny(out: Path) -> None:
         )
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench gateway-stream",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--export", type=Path)
     p.add_argument("--make-tiny", type=Path, metavar="DIR", help="write a tiny export and exit")
     p.add_argument("--users", type=int, default=4)
@@ -69,7 +73,7 @@ def main() -> int:
     p.add_argument("--stage-cores", default="0", help="one CPU list for every stage")
     p.add_argument("--client-cores", default="0")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
     if opts.make_tiny is not None:
         make_tiny(opts.make_tiny)
         return 0

@@ -7,23 +7,23 @@ downloading one: random but valid quantized blocks, packed directly (no float qu
 with a tiny BPE tokenizer padded to the model's 128256 rows and a chat template, so the export
 and a served ring run as they would on the real file (the text is meaningless).
 
-  python benchmarks/gguf_export.py write FILE.gguf [--layers 32 --hidden 4096 ...]
+  pipeshard bench gguf-export write FILE.gguf [--layers 32 --hidden 4096 ...]
       a Llama-3-8B-shaped Q4_K_M GGUF (~4.9 GB), streamed in chunks of --chunk-mib
-  python benchmarks/gguf_export.py measure FILE.gguf --out DIR [--stages 4] [--serve]
+  pipeshard bench gguf-export measure FILE.gguf --out DIR [--stages 4] [--serve]
       for each stage K, in a fresh process: ``/usr/bin/time -v pipeshard export FILE --stages 4
       --stage K --out DIR --quiet``; peak RSS (and an RSS timeline sampled every 0.2 s), the
       stage's IR bytes, wall time, the bound; a markdown table + JSON in benchmarks/results/
       (``<name>-<date>.md/.json``). --serve then starts the stages (``pipeshard stage --threads
       1``) and a gateway (``pipeshard serve``), sends one 8-token chat completion and reports
       that it answered and each stage's RSS.
-  python benchmarks/gguf_export.py plan [--model qwen3-30b-a3b] [--node-memory 16GB,16GB]
+  pipeshard bench gguf-export plan [--model qwen3-30b-a3b] [--node-memory 16GB,16GB]
       no file: the split a ``--stages 4`` (or ``--node-memory``) export of a Llama-3-70B-,
       Qwen3-30B-A3B- or Qwen3-235B-A22B-shaped Q4_K_M GGUF would use, each stage's GGUF and
       IR bytes from its tensors' types (IR: Q4_K 0.67 B/weight as u4 codes + f32 scale per
       32 + u8 minimum codes per 32 and an f32 dmin per 256 (experts: 0.75, the exact form),
       Q6_K 1.25 as i8 + f32 scale per 16, Q8_0 1.125, F16 2, F32 4), what a decoded token
       reads, and the export memory the target allows it (1.25 x IR + 1.5 GiB).
-  python benchmarks/gguf_export.py dense-moe EXPORT --out DIR
+  pipeshard bench gguf-export dense-moe EXPORT --out DIR
       a copy of an MoE export in the dense form: each expert block's one-input Swish becomes
       the two-input form (beta 1.0), the same arithmetic, which OpenVINO's CPU MoE fusion
       (ConvertTiledMoeBlockToGatherMatmuls) does not match, so every expert is computed for
@@ -806,7 +806,8 @@ def write_dense_moe(export: Path, out: Path) -> None:
     for xml in sorted(export.glob("stage-*/model.xml")):
         model = core.read_model(xml)
         swishes = [
-            op for op in model.get_ordered_ops()
+            op
+            for op in model.get_ordered_ops()
             if op.get_type_name() == "Swish" and op.get_input_size() == 1
         ]
         for op in swishes:
@@ -834,7 +835,10 @@ def shape_from(opts: argparse.Namespace, default: Shape) -> Shape:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="pipeshard bench gguf-export",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("write", help="write a Llama-3-8B-shaped Q4_K_M GGUF of random blocks")

@@ -16,7 +16,7 @@ chat template; ``--prompt`` to give your own), ``--steps`` greedy tokens from:
 Each is reported as the leading tokens equal to the reference's, per prompt, and how many prompts
 match all ``--steps`` tokens. The issue's bar: the exact runtime matches on at least 7 of 8.
 
-  python benchmarks/gguf_fidelity.py --export gguf=DIR [--export int4=DIR ...]
+  pipeshard bench gguf-fidelity --export gguf=DIR [--export int4=DIR ...]
       [--llama-server /path/to/llama-server] [--threads 2] [--steps 64] [--name gguf-fidelity]
 Writes benchmarks/results/<name>-<date>.{json,md}.
 """
@@ -98,8 +98,21 @@ def llama_cpp_tokens(
 ) -> list[list[int]]:
     port = free_port()
     proc = Proc(
-        [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-         "-t", str(threads), "-c", "4096", "-np", "1"],
+        [
+            str(binary),
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-c",
+            "4096",
+            "-np",
+            "1",
+        ],
         log,
     ).start()
     try:
@@ -127,8 +140,12 @@ def llama_cpp_tokens(
         proc.stop()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pipeshard bench gguf-fidelity",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+    )
     parser.add_argument("--export", action="append", required=True, metavar="NAME=DIR")
     parser.add_argument("--runtimes", default="exact,default")
     parser.add_argument("--llama-server", type=Path, default=None)
@@ -137,7 +154,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="inference threads, every runtime")
     parser.add_argument("--name", default="gguf-fidelity")
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
 
     from exporter.verify import encode_prompts
     from protos.manifest import load_manifest
@@ -195,12 +212,23 @@ def main() -> int:
     ]
     for run, counts in matched.items():
         full = sum(c == opts.steps for c in counts)
-        lines.append(f"| {run} | " + " | ".join(str(c) for c in counts)
-                     + f" | {full}/{len(prompts)} |")
+        lines.append(
+            f"| {run} | " + " | ".join(str(c) for c in counts) + f" | {full}/{len(prompts)} |"
+        )
     lines += ["", "Prompts:"] + [f"- p{i + 1}: {text}" for i, text in enumerate(texts)]
-    report.save(opts.results, opts.name, "\n".join(lines) + "\n",
-                {"prompts": texts, "prompt_ids": prompts, "reference": reference, "runs": runs,
-                 "matched": matched}, opts)
+    report.save(
+        opts.results,
+        opts.name,
+        "\n".join(lines) + "\n",
+        {
+            "prompts": texts,
+            "prompt_ids": prompts,
+            "reference": reference,
+            "runs": runs,
+            "matched": matched,
+        },
+        opts,
+    )
     return 0
 
 

@@ -13,7 +13,7 @@ BIN`` adds llama.cpp's ``llama-bench -p 0 -n TOKENS -t THREADS -r 1`` on the exp
 each round. The report gives medians over the rounds and each configuration's ratio to the
 first (per round, then the median).
 
-  python benchmarks/gguf_speed.py --export gguf=DIR --export int4=DIR [--export ...]
+  pipeshard bench gguf-speed --export gguf=DIR --export int4=DIR [--export ...]
       [--runtimes default,exact] [--llama-bench BIN] [--cores 0] [--threads 1]
       [--tokens 64] [--rounds 5] [--name gguf-speed]
 Writes benchmarks/results/<name>-<date>.{json,md}.
@@ -57,16 +57,33 @@ def decode_rate(chain: Any, prompt: list[int], tokens: int, session: str) -> flo
 
 def llama_bench_rate(binary: Path, gguf: Path, tokens: int, threads: int) -> float:
     out = subprocess.run(
-        [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
-         "-r", "1", "-o", "json"],
-        check=True, capture_output=True, text=True,
+        [
+            str(binary),
+            "-m",
+            str(gguf),
+            "-p",
+            "0",
+            "-n",
+            str(tokens),
+            "-t",
+            str(threads),
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     [result] = json.loads(out)
     return float(result["avg_ts"])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pipeshard bench gguf-speed", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--export", action="append", required=True, metavar="NAME=DIR")
     parser.add_argument("--runtimes", default="default")
     parser.add_argument("--llama-bench", type=Path, default=None)
@@ -76,7 +93,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--name", default="gguf-speed")
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
 
     os.sched_setaffinity(0, parse_cores(opts.cores))
     from exporter.verify import encode_prompts
@@ -131,8 +148,13 @@ def main() -> int:
         mib = (size or gguf.stat().st_size) / 2**20
         weight = f"{mib:.0f} MiB" + ("" if size else " (GGUF)")
         lines.append(f"| {name} | {weight} | {statistics.median(rates[name]):.2f} | {ratio:.3f} |")
-    report.save(opts.results, opts.name, "\n".join(lines) + "\n",
-                {"rates": rates, "stage_bytes": sizes, "prompt_tokens": len(prompt)}, opts)
+    report.save(
+        opts.results,
+        opts.name,
+        "\n".join(lines) + "\n",
+        {"rates": rates, "stage_bytes": sizes, "prompt_tokens": len(prompt)},
+        opts,
+    )
     return 0
 
 

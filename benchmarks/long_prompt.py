@@ -5,7 +5,7 @@ tokens; ``--delay`` seconds in, user B sends a prompt of about ``--prompt-tokens
 lines) for a short answer. Prints one JSON line: B's prompt tokens and seconds, and A's gaps
 between streamed tokens while B was in flight (count, p95, longest) and overall (median).
 
-  python benchmarks/long_prompt.py [--url http://127.0.0.1:8000] [--prompt-tokens 2500]
+  pipeshard bench long-prompt [--url http://127.0.0.1:8000] [--prompt-tokens 2500]
                                    [--tokens 160] [--delay 4] [--api-key KEY]
 """
 
@@ -85,7 +85,11 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench long-prompt",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--prompt-tokens", type=int, default=2500, help="about this long (B)")
     p.add_argument("--tokens", type=int, default=160, help="tokens A streams")

@@ -31,7 +31,7 @@ computed alone, pipelined across the stages, the ring decoding on its own; see t
 gateway, as before the ring decoded on its own); ``batched-stepped`` (``--ring-decode-batched
 0``: batching with every step through the gateway) on request.
 
-Usage: python benchmarks/microbatch.py [--export DIR] [--users 1,2,4,8] [--tokens 64]
+Usage: pipeshard bench users [--export DIR] [--users 1,2,4,8] [--tokens 64]
        [--rounds 2] [--systems batched,unbatched,stepped] [--no-baseline] [--delay-ms D]
        [--gateway-cores CPUS] [--stage-cores 0,1] [--stage-flags='--kv-backend stateful']
 Writes benchmarks/results/microbatch-<date>.{json,md,png}.
@@ -270,13 +270,12 @@ def plot(
     rows: list[dict[str, Any]],
     base: float,
     path: Path,
-    labels: dict[str, str] | None = None,
     target: float = 1.9,
     two_copies: float = float("nan"),
 ) -> bool:
     """Aggregate decode tok/s and inter-token p50/p95 by user count, a line per system, with
     the monolithic baseline, ``target`` times it and (where measured) two monolithic copies
-    decoding at once (benchmarks/paged.py draws with it too)."""
+    decoding at once."""
     try:
         import matplotlib
 
@@ -284,13 +283,12 @@ def plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = LABELS if labels is None else labels
     users = sorted({r["users"] for r in rows})
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, marker in zip(dict.fromkeys(r["system"] for r in rows), "osd^v", strict=False):
         mine = [r for r in rows if r["system"] == system]
         xs = [r["users"] for r in mine]
-        label = labels.get(system, f"2 stages, {system}")
+        label = LABELS.get(system, f"2 stages, {system}")
         left.plot(xs, [r["decode_tok_s"] for r in mine], marker + "-", label=label)
         line = right.plot(xs, [r["itl_p50_ms"] for r in mine], marker + "-", label=system + " p50")
         right.plot(
@@ -405,8 +403,12 @@ def stage_padding(logs: Path) -> list[str]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench users",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2b")
     p.add_argument("--baseline-dir", type=Path, default=ROOT / "benchmarks/out/shard_parity")
     p.add_argument("--users", default="1,2,4,8")
@@ -442,7 +444,7 @@ def main() -> int:
         help="more `pipeshard stage` flags for both stages (stated in the report), e.g. "
         "--stage-flags='--kv-backend stateful'; default: the stages' defaults",
     )
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
     user_counts = [int(u) for u in opts.users.split(",")]
     systems = [s for s in opts.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)

@@ -71,6 +71,13 @@ def describe(info: dict[str, Any]) -> str:
     )
 
 
+def invocation() -> str:
+    """This process's command line as typed: `pipeshard bench ...`, else `python script ...`."""
+    if Path(sys.argv[0]).name == "pipeshard":
+        return shlex.join(["pipeshard", *sys.argv[1:]])
+    return shlex.join(["python", *sys.argv])
+
+
 def save(
     results: Path, name: str, report: str, data: dict[str, Any], opts: argparse.Namespace
 ) -> Path:
@@ -78,7 +85,7 @@ def save(
     print(report)
     results.mkdir(parents=True, exist_ok=True)
     stem = results / f"{name}-{dt.date.today().isoformat()}"
-    command = f"Command: `{shlex.join(['python', *sys.argv])}`\n\n"
+    command = f"Command: `{invocation()}`\n\n"
     Path(f"{stem}.md").write_text(command + report.rstrip("\n") + "\n")
     payload = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),

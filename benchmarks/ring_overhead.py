@@ -10,7 +10,7 @@ Single-stream greedy decode on the real model, 2 stages:
 Also reports the bytes per token per hop (from the stages' own metrics) and checks that fp16
 hidden states give the same greedy tokens as fp32.
 
-Usage: python benchmarks/ring_overhead.py [--export DIR] [--tokens 64] [--delays 10,50]
+Usage: pipeshard bench ring [--export DIR] [--tokens 64] [--delays 10,50]
        [--kv-backend paged|stateful] [--no-pin]
 Writes benchmarks/results/ring_overhead[-stateful][-unpinned]-<date>.{json,md}.
 """
@@ -218,8 +218,12 @@ def run_ring(
             proc.stop()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench ring",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--export", type=Path, default=ROOT / "benchmarks/out/shard_parity/s2")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--delays", default="10,50", help="added one-way ms per hop")
@@ -231,7 +235,7 @@ def main() -> int:
         choices=["paged", "stateful"],
         help="the stages' KV backend, in the ring and in process alike (default paged)",
     )
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
     global PIN
     PIN = not opts.no_pin
     delays = [float(d) for d in opts.delays.split(",") if d]

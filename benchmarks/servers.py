@@ -9,7 +9,7 @@ measurements) and is left out of the medians. Also checks that every server gave
 greedy text for every prompt (a server whose output differs is reported).
 
 Usage:
-  python benchmarks/servers.py --server NAME=URL --server NAME=URL [...] [--users 1,2,4,8]
+  pipeshard bench compare --server NAME=URL --server NAME=URL [...] [--users 1,2,4,8]
       [--rounds 4] [--tokens 64] [--model ID] [--name servers]
 Writes benchmarks/results/<name>-<date>.{json,md}. Say in --name (or beside the results) how
 each server was started: its options, cores and threads.
@@ -129,8 +129,10 @@ def report(result: dict[str, Any], opts: argparse.Namespace, info: dict[str, Any
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pipeshard bench compare", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--server",
         type=parse_server,
@@ -147,7 +149,7 @@ def main() -> int:
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--name", default="servers", help="results file name")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.rounds < 1 or opts.tokens < 1 or min(opts.users) < 1:
         parser.error("--rounds, --tokens and --users must be positive")
     info = machine()

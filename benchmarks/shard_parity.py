@@ -10,7 +10,7 @@ interleaved round by round so machine noise hits all of them alike:
   (d) the 2-stage export, both stages chained in one process
 
 Ratios to (a) are computed round by round and reported as median [min, max].
-Usage:  python benchmarks/shard_parity.py [--model default] [--weights int4] [--threads 1]
+Usage:  pipeshard bench parity [--model default] [--weights int4] [--threads 1]
 Writes benchmarks/results/shard_parity-<date>.json and prints a markdown table.
 """
 
@@ -154,8 +154,12 @@ def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, 
     return table
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench parity",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--model", default="default")
     p.add_argument("--weights", default="int4", choices=["fp16", "int8", "int4"])
     p.add_argument("--threads", type=int, default=1, help="inference threads, every config")
@@ -165,7 +169,7 @@ def main() -> int:
     p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "out" / "shard_parity")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--make-hf-dir", type=Path, help=argparse.SUPPRESS)
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
 
     work = opts.work_dir.resolve()
     if opts.make_hf_dir:

@@ -18,7 +18,7 @@ tokens on the 8 prompts, no added latency). Then, for each added latency and use
 without speculation, with fixed K and with adaptive K; acceptance rate; speedup over no
 speculation at the same latency and user count. Ratios compare runs of the same invocation.
 
-Usage: python benchmarks/speculative.py [--export DIR] [--delays 0,10,50,100] [--ks 1,2,4,8]
+Usage: pipeshard bench speculation [--export DIR] [--delays 0,10,50,100] [--ks 1,2,4,8]
                                        [--users 1,2] [--rounds N]
 Writes benchmarks/results/speculative-<date>.{json,md,png}.
 """
@@ -123,8 +123,8 @@ async def run_config(
     batching: bool = True,
 ) -> dict[str, Any]:
     """The prompts in ``users`` concurrent lanes; tok/s, acceptance, per-prompt seconds."""
+    from protos.sampling import SamplingParams
     from server.engine import GenerationRequest
-    from stage_node.sampling import SamplingParams
 
     greedy = SamplingParams(logit_bias={e: -100.0 for e in eos})
     outputs: dict[int, list[int]] = {}
@@ -195,8 +195,12 @@ def stage_costs(port: int) -> dict[str, float]:
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench speculation",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2c")
     p.add_argument("--delays", default="0,10,50,100", help="added one-way ms per hop")
     p.add_argument("--ks", default="1,2,4,8", help="fixed K values (adaptive is always run)")
@@ -236,7 +240,7 @@ def main() -> int:
         "pipelined across the stages",
     )
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
 
     from protos.manifest import load_manifest
     from server.speculative import DraftProposer

@@ -16,9 +16,9 @@ The outputs are meaningless (random tokens) and their cost is the real model's: 
 that time stand-ins say so in their reports (``stand_in.json`` marks the folder). Measure the
 stand-in next to the real model once on a host that has both (``compare``).
 
-Usage: python benchmarks/stand_in.py make SRC DST     # here: blank a copy (then tar -cJ it)
-       python benchmarks/stand_in.py fill DST         # there: random weights in place
-       python benchmarks/stand_in.py compare REAL STAND_IN [--cores 0] [--rounds 5]
+Usage: pipeshard bench stand-in make SRC DST     # here: blank a copy (then tar -cJ it)
+       pipeshard bench stand-in fill DST         # there: random weights in place
+       pipeshard bench stand-in compare REAL STAND_IN [--cores 0] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -159,8 +159,12 @@ def compare(real: Path, stand_in: Path, cores: str, rounds: int, tokens: int) ->
     return {"runs": runs, "stand_in_vs_real": ratio, "median": statistics.median(ratio)}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pipeshard bench stand-in",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     sub = p.add_subparsers(dest="verb", required=True)
     m = sub.add_parser("make", help="blank a copy of an export or optimum-cli folder")
     m.add_argument("src", type=Path)
@@ -176,7 +180,7 @@ def main() -> int:
     c.add_argument("--cores", default="0")
     c.add_argument("--rounds", type=int, default=5)
     c.add_argument("--tokens", type=int, default=64)
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
     if opts.verb == "make":
         mark = make(opts.src, opts.dst, opts.min_bytes, tuple(opts.leave_out))
         count = sum(len(r) for r in mark["tensors"].values())

@@ -7,7 +7,7 @@ short greedy request, and stopped with SIGINT (as Ctrl-C does). Stage output goe
 terminal unless the command has --log-dir, so the table also shows when the reuse check ended
 and when the last stage was ready (READY), where the output has them.
 
-  python benchmarks/startup.py [--rounds 3] [--variant LABEL=COMMAND ...] [--port 8000]
+  pipeshard bench startup [--rounds 3] [--variant LABEL=COMMAND ...] [--port 8000]
                                [--out benchmarks/results] [--name startup]
 
 A COMMAND is split like a shell line and must serve on --port (e.g. a checkout of another
@@ -96,7 +96,9 @@ def run_once(command: list[str], port: int, cwd: str | None, timeout: float) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pipeshard bench startup", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--variant", action="append", default=[], help="LABEL=COMMAND")
     parser.add_argument("--cwd", action="append", default=[], help="LABEL=DIR to run it in")
     parser.add_argument("--rounds", type=int, default=3)

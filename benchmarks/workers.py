@@ -7,17 +7,13 @@ Each kind loads one model, warms it up, measures, and prints one JSON line:
   genai-ttft    LLMPipeline: time to first token of the given prompts (token ids), one by one
   genai-repeat  genai-decode, loaded once: one measurement per line read on stdin (see
                 :class:`Repeater`), so a benchmark can measure the baseline between its rounds
-  genai-cb      ContinuousBatchingPipeline: for each of ``--users`` U, U requests submitted at
-                once (add_request/step loop), ``--tokens`` each with EOS ignored; the arrival
-                time of every token of every request (benchmarks/paged.py turns them into
-                aggregate tok/s, time to first token and inter-token latency)
 
 The decode kinds take the first of ``--prompts`` as token ids, so that every configuration
 decodes from the same ids; without it, PROMPT through the model's own tokenizer.
 
 ``measure()`` starts one and returns what it printed. Usage (what ``measure()`` runs):
   python -m benchmarks.workers KIND PATH [--threads 1] [--tokens 64] [--props JSON]
-                               [--prompts FILE] [--users 1,2,4] [--rounds 1] [--cache-size 1]
+                               [--prompts FILE]
 """
 
 from __future__ import annotations
@@ -190,81 +186,6 @@ def genai_ttft(
     return {"ttft_ms": [once(ids) for ids in prompts]}
 
 
-def genai_cb(
-    path: Path,
-    threads: int,
-    tokens: int,
-    props: dict[str, str],
-    users: Sequence[int],
-    rounds: int = 1,
-    cache_size: int = 1,
-    prompts: Sequence[Sequence[int]] | None = None,
-) -> dict[str, Any]:
-    """Continuous batching: for every round and user count U, U requests added at once and
-    stepped to the end; the token arrivals of each request (seconds from the submission).
-
-    Prompts (token ids) are used in turn, one per request; default: benchmarks.microbatch's
-    TOPICS through the model's chat template, the prompts the gateway's users send. The
-    scheduler holds a ``cache_size`` GB KV cache; prefix caching is off so that repeated
-    prompts are computed every time, as on the stages.
-    """
-    import numpy as np
-    import openvino as ov
-    import openvino_genai
-
-    scheduler = openvino_genai.SchedulerConfig()
-    scheduler.cache_size = cache_size
-    scheduler.enable_prefix_caching = False
-    scheduler.max_num_seqs = max(256, *users)
-    properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads, **props}
-    pipe = openvino_genai.ContinuousBatchingPipeline(str(path), scheduler, "CPU", properties)
-    chosen = [list(p) for p in prompts or ()]
-    if not chosen:
-        from benchmarks.microbatch import TOPICS
-
-        tokenizer = pipe.get_tokenizer()
-        for topic in TOPICS:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": topic}], True)
-            ids = tokenizer.encode(text, add_special_tokens=False).input_ids.data
-            chosen.append([int(t) for t in ids[0]])
-
-    def make_config(count: int) -> Any:
-        config = openvino_genai.GenerationConfig()
-        config.max_new_tokens = config.min_new_tokens = count
-        config.ignore_eos = True
-        config.do_sample = False
-        return config
-
-    next_id = 0
-
-    def batch(count: int, config: Any) -> dict[str, Any]:
-        nonlocal next_id
-        begin = time.perf_counter()
-        handles = []
-        for i in range(count):
-            ids = ov.Tensor(np.array([chosen[i % len(chosen)]], dtype=np.int64))
-            handles.append(pipe.add_request(next_id, ids, config))
-            next_id += 1
-        arrivals: list[list[list[float]]] = [[] for _ in handles]
-        while pipe.has_non_finished_requests():
-            pipe.step()
-            now = time.perf_counter() - begin
-            for handle, got in zip(handles, arrivals, strict=True):
-                if handle.can_read():
-                    new = sum(len(out.generated_ids) for out in handle.read().values())
-                    if new:
-                        got.append([now, new])
-        statuses = [str(handle.get_status()) for handle in handles]
-        if any(not s.endswith("FINISHED") for s in statuses):
-            raise RuntimeError(f"requests did not finish: {statuses}")
-        return {"users": count, "arrivals": arrivals, "wall_s": time.perf_counter() - begin}
-
-    batch(min(2, max(users)), make_config(4))  # warm-up
-    config = make_config(tokens)
-    results = [batch(count, config) for _ in range(rounds) for count in users]
-    return {"prompt_tokens": [len(p) for p in chosen], "runs": results}
-
-
 def chain_decode(
     path: Path,
     threads: int,
@@ -314,20 +235,12 @@ def measure(
     prompts: Sequence[Sequence[int]] = (),
     precision: str = "f32",
     cache_dir: Path | None = None,
-    users: Sequence[int] = (),
-    rounds: int = 1,
-    cache_size: int = 1,
 ) -> dict[str, Any]:
-    """Run one worker in a child process (pinned to ``cores`` when given); its JSON result.
-
-    ``users``, ``rounds`` and ``cache_size`` (GB): genai-cb only."""
+    """Run one worker in a child process (pinned to ``cores`` when given); its JSON result."""
     cmd, env = _command(kind, path, cores, threads, tokens, props)
     cmd += ["--precision", precision]
     if cache_dir is not None:
         cmd += ["--cache-dir", str(cache_dir)]
-    if users:
-        cmd += ["--users", ",".join(str(u) for u in users), "--rounds", str(rounds)]
-        cmd += ["--cache-size", str(cache_size)]
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bench-prompts-") as file:
         if prompts:
             json.dump([list(p) for p in prompts], file)
@@ -343,9 +256,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "kind", choices=["genai-decode", "chain-decode", "genai-ttft", "genai-cb", "genai-repeat"]
-    )
+    p.add_argument("kind", choices=["genai-decode", "chain-decode", "genai-ttft", "genai-repeat"])
     p.add_argument("path", type=Path)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tokens", type=int, default=64)
@@ -355,9 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         "--prompts", type=Path, help="a JSON list of token-id lists (decode: the first one)"
     )
     p.add_argument("--cache-dir", type=Path, help="chain: OpenVINO model cache (CACHE_DIR)")
-    p.add_argument("--users", default="1", help="genai-cb: concurrent requests, e.g. 1,2,4")
-    p.add_argument("--rounds", type=int, default=1, help="genai-cb: rounds over --users")
-    p.add_argument("--cache-size", type=int, default=1, help="genai-cb: KV cache (GB)")
     opts = p.parse_args(argv)
     props = json.loads(opts.props)
     prompts = json.loads(opts.prompts.read_text()) if opts.prompts else None
@@ -368,18 +276,6 @@ def main(argv: list[str] | None = None) -> int:
     if opts.kind == "genai-decode":
         first = prompts[0] if prompts else None
         result = genai_decode(opts.path, opts.threads, opts.tokens, props, first)
-    elif opts.kind == "genai-cb":
-        users = [int(u) for u in opts.users.split(",")]
-        result = genai_cb(
-            opts.path,
-            opts.threads,
-            opts.tokens,
-            props,
-            users,
-            opts.rounds,
-            opts.cache_size,
-            prompts,
-        )
     elif opts.kind == "chain-decode":
         first = prompts[0] if prompts else None
         result = chain_decode(

@@ -157,3 +157,26 @@ def test_variants_must_share_the_exports_weights(exports: tuple[Path, Path]) -> 
     found, notes = find_variants(elsewhere, variants)
     assert found == {} and len(notes) == 2
     assert notes[0].startswith("(b) skipped:") and "is not on this machine" in notes[0]
+
+
+def test_bench_lists_its_suites_and_each_suite_parses_its_own_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`pipeshard bench --help` lists every suite; `pipeshard bench SUITE --help` is that
+    suite's own help; an unknown suite is refused; no suite at all is the paper run."""
+    from benchmarks.suite.cli import SUITES, main
+
+    assert main(["--help"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"    {name} " in listing or f"    {name}\n" in listing for name in SUITES)
+    for name in SUITES:
+        with pytest.raises(SystemExit) as done:
+            main([name, "--help"])
+        assert done.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: pipeshard bench {name} ")
+    with pytest.raises(SystemExit) as done:
+        main(["no-such-suite"])
+    assert done.value.code == 2
+    with pytest.raises(SystemExit) as done:
+        main(["--experiments", "9"])  # the paper run's own check
+    assert "--experiments takes numbers from 1 to 5" in str(done.value.code)

@@ -428,27 +428,3 @@ def test_a_ring_of_one_stage_decodes_on_its_own(tmp_path: Path) -> None:
         stepped.stop()
         for proc in procs:
             proc.stop()
-
-
-def test_core_placement_benchmark_measures_every_layout(fleet: Fleet, tmp_path: Path) -> None:
-    """benchmarks/core_placement.py end to end on the tiny export: each layout's rings run,
-    the report names the layouts, and each ratio is that layout's latency over the first's."""
-    assert fleet.export is not None
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "core_placement.py"
-    subprocess.run(
-        [sys.executable, str(script), "--export", str(fleet.export), "--layouts", "0,1/0,0",
-         "--tokens", "6", "--rounds", "2", "--results", str(tmp_path)],
-        check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
-    (report,) = tmp_path.glob("core_placement-*.md")
-    (data,) = tmp_path.glob("core_placement-*.json")
-    text = report.read_text()
-    assert "| 0/1 |" in text and "| 0/0 |" in text and "--no-batching" in text
-    saved = json.loads(data.read_text())
-    first, second = saved["table"]
-    assert first["itl_vs_first"]["values"] == [1.0, 1.0]
-    itl = [[r[i]["itl_p50_ms"] for r in saved["rounds"]] for i in (0, 1)]
-    assert second["itl_vs_first"]["values"] == pytest.approx(
-        [b / a for a, b in zip(*itl, strict=True)]
-    )
-    assert all(r["decode_tok_s"] > 0 for layout in saved["rounds"] for r in layout)

@@ -1,6 +1,8 @@
-"""`pipeshard bench` (= `python -m benchmarks`): the paper's five experiments in one run.
+"""`pipeshard bench` (= `python -m benchmarks`): the suites, and the paper's five experiments
+in one run (`pipeshard bench paper`, the default).
 
-``cli`` parses the options and writes the report; ``context`` holds what the experiments share
+``cli`` picks the suite (the table of suites is there); ``experiments`` parses the paper run's
+options and writes its report; ``context`` holds what the experiments share
 (the stage processes, the pinning, the prompts, the draft); ``parity``, ``users``,
 ``speculation``, ``latency`` and ``ttft`` are the experiments, each a ``run(bench)`` that
 returns its raw rounds and summary and a ``table(result, bench)`` that lays them out beside the

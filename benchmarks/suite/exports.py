@@ -23,7 +23,7 @@ VARIANTS = {"s1": (True, "(b)"), "s1-nobeam": (False, "(c)")}
 def default_export() -> Path:
     """The default model's export as `pipeshard up` caches it."""
     from exporter.default_models import resolve_builtin
-    from server.fleet import FleetOptions, export_path
+    from pipeshard.fleet import FleetOptions, export_path
 
     builtin = resolve_builtin("default")
     assert builtin is not None
@@ -42,14 +42,14 @@ def resolve_export(export: Path | None) -> Path:
             f"no export at {path}: run `pipeshard up` once (it exports the default model there), "
             "or give --export DIR"
         )
-    from server.fleet import FleetOptions, ensure_export
+    from pipeshard.fleet import FleetOptions, ensure_export
 
     log.info("exporting the default model to %s, as `pipeshard up` does (once)", path)
     return ensure_export(FleetOptions())
 
 
 def default_variants(manifest: ShardManifest) -> Path:
-    from stage_node.settings import default_ov_cache
+    from common.net import default_ov_cache
 
     key = (manifest.source.sha256 or manifest.model.model_id)[:16]
     return default_ov_cache().parent / "bench" / f"{key}-{manifest.weights.format}"

@@ -56,8 +56,8 @@ def prompts_of(bench: Bench, lengths: list[int]) -> list[list[int]]:
 
 async def ring_ttft(bench: Bench, prompts: list[list[int]]) -> list[float]:
     """Milliseconds to the first token of each prompt through the stages, one at a time."""
+    from protos.sampling import SamplingParams
     from server.engine import GenerationRequest
-    from stage_node.sampling import SamplingParams
 
     async with gateway_engine(bench.addresses, None, 0, bench.max_context) as (engine, _):
 

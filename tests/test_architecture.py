@@ -1,0 +1,143 @@
+"""The packages import each other only as the architecture says (every import, including the
+lazy ones inside functions, read from the source with ast):
+
+- ``protos`` (the wire contract) and ``common`` (helpers both services use) import nothing of
+  the project but themselves;
+- the gateway (``server``) never imports the exporter, the benchmarks or the command line;
+- a stage (``stage_node``) never imports the gateway, the exporter, the benchmarks or the
+  command line; the exporter never imports the gateway or the command line;
+- only the command line (``pipeshard``, which wires every role together) and the benchmarks
+  themselves import ``benchmarks``;
+- no module imports itself back through others (no import circles).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeshard", "common", "server", "stage_node", "protos", "exporter", "benchmarks")
+# package -> project packages it must not import
+FORBIDDEN = {
+    "protos": set(PACKAGES) - {"protos"},
+    "common": set(PACKAGES) - {"common"},
+    "server": {"exporter", "benchmarks", "pipeshard"},
+    "stage_node": {"server", "exporter", "benchmarks", "pipeshard"},
+    "exporter": {"server", "benchmarks", "pipeshard"},
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imported(name: str, path: Path) -> Iterator[tuple[str, int]]:
+    """The project modules ``name`` imports, with the line of each import."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            # `from package import module` imports the module
+            targets = [f"{base}.{alias.name}" for alias in node.names]
+            targets = [t if t in MODULES else base for t in targets]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                yield target, node.lineno
+
+
+GRAPH = {name: sorted(set(imported(name, path))) for name, path in MODULES.items()}
+
+
+def test_the_graph_sees_every_kind_of_import() -> None:
+    """A guard for the reader above: top-level, lazy (inside a function) and ``from package
+    import module`` imports are all seen."""
+    targets = {name: {t for t, _ in found} for name, found in GRAPH.items()}
+    assert "common.net" in targets["pipeshard.fleet"]  # top level
+    assert "benchmarks.suite.cli" in targets["pipeshard.cli"]  # inside _run_bench
+    assert "common.systemd" in targets["server.app"]  # from common import systemd
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_what_the_architecture_allows(package: str) -> None:
+    broken = [
+        f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}"
+        for name, targets in GRAPH.items()
+        if name.split(".")[0] == package
+        for target, line in targets
+        if target.split(".")[0] in FORBIDDEN[package]
+    ]
+    assert broken == []
+
+
+def test_only_the_command_line_and_the_benchmarks_import_the_benchmarks() -> None:
+    broken = [
+        f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}"
+        for name, targets in GRAPH.items()
+        if name.split(".")[0] not in {"pipeshard", "benchmarks"}
+        for target, line in targets
+        if target.split(".")[0] == "benchmarks"
+    ]
+    assert broken == []
+
+
+def circles() -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target, _ in GRAPH[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(GRAPH):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_no_import_circles() -> None:
+    assert circles() == []
