@@ -18,7 +18,7 @@ MANIFEST_NAME = "manifest.json"
 # different machines), the "gguf" weight format
 SCHEMA_VERSION = 2
 
-# "gguf": a GGUF file's own quantized blocks, kept as they are (README: "Export")
+# "gguf": a GGUF file's own quantized blocks, kept as they are (docs/export.md)
 WeightFormat = Literal["fp32", "fp16", "int8", "int4", "gguf"]
 # how "gguf" weights encode blocks with a scale and a minimum (Q4_K, Q5_K, Q4_1, Q5_1, Q2_K):
 # "exact" f32 fractional zero points, "split" the minimum as a separate small matmul (also
