@@ -82,17 +82,13 @@ def anchors(path: Path) -> set[str]:
 
 
 def cli_subcommands() -> dict[str, argparse.ArgumentParser]:
-    """The `pipeshard` subcommands' parsers, wherever the command line lives now."""
-    for name in ("pipeshard.cli", "server.cli"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        parser = module.build_parser()
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                return dict(action.choices)
-    raise AssertionError("no pipeshard command line found (pipeshard.cli or server.cli)")
+    """The `pipeshard` subcommands' parsers."""
+    from pipeshard.cli import build_parser
+
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("`pipeshard` has no subcommands")
 
 
 def option_strings(parser: argparse.ArgumentParser) -> set[str]:
