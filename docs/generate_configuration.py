@@ -41,6 +41,7 @@ STAGE_FLAGS = {
 GATEWAY_FLAGS = {
     "api_keys": "--api-key KEY (repeatable)",
     "batching": "--batching / --no-batching",
+    "prefix_cache": "--prefix-cache / --no-prefix-cache",
 }
 # Fields without a description of their own.
 DESCRIPTIONS = {"log_level": "log level: DEBUG, INFO, WARNING or ERROR"}
@@ -95,6 +96,8 @@ SEE = {
     ("gateway", "prefill_chunk_busy"): "scheduling.md#micro-batch-groups",
     ("gateway", "micro_batch_groups"): "scheduling.md#micro-batch-groups",
     ("gateway", "batching"): "scheduling.md#no-batching",
+    ("gateway", "prefix_cache"): "scheduling.md#prefix-caching",
+    ("stage", "prefix_cache_blocks"): "scheduling.md#prefix-caching",
     ("gateway", "ring_decode"): "scheduling.md#the-ring-decodes-on-its-own",
     ("gateway", "ring_decode_batched"): "scheduling.md#the-ring-decodes-on-its-own",
     ("gateway", "resume_grace"): "failures.md",

@@ -136,6 +136,12 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-size", type=float, help="paged: GiB of KV blocks (default 1)")
     p.add_argument("--max-batch", type=int, help="paged: sessions per inference call (default 64)")
     p.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        help="paged: KV blocks of known prompt prefixes kept for later sessions when no session "
+        "holds them (default: every free block, evicted oldest first; 0: no prefix cache)",
+    )
+    p.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         help="paged, CPU: each row's result independent of its batch, so greedy output is the same "
@@ -258,6 +264,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="several requests' rows in one inference call (default on); --no-batching: each "
         "request computed alone, pipelined across the stages, one-row steps not padded unless "
         "speculating (faster for a few users where batch_cost.py shows 2 rows cost >> 1 row)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        help="open a request's session on the KV blocks of its prompt's longest prefix the "
+        "paged stages already hold, prefill only the rest (default on; the stages' "
+        "--prefix-cache-blocks sizes it); --no-prefix-cache: prefill every prompt whole",
     )
     p.add_argument(
         "--ring-decode",

@@ -262,7 +262,10 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             codec.eos_ids,
             context,
             settings.ring_scheduler_config(
-                manifest.num_stages, gateway.pipeline.paged, gateway.pipeline.kv_pools
+                manifest.num_stages,
+                gateway.pipeline.paged,
+                gateway.pipeline.kv_pools,
+                gateway.pipeline.prefix_block_size,
             ),
             gateway.metrics,
             proposer=proposer,

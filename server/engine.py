@@ -25,6 +25,7 @@ import grpc
 from protos.sampling import SampledToken, SamplingParams
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient, PipelineError
+from server.prefix import HashChain
 from server.scheduler import Scheduler, SchedulerConfig
 from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
 from server.speculative import Acceptance, Proposer, SharedK
@@ -67,6 +68,7 @@ class GenerationStats:
     queued_s: float = 0.0
     first_token_s: float | None = None
     tokens: int = 0
+    cached_tokens: int = 0  # prompt positions the stages took from their prefix cache
 
 
 @dataclass
@@ -100,6 +102,10 @@ class Engine:
             headroom = 1 + (spec_k or spec_max_k)
             self.config = replace(self.config, kv_headroom=headroom)
         self.scheduler = Scheduler(self.config, eos_ids)
+        # Prefix caching: the block size the stages keep prefixes in, and each sequence's
+        # block hashes (server/prefix.py), which its steps publish and its lookup asks for
+        self._prefix_size = pipeline.prefix_block_size if self.config.prefix_cache else None
+        self._chains: dict[str, HashChain] = {}
         self._counted = (0, 0)  # the scheduler's resumes and preemptions already in metrics
         self.metrics = metrics
         self._streams: dict[str, _Stream] = {}
@@ -168,6 +174,9 @@ class Engine:
                     admitted = seq.admitted or arrival
                     stats.queued_s = admitted - arrival
                     stats.first_token_s = time.monotonic() - admitted
+                    stats.cached_tokens = seq.cached
+                    if self.metrics is not None and seq.cached:
+                        self.metrics.prompt_cached_tokens.inc(seq.cached)
                 stats.tokens += 1
                 yield item
         finally:
@@ -234,10 +243,13 @@ class Engine:
         # The stage needs the generated tokens only for presence/frequency penalties.
         penalised = sampling.presence_penalty or sampling.frequency_penalty
         proposer = self.proposer
+        # the first step of a session: its lookup (prefix caching), or its first prompt chunk
+        opening = item.lookup or (
+            item.prefill and item.start_position == 0 and not self.config.prefix_cache
+        )
         if (
             proposer is not None
-            and item.prefill
-            and item.start_position == 0
+            and opening
             and self._speculating(len(self.scheduler.sequences))
         ):
             # the draft takes in the prompt while the stages prefill it (once: not on resumes;
@@ -246,6 +258,13 @@ class Engine:
             self._steps.add(task)
             task.add_done_callback(self._steps.discard)
         try:
+            if item.lookup:
+                chain = self._chain(seq)
+                hashes = chain.reusable(seq.prefix)
+                # a prompt without a whole block to reuse opens with its first chunk, as ever
+                blocks = await self.pipeline.acquire(item.session, hashes) if hashes else 0
+                self.scheduler.on_prefix(item.seq_id, blocks * chain.block_size)
+                return
             began = time.perf_counter()  # the step's time includes waiting for the draft
             plan = await self._speculate(seq, item, sampling)
             started = time.perf_counter()
@@ -264,6 +283,7 @@ class Engine:
                 solo=self.solo,
                 follow=follow,
                 stop_ids=self._stop_ids if follow else (),
+                block_hashes=self._filled(seq, item),
             )
             async with contextlib.aclosing(results):
                 out = await anext(results)
@@ -319,6 +339,22 @@ class Engine:
             self._end(item.seq_id)
         finally:
             self._wake.set()
+
+    def _chain(self, seq: Sequence) -> HashChain:
+        chain = self._chains.get(seq.seq_id)
+        if chain is None:
+            assert self._prefix_size is not None
+            chain = HashChain(self.pipeline.manifest_hash or "", self._prefix_size)
+            self._chains[seq.seq_id] = chain
+        return chain
+
+    def _filled(self, seq: Sequence, item: Work) -> list[bytes]:
+        """The hashes of the KV blocks this step fills with the sequence's own tokens: a
+        prompt chunk's, or a decode step's first token (draft tokens may be rejected)."""
+        if self._prefix_size is None:
+            return []
+        end = item.start_position + (len(item.tokens) if item.prefill else 1)
+        return self._chain(seq).filled(seq.prefix, item.start_position, end)
 
     def _follow_budget(self, seq: Sequence, item: Work, plan: _Plan) -> int:
         """Tokens the ring may decode on its own after this step (SchedulerConfig.ring_decode:
@@ -436,6 +472,8 @@ class Engine:
 
     def _release(self, releases: list[Release]) -> None:
         for done in releases:
+            if done.final:
+                self._chains.pop(done.seq_id, None)
             if done.final and self.proposer is not None:
                 self._acceptance.pop(done.seq_id, None)
                 self._in_draft_pool(self.proposer.release, done.seq_id)

@@ -35,6 +35,12 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.prompt_cached_tokens = Counter(
+            "pipeshard_gateway_prompt_cached_tokens",
+            "Prompt tokens whose KV the stages took from their prefix cache (hit rate: this over "
+            "pipeshard_gateway_prompt_tokens_total)",
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "pipeshard_gateway_prompt_tokens", "Prompt tokens processed", registry=self.registry
         )

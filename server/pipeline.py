@@ -359,6 +359,18 @@ class PipelineClient:
         )
 
     @property
+    def prefix_block_size(self) -> int | None:
+        """The KV block size in which every stage keeps prompt prefixes for later sessions, or
+        None where one keeps none (stateful, or its prefix cache off) or their sizes differ."""
+        infos = [s.info for s in self.stages]
+        if not infos or any(
+            i is None or i.kv_backend != "paged" or not i.prefix_cache for i in infos
+        ):
+            return None
+        sizes = {i.kv_block_size for i in infos if i is not None}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    @property
     def ring_loop(self) -> bool:
         """Whether the last stage feeds decode steps back to stage 0 itself (Step.follow)."""
         info = self.stages[-1].info
@@ -452,6 +464,7 @@ class PipelineClient:
         draft_dists: Sequence[DraftDistribution] = (),
         group: int = 0,
         solo: bool = False,
+        block_hashes: Sequence[bytes] = (),
     ) -> StepOutput:
         """Feed ``tokens`` at ``start_position`` through the ring; sample ``num_logits`` rows.
 
@@ -476,6 +489,7 @@ class PipelineClient:
             draft_dists=draft_dists,
             group=group,
             solo=solo,
+            block_hashes=block_hashes,
         )
         try:
             return await anext(results)
@@ -499,6 +513,7 @@ class PipelineClient:
         solo: bool = False,
         follow: int = 0,
         stop_ids: Sequence[int] = (),
+        block_hashes: Sequence[bytes] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         """As :meth:`step`, and with ``follow`` (a decode step without draft tokens, on a
         ring with :attr:`ring_loop`) the ring then decodes up to ``follow`` more tokens on
@@ -543,6 +558,7 @@ class PipelineClient:
                 draft_dists=[pb.DraftDistribution(ids=i, probs=p) for i, p in draft_dists],
                 follow=follow,
                 stop_ids=list(stop_ids),
+                block_hashes=list(block_hashes),
             )
         )
         if self._push_task is None or self._push_task.done():
@@ -572,6 +588,46 @@ class PipelineClient:
                     future.exception()
                 else:
                     future.cancel()
+
+    async def acquire(self, session_id: str, hashes: Sequence[bytes]) -> int:
+        """Open ``session_id`` on every stage on the cached KV blocks of its prefix (``hashes``,
+        see server/prefix.py); the blocks it starts with, the same on every stage (stages that
+        held more cut theirs down to it). On failure the session is released wherever it was
+        opened and the error raised (UNAVAILABLE when a stage cannot be reached)."""
+        self.check_ready()
+        wanted = list(hashes)
+        try:
+            for _ in range(2):  # the second round only cuts down: held blocks stay held
+                counts = await asyncio.gather(
+                    *(self._acquire_on(s, session_id, wanted) for s in self.stages)
+                )
+                held = min(counts)
+                if all(c == held for c in counts):
+                    return held
+                wanted = wanted[:held]
+            raise PipelineError(
+                grpc.StatusCode.INTERNAL, f"stages disagree on session {session_id!r}'s prefix"
+            )
+        except BaseException:  # in the background: a cancelled caller does not wait for it
+            self._release_soon({session_id})
+            raise
+
+    async def _acquire_on(self, state: StageState, session_id: str, hashes: list[bytes]) -> int:
+        assert state.stub is not None
+        try:
+            reply = await state.stub.Acquire(
+                pb.AcquireRequest(session_id=session_id, block_hashes=hashes),
+                metadata=self._metadata(),
+                timeout=self.health_timeout * 2,
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in _TRANSIENT:
+                code = grpc.StatusCode.UNAVAILABLE
+            raise PipelineError(
+                code, f"stage {state.index}: {exc.details() or code.name}", state.index
+            ) from None
+        return int(reply.blocks)
 
     async def release(self, *session_ids: str) -> int:
         """Free sessions on every stage that is reachable; returns how many stages answered."""

@@ -137,6 +137,9 @@ class SchedulerConfig:
     # decode step (the last stage feeds each token straight back to stage 0; see "The ring
     # decodes on its own" above); 0: every step goes through the gateway
     ring_decode: int = 0
+    # prefix caching (paged stages that keep prefixes): a sequence's session first opens on
+    # the stages' cached KV blocks of its prefix (a lookup Work), then prefills the rest
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_prefill_in_flight", "groups"):
@@ -459,10 +462,14 @@ class Scheduler:
                 budget[g] = min(budget[g], self.config.busy_prefill_chunk or 0)
         for sid in self.running:
             w = self.sequences[sid].in_flight
-            if w is not None and w.prefill:
+            if w is not None and w.prefill and not w.lookup:
                 chunks += 1
                 budget[pool(w.group)] -= len(w.tokens) if shared else 0
         for seq in (s for s in ready if s.phase is Phase.PREFILL):  # admission order
+            if self.config.prefix_cache and seq.fed == 0 and seq.looked_up != seq.incarnation:
+                # first the stages' cached blocks of its prefix (an RPC beside the ring)
+                work.append(self._issue(seq, (), 0, prefill=True, lookup=True))
+                continue
             if chunks >= self.config.max_prefill_in_flight:
                 break
             g = pool(seq.group)
@@ -484,8 +491,9 @@ class Scheduler:
         start: int,
         prefill: bool,
         rollback: int = 0,
+        lookup: bool = False,
     ) -> Work:
-        samples = not prefill or start + len(tokens) == len(seq.prefix)
+        samples = not lookup and (not prefill or start + len(tokens) == len(seq.prefix))
         item = Work(
             seq.seq_id,
             tokens,
@@ -495,6 +503,7 @@ class Scheduler:
             rollback=rollback,
             session_id=seq.session_id if seq.incarnation else "",
             group=seq.group,
+            lookup=lookup,
         )
         seq.in_flight = item
         if prefill:
@@ -516,7 +525,7 @@ class Scheduler:
         """
         seq = self.sequences[seq_id]
         item = seq.in_flight
-        if item is None:
+        if item is None or item.lookup:
             raise ValueError(f"sequence {seq_id!r} has no step in flight")
         seq.in_flight = None
         seq.error = None  # a resumed sequence healed
@@ -540,6 +549,24 @@ class Scheduler:
                 self._finish(seq)
                 break
         return taken
+
+    def on_prefix(self, seq_id: str, cached: int) -> None:
+        """The lookup came back: the stages opened the sequence's session on ``cached``
+        positions of its prefix from their cache (0: none); its prompt chunks start there."""
+        seq = self.sequences[seq_id]
+        item = seq.in_flight
+        if item is None or not item.lookup:
+            raise ValueError(f"sequence {seq_id!r} has no lookup in flight")
+        if not 0 <= cached <= len(seq.prefix) - 1:
+            raise ValueError(f"{cached} cached positions for a prefix of {len(seq.prefix)}")
+        seq.in_flight = None
+        seq.looked_up = seq.incarnation
+        seq.fed = seq.session_length = cached
+        if seq.incarnation == 0:
+            seq.cached = cached
+        if seq.cancelled:  # nobody waits for it any more
+            self._finish(seq)
+            self.forget(seq_id)
 
     def follow(self, seq_id: str) -> Work | None:
         """After :meth:`on_result`: the decode step the ring makes itself (``ring_decode``),

@@ -40,6 +40,9 @@ class Work:
     rollback: int = 0  # positions the stages forget first (rejected speculative tokens)
     session_id: str = ""  # the stages' session (default: seq_id)
     group: int = 0  # micro-batch group (see SchedulerConfig.groups)
+    # Prefix caching: open the session on the stages' cached blocks of the prefix (no ring
+    # step; Scheduler.on_prefix takes the answer)
+    lookup: bool = False
 
     @property
     def session(self) -> str:
@@ -82,11 +85,14 @@ class Sequence:
     refusals: int = 0  # steps a stage refused for want of KV blocks or sessions
     session_losses: int = 0  # steps a stage refused because it no longer held the session
     waits_for: int = -1  # refused: resume once more than this many sequences have finished
+    looked_up: int = -1  # the incarnation whose session was opened on cached prefix blocks
+    cached: int = 0  # prompt positions the first session took from the stages' prefix cache
 
     @property
     def opened(self) -> bool:
-        """Whether a step went into the ring (so stages may hold a session to free)."""
-        return self.fed > 0
+        """Whether a step went into the ring, or the session was opened on cached prefix
+        blocks (so stages may hold a session to free)."""
+        return self.fed > 0 or self.looked_up == self.incarnation
 
     @property
     def session_id(self) -> str:

@@ -113,6 +113,7 @@ class ChoiceResult:
     text: str = ""
     finish_reason: FinishReason = "length"
     tokens: int = 0
+    cached_tokens: int = 0  # prompt positions taken from the stages' prefix cache
     chat_logprobs: list[ChatTokenLogprob] = field(default_factory=list)
     legacy_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
 
@@ -138,6 +139,7 @@ class ChoiceEvent:
     text: str
     token: SampledToken | None
     finish_reason: FinishReason | None = None
+    cached_tokens: int = 0  # with the finish reason: prompt positions from the prefix cache
 
 
 class CompletionService:
@@ -250,7 +252,7 @@ class CompletionService:
                 # Inside the block: the answer goes out before the sessions are released.
                 tail = "" if detok.stopped else detok.finish()
                 outcome = finish
-                yield ChoiceEvent(index, tail, None, finish)
+                yield ChoiceEvent(index, tail, None, finish, stats.cached_tokens)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = outcome or "cancelled"  # the client left (or the request was cancelled)
             raise
@@ -301,6 +303,7 @@ class CompletionService:
             result.text += event.text
             if event.finish_reason:
                 result.finish_reason = event.finish_reason
+                result.cached_tokens = event.cached_tokens
         return result
 
     # -- non-streaming --------------------------------------------------------------------
@@ -316,7 +319,9 @@ class CompletionService:
                 raise
             raise error from exc
         usage = Usage.of(
-            len(prep.generation.prompt_ids) * prep.generation.n, sum(r.tokens for r in results)
+            len(prep.generation.prompt_ids) * prep.generation.n,
+            sum(r.tokens for r in results),
+            sum(r.cached_tokens for r in results),
         )
         if prep.chat:
             return ChatCompletion(
@@ -412,12 +417,15 @@ class CompletionService:
                     yield sse_error(error)
                     yield sse_done()
                     return
+                if item.finish_reason:
+                    results[item.index].cached_tokens = item.cached_tokens
                 for chunk in self._chunks(prep, results[item.index], item):
                     yield chunk
             if prep.include_usage:
                 usage = Usage.of(
                     len(prep.generation.prompt_ids) * prep.generation.n,
                     sum(r.tokens for r in results),
+                    sum(r.cached_tokens for r in results),
                 )
                 make = chat_usage_chunk if prep.chat else completion_usage_chunk
                 yield sse_event(make(prep.request_id, prep.created, prep.model, usage))

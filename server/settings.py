@@ -108,6 +108,13 @@ class GatewaySettings(BaseSettings):
         "one-row steps not padded where no speculation runs (faster for a few users where a "
         "two-row call costs much more than a one-row one: benchmarks/batch_cost.py)",
     )
+    prefix_cache: bool = Field(
+        default=True,
+        description="paged stages that keep prompt prefixes (their prefix_cache_blocks): a "
+        "request's session opens on the KV blocks of its prompt's longest prefix the stages "
+        "already hold (a conversation's earlier turns, a shared system prompt), and only the "
+        "rest is prefilled; off: every prompt is prefilled whole",
+    )
     ring_decode: int = Field(
         default=32,
         ge=0,
@@ -189,7 +196,11 @@ class GatewaySettings(BaseSettings):
         )
 
     def ring_scheduler_config(
-        self, stages: int, paged: bool, kv_pools: tuple[tuple[int, int], ...] = ()
+        self,
+        stages: int,
+        paged: bool,
+        kv_pools: tuple[tuple[int, int], ...] = (),
+        prefix_block_size: int | None = None,
     ) -> SchedulerConfig:
         """The scheduler for a ring of ``stages`` stages: one micro-batch group per stage, or
         ``micro_batch_groups``. On paged stages (batched inference) the groups move in
@@ -200,9 +211,15 @@ class GatewaySettings(BaseSettings):
         their own while no request waits to join one. Without ``batching`` every running
         sequence is a group of its own (SchedulerConfig.solo), on any backend. ``kv_pools``:
         the paged stages' block pools, which admission, prompt chunks and decode steps must
-        fit (the newest sequence is preempted if not)."""
+        fit (the newest sequence is preempted if not). ``prefix_block_size``: the block size
+        in which every stage keeps prompt prefixes (None: they keep none), for prefix_cache."""
         groups = self.micro_batch_groups or stages
-        config = dataclasses.replace(self.scheduler_config(), groups=groups, kv_pools=kv_pools)
+        config = dataclasses.replace(
+            self.scheduler_config(),
+            groups=groups,
+            kv_pools=kv_pools,
+            prefix_cache=self.prefix_cache and prefix_block_size is not None,
+        )
         if not self.batching:
             return dataclasses.replace(
                 config,

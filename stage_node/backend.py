@@ -49,6 +49,7 @@ class StepInput:
     draft_dists: Sequence[DraftDistribution] = ()
     group: int = 0  # micro-batch group: steps of one group are computed together
     solo: bool = False  # computed in a call of its own, one-row calls not padded (pb.Step.solo)
+    block_hashes: tuple[bytes, ...] = ()  # prefix cache: blocks this step fills (pb.Step)
 
 
 # Hidden states for the next stage, sampled tokens on the last stage, None for a pure
@@ -149,12 +150,16 @@ class PagedBackend(_Backend):
     def __init__(self, runner: PagedRunner, metrics: StageMetrics, max_batch: int = 64) -> None:
         super().__init__(runner, metrics)
         self.max_batch = max_batch
+        self._evictions = 0  # the pool's evictions already counted
         self._blocks()
 
     def _blocks(self) -> None:
         blocks = self.runner.blocks
         self.metrics.kv_blocks.labels("used").set(blocks.used)
         self.metrics.kv_blocks.labels("free").set(blocks.free)
+        self.metrics.kv_blocks.labels("cached").set(blocks.cached)
+        self.metrics.kv_blocks_evicted.inc(blocks.evictions - self._evictions)
+        self._evictions = blocks.evictions
 
     def compute(self, batch: Sequence[StepInput]) -> list[StepOutcome]:
         outcomes: list[StepOutcome] = [None] * len(batch)
@@ -170,6 +175,7 @@ class PagedBackend(_Backend):
                     step.start_position,
                     max(1, step.num_logits),
                     solo=step.solo,
+                    hashes=step.block_hashes,
                 )
                 self.runner.place(item)
                 placed.append((i, item))

@@ -76,7 +76,18 @@ class StageMetrics:
         )
         self.kv_blocks = Gauge(
             "pipeshard_stage_kv_blocks",
-            "Paged KV blocks by state (used, free); absent on the stateful backend",
+            "Paged KV blocks by state (used, free; cached: of the free ones, blocks of known "
+            "prefixes no session holds); absent on the stateful backend",
             ["state"],
+            registry=self.registry,
+        )
+        self.prefix_blocks = Counter(
+            "pipeshard_stage_prefix_cache_hit_blocks",
+            "KV blocks new sessions took from the prefix cache instead of computing them",
+            registry=self.registry,
+        )
+        self.kv_blocks_evicted = Counter(
+            "pipeshard_stage_kv_blocks_evicted",
+            "Cached prefix blocks given to other content (the pool needed their room)",
             registry=self.registry,
         )

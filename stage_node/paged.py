@@ -23,6 +23,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,23 +59,53 @@ class BlockTable:
 
 
 class BlockManager:
-    """Fixed-size KV blocks handed to sessions: allocation, rollback, release, exhaustion."""
+    """Fixed-size KV blocks handed to sessions: allocation, rollback, release, exhaustion, and
+    the prefix cache.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    Prefix cache: a full block whose positions hold a known token prefix gets that prefix's
+    hash (:meth:`publish`: the gateway computes the hashes, chained over the token ids from
+    position 0, so a hash names the block's content and everything before it). A new session
+    may start from the longest run of hashed blocks that matches its own prefix
+    (:meth:`acquire`): the blocks are then shared, counted per holder, and never written again
+    (a session only writes past its length, and a hashed block lies wholly below it). A hashed
+    block that no session holds stays cached, in least-recently-used order, until a session
+    needs its room: ``free`` counts it, and allocation evicts the oldest first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_cached: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a block pool needs at least one block of at least one position")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # None: cached blocks may take every block no session holds; 0: no prefix cache
+        self.max_cached = num_blocks if max_cached is None else max_cached
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids are used first
         self.tables: dict[str, BlockTable] = {}
+        self._holders = [0] * num_blocks  # sessions holding each block
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # hashed, held by none: LRU first
+        self.hits = 0  # blocks a new session took from the cache
+        self.evictions = 0  # cached blocks given to other content
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Blocks a session can take: unused ones and cached ones no session holds."""
+        return len(self._free) + len(self._cached)
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by sessions (a shared block once)."""
+        return self.num_blocks - self.free
+
+    @property
+    def cached(self) -> int:
+        """Hashed blocks no session holds (kept for a later prefix hit)."""
+        return len(self._cached)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_cached > 0
 
     def blocks_for(self, length: int) -> int:
         return math.ceil(length / self.block_size)
@@ -85,34 +116,114 @@ class BlockManager:
         table = self.tables[session_id] = BlockTable()
         return table
 
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block)]
+            self.evictions += 1
+        self._holders[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        """A session lets go of ``block``."""
+        self._holders[block] -= 1
+        if self._holders[block]:
+            return
+        if block not in self._hash_of:
+            self._free.append(block)
+            return
+        self._cached[block] = None
+        while len(self._cached) > self.max_cached:
+            oldest, _ = self._cached.popitem(last=False)
+            del self._block_of[self._hash_of.pop(oldest)]
+            self._free.append(oldest)
+            self.evictions += 1
+
     def grow(self, session_id: str, length: int) -> None:
         """Make the session's table cover ``length`` positions (all or nothing)."""
         table = self.tables[session_id]
         need = self.blocks_for(length) - len(table.blocks)
-        if need > len(self._free):
+        if need > self.free:
             raise BlocksExhausted(
                 f"KV blocks exhausted: session {session_id!r} needs {need} more block(s) of "
-                f"{self.block_size} positions, {len(self._free)} of {self.num_blocks} are free"
+                f"{self.block_size} positions, {self.free} of {self.num_blocks} are free"
             )
         for _ in range(max(0, need)):
-            table.blocks.append(self._free.pop())
+            table.blocks.append(self._take())
 
     def truncate(self, session_id: str, length: int) -> None:
-        """Shorten a session to ``length`` positions and free the blocks it no longer needs."""
+        """Shorten a session to ``length`` positions and free the blocks it no longer needs.
+        A shared block cannot be cut into: it would be written again."""
         table = self.tables[session_id]
         if not 0 <= length <= table.length:
             raise ValueError(f"cannot shorten a session of {table.length} to {length}")
         keep = self.blocks_for(length)
+        if length % self.block_size and table.blocks[keep - 1] in self._hash_of:
+            last = table.blocks[keep - 1]
+            if self._holders[last] > 1:
+                raise ValueError(
+                    f"cannot shorten session {session_id!r} to {length}: position {length} "
+                    "lies in a KV block shared with another session"
+                )
+            del self._block_of[self._hash_of.pop(last)]  # its own again: written from here
         while len(table.blocks) > keep:
-            self._free.append(table.blocks.pop())
+            self._drop(table.blocks.pop())
         table.length = length
 
     def release(self, session_id: str) -> bool:
         table = self.tables.pop(session_id, None)
         if table is None:
             return False
-        self._free.extend(reversed(table.blocks))
+        for block in reversed(table.blocks):
+            self._drop(block)
         return True
+
+    def publish(self, session_id: str, first: int, hashes: list[bytes]) -> None:
+        """Name the session's blocks ``first``, ``first + 1``, ... by ``hashes`` (each must be
+        full). A hash already naming another block (the same prefix computed twice) keeps it."""
+        if not self.enabled:
+            return
+        table = self.tables[session_id]
+        if (first + len(hashes)) * self.block_size > table.length or first < 0:
+            raise ValueError(
+                f"session {session_id!r} holds {table.length} positions: blocks {first}.."
+                f"{first + len(hashes) - 1} of {self.block_size} are not all full"
+            )
+        for block, digest in zip(table.blocks[first:], hashes, strict=False):
+            if block in self._hash_of or digest in self._block_of:
+                continue
+            self._hash_of[block] = digest
+            self._block_of[digest] = block
+
+    def acquire(self, session_id: str, hashes: list[bytes]) -> int:
+        """Open ``session_id`` on the longest run of cached blocks named by ``hashes`` (its
+        prefix, block by block); the number of blocks it starts with. An open session that has
+        taken nothing else (a second call with fewer hashes) is cut down to them."""
+        table = self.tables.get(session_id)
+        if table is not None:
+            held = len(table.blocks)
+            if table.length != held * self.block_size or any(
+                self._hash_of.get(b) != h for b, h in zip(table.blocks, hashes, strict=False)
+            ):
+                raise ValueError(f"session {session_id!r} is already open")
+            self.truncate(session_id, min(held, len(hashes)) * self.block_size)
+            return len(table.blocks)
+        table = self.open(session_id)
+        if not self.enabled:
+            return 0
+        for digest in hashes:
+            block = self._block_of.get(digest)
+            if block is None:
+                break
+            if self._holders[block] == 0:
+                del self._cached[block]
+            self._holders[block] += 1
+            table.blocks.append(block)
+        table.length = len(table.blocks) * self.block_size
+        self.hits += len(table.blocks)
+        return len(table.blocks)
 
 
 def paged_model(
@@ -177,6 +288,9 @@ class PagedStep:
     # Always computed alone (pb.Step.solo): a one-row call is not padded, because this
     # session's decode rows take the one-row path every time.
     solo: bool = False
+    # Prefix cache: the hashes of the session's blocks start // block_size, +1, ... that this
+    # step completes with known tokens, published once it has run (pb.Step.block_hashes).
+    hashes: tuple[bytes, ...] = ()
 
 
 class PagedRunner(ShardBase):
@@ -191,9 +305,12 @@ class PagedRunner(ShardBase):
         options: RunnerOptions | None = None,
         *,
         kv_cache_bytes: int = GIB,
+        prefix_cache_blocks: int | None = None,
         core: ov.Core | None = None,
         manifest: ShardManifest | None = None,
     ) -> None:
+        """``prefix_cache_blocks``: cached blocks no session holds kept at most (None: as many
+        as are free; 0: no prefix cache)."""
         super().__init__(export_dir, stage_index, options, manifest=manifest)
         core = core or ov.Core()
         facts = self.manifest.model
@@ -230,12 +347,12 @@ class PagedRunner(ShardBase):
         cpu = self.options.device.upper().startswith("CPU")
         self._split_verification = self.options.batch_invariant and cpu
         self._scratch_block: int | None = None
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_cache_blocks)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
         if self._split_verification and num_blocks > 1 and not self.lone_row_is_invariant():
             self._scratch_block = num_blocks - 1
-            self.blocks = BlockManager(num_blocks - 1, block_size)
+            self.blocks = BlockManager(num_blocks - 1, block_size, prefix_cache_blocks)
         log.info(
             "paged KV: %d blocks of %d positions, %.1f MiB (%s)%s",
             num_blocks,
@@ -344,11 +461,34 @@ class PagedRunner(ShardBase):
                 )
             self.blocks.truncate(session_id, table.length - count)
 
+    def acquire(self, session_id: str, hashes: list[bytes]) -> int:
+        """Open a session on the cached blocks of its prefix (see BlockManager.acquire); the
+        number of blocks it starts with (0 without a prefix cache: then only opened)."""
+        with self._lock:
+            if session_id not in self.blocks.tables and len(self.blocks.tables) >= (
+                self.options.max_sessions
+            ):
+                raise CapacityExceeded(
+                    f"stage {self.stage.index} holds {len(self.blocks.tables)} sessions "
+                    f"(limit {self.options.max_sessions})"
+                )
+            try:
+                return self.blocks.acquire(session_id, hashes)
+            except ValueError as exc:
+                raise InvalidStageInput(str(exc)) from None
+
     # -- compute ----------------------------------------------------------------------------
     def place(self, step: PagedStep) -> None:
         """Check a step against its session and reserve the blocks it writes; raises (and
         changes nothing) when it cannot run. A new session opens at position 0."""
         count = len(step.data)
+        size = self.blocks.block_size
+        if (step.start // size + len(step.hashes)) * size > step.start + count:
+            raise InvalidStageInput(
+                f"{len(step.hashes)} block hashes for a step at position {step.start} of "
+                f"{count} tokens: it completes {(step.start + count) // size - step.start // size}"
+                f" block(s) of {size}"
+            )
         with self._lock:
             table = self.blocks.tables.get(step.session_id)
             if table is None:
@@ -457,6 +597,9 @@ class PagedRunner(ShardBase):
                 table = self.blocks.tables.get(s.session_id)
                 if table is not None:  # released while computing: its blocks are gone
                     table.length, table.last_used = s.start + c, now
+                    if s.hashes:
+                        first = s.start // self.blocks.block_size
+                        self.blocks.publish(s.session_id, first, list(s.hashes))
         rows = result.reshape(result.shape[0], result.shape[-1])  # padded rows come last
         if self.is_last:
             ends = np.cumsum([s.num_logits for s in steps])

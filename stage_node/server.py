@@ -139,6 +139,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
                 settings.stage,
                 options,
                 kv_cache_bytes=int(settings.kv_cache_size * GIB),
+                prefix_cache_blocks=settings.prefix_cache_blocks,
             )
         else:
             runner = ShardRunner(settings.shards, settings.stage, options)

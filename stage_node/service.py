@@ -134,7 +134,7 @@ class StageService(pb_grpc.StageServicer):
     # -- control RPCs ---------------------------------------------------------------------
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.StageInfo:
         manifest = self.runner.manifest
-        return pb.StageInfo(
+        info = pb.StageInfo(
             manifest_sha256=self.manifest_hash,
             stage_index=self.index,
             num_stages=manifest.num_stages,
@@ -152,18 +152,13 @@ class StageService(pb_grpc.StageServicer):
             next_address=self.downstream.address if self.downstream else "",
             kv_backend=self.runner.kv_backend,
             ring_loop=self.runner.is_last,
-            **self._pool_info(),
         )
-
-    def _pool_info(self) -> dict[str, int]:
-        if not isinstance(self.runner, PagedRunner):
-            return {}
-        blocks = self.runner.blocks
-        return {
-            "kv_block_size": blocks.block_size,
-            "kv_blocks": blocks.num_blocks,
-            "kv_blocks_free": blocks.free,
-        }
+        if isinstance(self.runner, PagedRunner):
+            blocks = self.runner.blocks
+            info.kv_block_size, info.kv_blocks = blocks.block_size, blocks.num_blocks
+            info.kv_blocks_free, info.kv_blocks_cached = blocks.free, blocks.cached
+            info.prefix_cache = blocks.enabled
+        return info
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
         return pb.HealthReply(
@@ -222,6 +217,20 @@ class StageService(pb_grpc.StageServicer):
         released = sum(self.runner.release(sid) for sid in request.session_ids)
         self.metrics.sessions.set(self.runner.session_count)
         return pb.ReleaseReply(released=released)
+
+    async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireReply:
+        if not isinstance(self.runner, PagedRunner):
+            # the stateful backend keeps no prefixes: the session opens with its first step
+            return pb.AcquireReply(blocks=0, block_size=0)
+        try:
+            blocks = self.runner.acquire(request.session_id, list(request.block_hashes))
+        except Exception as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        self._released.pop(request.session_id, None)  # opened again: its steps are not late
+        self.metrics.sessions.set(self.runner.session_count)
+        self.metrics.prefix_blocks.inc(blocks)
+        return pb.AcquireReply(blocks=blocks, block_size=self.runner.blocks.block_size)
 
     async def Tokenizer(self, request: pb.TokenizerRequest, context: Any) -> pb.TokenizerFiles:
         folder = self.settings.shards / self.runner.manifest.tokenizer.directory
@@ -348,6 +357,7 @@ class StageService(pb_grpc.StageServicer):
                 draft_dists=[(d.ids, d.probs) for d in step.draft_dists],
                 group=step.group,
                 solo=step.solo,
+                block_hashes=tuple(step.block_hashes),
             )
         except Exception as exc:
             return exc

@@ -42,6 +42,13 @@ class StageSettings(BaseSettings):
     kv_cache_size: float = Field(
         default=1.0, gt=0, description="paged backend: GiB of KV blocks this stage holds"
     )
+    prefix_cache_blocks: int | None = Field(
+        default=None,
+        ge=0,
+        description="paged backend: KV blocks of known prompt prefixes kept for later sessions "
+        "when no session holds them (default: every free block; evicted oldest first when "
+        "sessions need the room); 0: no prefix cache",
+    )
     max_batch: int = Field(
         default=64, ge=1, description="paged backend: sessions in one inference call at most"
     )

@@ -42,6 +42,7 @@ class Fleet:
     export: Path | None = None
     stepped_url: str = ""  # --no-batching --ring-decode 0: every step through the gateway
     batched_stepped_url: str = ""  # --ring-decode-batched 0: batching, every step through it
+    uncached_url: str = ""  # --no-prefix-cache --prefill-chunk 48: every prompt prefilled whole
 
     def client(self, url: str = "") -> openai.OpenAI:
         """A client of the batching gateway, or of the one at ``url``."""
@@ -83,11 +84,24 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     batched_stepped, batched_stepped_url = start_gateway(
         ring, base / "gateway-batched-stepped.log", [*limits, "--ring-decode-batched", "0"]
     )
+    uncached, uncached_url = start_gateway(
+        ring,
+        base / "gateway-uncached.log",
+        [*limits[:-1], "48", "--no-prefix-cache"],  # chunks that cached prefixes end inside
+    )
     try:
         yield Fleet(
-            url, addresses, solo_url, tuple(ports), export, stepped_url, batched_stepped_url
+            url,
+            addresses,
+            solo_url,
+            tuple(ports),
+            export,
+            stepped_url,
+            batched_stepped_url,
+            uncached_url,
         )
     finally:
+        uncached.stop()
         gateway.stop()
         solo.stop()
         stepped.stop()
@@ -428,3 +442,48 @@ def test_a_ring_of_one_stage_decodes_on_its_own(tmp_path: Path) -> None:
         stepped.stop()
         for proc in procs:
             proc.stop()
+
+
+def _chat(fleet: Fleet, url: str, messages: list[dict[str, str]], i: int) -> tuple[str, int]:
+    """One reply (greedy, or seeded sampling for odd ``i``) and its cached prompt tokens."""
+    body = {**request(i), "messages": messages, "max_tokens": 16}
+    reply = fleet.client(url).chat.completions.create(**body)
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return reply.choices[0].message.content or "", usage.prompt_tokens_details.cached_tokens or 0
+
+
+def test_prefix_cache_reuses_earlier_turns_and_shared_prompts_without_changing_a_token(
+    fleet: Fleet,
+) -> None:
+    """A conversation's later turns and requests sharing a long system prompt open their
+    sessions on the stages' cached KV blocks (usage.prompt_tokens_details.cached_tokens), and
+    every reply, greedy and sampled, equals the one of a gateway without the prefix cache that
+    prefills every prompt whole in chunks of 48 (which the cached prefixes, whole blocks of
+    32, end inside; the cached blocks were computed in chunks of 8)."""
+    system = {"role": "system", "content": " ".join(["owl fox dog cat"] * 12)}
+    before = fleet.metric("pipeshard_gateway_prompt_cached_tokens_total")
+    for i in (0, 1):  # greedy, then seeded sampling
+        history: list[dict[str, str]] = [system]
+        for turn in range(3):
+            history.append({"role": "user", "content": f"turn {turn} {i} fox owl"})
+            expected, uncached = _chat(fleet, fleet.uncached_url, history, i)
+            text, cached = _chat(fleet, fleet.url, history, i)
+            assert text == expected, (i, turn)
+            assert uncached == 0
+            assert cached >= 32 or (i == 0 and turn == 0), (i, turn, cached)
+            history.append({"role": "assistant", "content": text})
+    # four questions at once under the shared system prompt, each from the cache
+    questions = [[system, {"role": "user", "content": f"question {q}"}] for q in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda m: _chat(fleet, fleet.url, m, 2), questions))
+    assert [t for t, _ in together] == [
+        _chat(fleet, fleet.uncached_url, m, 2)[0] for m in questions
+    ]
+    assert all(cached >= 32 for _, cached in together)
+    assert fleet.metric("pipeshard_gateway_prompt_cached_tokens_total") > before
+    hits = sum(
+        scrape(f"http://127.0.0.1:{port}", "pipeshard_stage_prefix_cache_hit_blocks_total")
+        for port in fleet.stage_metrics
+    )
+    assert hits > 0

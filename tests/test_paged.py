@@ -95,6 +95,59 @@ def test_blocks_of_sessions_never_overlap() -> None:
             assert len(table.blocks) == blocks.blocks_for(lengths[s])
 
 
+def test_prefix_blocks_are_shared_then_cached_then_evicted_oldest_first() -> None:
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    h = [bytes([i]) * 16 for i in range(4)]
+    blocks.open("a")
+    blocks.grow("a", 10)
+    blocks.tables["a"].length = 10
+    with pytest.raises(ValueError, match="not all full"):
+        blocks.publish("a", 1, h[1:3])  # block 2 holds positions 8-9 only
+    blocks.publish("a", 0, h[:2])
+    a_blocks = blocks.tables["a"].blocks[:2]
+    blocks.release("a")
+    assert (blocks.free, blocks.cached, blocks.used) == (6, 2, 0)  # cached blocks count free
+
+    assert blocks.acquire("b", [h[0], h[1], h[2]]) == 2  # the run stops at the unknown hash
+    assert blocks.tables["b"].blocks == a_blocks and blocks.tables["b"].length == 8
+    assert blocks.acquire("c", [h[0], h[3]]) == 1  # block 0 now shared by b and c
+    assert (blocks.used, blocks.cached, blocks.hits) == (2, 0, 3)
+    with pytest.raises(ValueError, match="shared with another session"):
+        blocks.truncate("c", 2)  # would write into b's block
+    blocks.grow("c", 6)  # c goes on in a block of its own
+    blocks.tables["c"].length = 6
+    assert blocks.tables["c"].blocks[0] == a_blocks[0] and blocks.used == 3
+    blocks.release("b")
+    blocks.release("c")
+    assert (blocks.free, blocks.cached) == (6, 2)
+
+    # a second call with fewer hashes cuts an untouched session down, so every stage agrees
+    assert blocks.acquire("d", h[:2]) == 2
+    assert blocks.acquire("d", h[:1]) == 1 and blocks.cached == 1
+    with pytest.raises(ValueError, match="already open"):
+        blocks.acquire("d", [h[3]])
+    blocks.release("d")
+
+    blocks.open("e")
+    blocks.grow("e", 24)  # every block: the cached ones are evicted, oldest first
+    assert (blocks.free, blocks.cached, blocks.evictions) == (0, 0, 2)
+    blocks.release("e")
+    assert blocks.acquire("f", h[:1]) == 0
+
+
+def test_the_prefix_cache_keeps_at_most_its_size() -> None:
+    h = [bytes([i]) * 16 for i in range(3)]
+    for size, kept in ((None, 3), (1, 1), (0, 0)):
+        blocks = BlockManager(num_blocks=4, block_size=2, max_cached=size)
+        blocks.open("a")
+        blocks.grow("a", 6)
+        blocks.tables["a"].length = 6
+        blocks.publish("a", 0, h)
+        blocks.release("a")
+        assert (blocks.cached, blocks.free) == (kept, 4)
+        assert blocks.acquire("b", h) == kept
+
+
 # -- packing steps on the wire -------------------------------------------------------------------
 def test_a_batch_packs_hidden_states_row_after_row() -> None:
     rows = [np.full((n, 4), i, dtype=np.float32) for i, n in enumerate([3, 1, 2])]
@@ -420,7 +473,8 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
     tmp_path: Path,
 ) -> None:
     """8 concurrent streams (greedy and seeded sampling) on stages whose pools hold about two
-    of them: the gateway preempts and resumes, and every text equals the request alone.
+    of them: the gateway preempts and resumes, and every text equals the request alone; with
+    the prefix cache, no step is refused and every block ends free or cached.
 
     Prompts of 1-3 blocks of 32 positions in a pool of 8, each growing by two blocks: the
     pool fills up at admission (any two prompts fit), so decoding must preempt."""
@@ -437,6 +491,10 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
             together = list(pool.map(lambda b: stream_text(fleet, b), bodies))
         assert together == alone
         assert fleet.metric("pipeshard_gateway_preemptions_total") > 0
+        # the prompts' blocks, cached by the requests alone, opened sessions (prefix cache),
+        # and the gateway's accounting never let a stage refuse a step
+        assert fleet.metric("pipeshard_gateway_prompt_cached_tokens_total") > 0
+        assert "preempted: " not in (tmp_path / "gateway.log").read_text()
         fleet.wait_metric("pipeshard_gateway_requests_running", 0)
 
         async def pools() -> list[tuple[int, int, int]]:

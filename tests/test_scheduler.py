@@ -779,3 +779,41 @@ def test_the_rings_own_steps_need_solo_or_lockstep_and_no_rollback() -> None:
     s.on_result("a", [41, 42], session_length=5)  # a speculative step's two tokens, all fed
     with pytest.raises(ValueError, match="cannot roll back"):
         s.follow("a")
+
+
+def test_with_a_prefix_cache_a_session_first_opens_on_its_cached_prefix() -> None:
+    """A lookup (no ring step, no tokens) comes first; its prompt chunks then start where the
+    stages' cached blocks end. A preempted sequence looks up again on its new session; one
+    cancelled during its lookup ends at the answer and frees the session the lookup opened."""
+    config = SchedulerConfig(prefill_chunk=8, prefix_cache=True, kv_pools=((4, 12),))
+    s = Scheduler(config, eos_ids=[EOS])
+    s.add(seq("a", prompt=20, max_tokens=4))
+    [lookup] = s.next_work(0.0)
+    assert lookup == Work("a", (), 0, prefill=True, samples=False, lookup=True)
+    assert s.next_work(0.0) == []  # nothing else of it while the lookup is out
+    with pytest.raises(ValueError, match="no step in flight"):
+        s.on_result("a", [])
+    s.on_prefix("a", 16)
+    assert s.sequences["a"].cached == 16 and s.sequences["a"].opened
+    [chunk] = s.next_work(0.0)
+    assert chunk == Work("a", tuple(range(17, 21)), 16, prefill=True, samples=True)
+    s.on_result("a", [42])
+    # preempted (its blocks wanted): the new session looks up again; `cached` keeps the first
+    s._preempt(s.sequences["a"])
+    assert freed(s) == ["a"]
+    [again] = s.next_work(0.0)
+    assert again.lookup and again.session == "a.r1"
+    s.on_prefix("a", 20)  # its own earlier blocks, prompt and generated
+    assert s.sequences["a"].fed == 20 and s.sequences["a"].cached == 16
+    [rest] = s.next_work(0.0)
+    assert (rest.tokens, rest.start_position, rest.samples) == ((42,), 20, True)
+
+    s.add(seq("b", prompt=6))
+    [lookup_b] = [w for w in s.next_work(0.0) if w.seq_id == "b"]
+    s.cancel("b")
+    s.on_prefix("b", 0)
+    assert "b" not in s.sequences and freed(s) == ["b"]
+    with pytest.raises(ValueError, match="cached positions"):
+        s.add(seq("c", prompt=6))
+        [lookup_c] = [w for w in s.next_work(0.0) if w.seq_id == "c"]
+        s.on_prefix("c", 6)  # at least the last prompt token is always computed
