@@ -313,6 +313,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--draft-device", help="OpenVINO device of the draft (CPU)")
     p.add_argument("--draft-threads", type=int, help="draft inference threads (0: auto)")
+    p.add_argument(
+        "--draft-kv-cache-size",
+        type=float,
+        help="GiB of KV blocks the draft holds, its prefix cache included (default 0.5)",
+    )
     p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (draft)")
     p.add_argument("--config", type=Path, help="TOML file with the same settings")
 

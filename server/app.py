@@ -151,7 +151,13 @@ def make_proposer(settings: GatewaySettings) -> Proposer | None:
         cache_dir=settings.ov_cache_dir,
         max_sessions=4 * settings.max_concurrent,
     )
-    proposer = DraftProposer(settings.draft, options, None)
+    proposer = DraftProposer(
+        settings.draft,
+        options,
+        None,
+        kv_cache_bytes=int(settings.draft_kv_cache_size * (1 << 30)),
+        prefix_cache_blocks=None if settings.prefix_cache else 0,
+    )
     log.info("speculative decoding with draft %s on %s", proposer.model_id, settings.draft_device)
     return proposer
 

@@ -164,6 +164,12 @@ class GatewaySettings(BaseSettings):
     )
     draft_device: str = Field(default="CPU", description="OpenVINO device of the draft")
     draft_threads: int = Field(default=0, ge=0, description="draft inference threads (0: auto)")
+    draft_kv_cache_size: float = Field(
+        default=0.5,
+        gt=0,
+        description="GiB of KV blocks the draft holds (allocated at start; its sequences and "
+        "its prefix cache share them)",
+    )
     ov_cache_dir: Path | None = Field(
         default_factory=default_ov_cache, description="OpenVINO model cache for the draft"
     )

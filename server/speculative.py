@@ -7,7 +7,8 @@ proposal, so the output does not depend on ``k``), and the last stage verifies
 step's ``rollback`` (the stages trim their KV state: no garbage, no growth) and in the draft here.
 
 * :class:`DraftProposer`: the small draft model of the export (``export/draft``), run with
-  OpenVINO on the gateway with one KV session per sequence.
+  OpenVINO on the gateway with one KV session per sequence, on a paged KV pool with its own
+  prefix cache (a sequence whose prefix another one took in before starts from it).
 * :class:`NgramProposer`: prompt lookup, no model: copies what followed the latest earlier
   occurrence of the last few tokens of the sequence's own text.
 * :class:`AdaptiveK`: picks ``k`` per sequence from its running acceptance rate and the measured
@@ -25,9 +26,11 @@ from typing import Protocol
 
 import numpy as np
 
-from protos.manifest import load_manifest
+from protos.manifest import load_manifest, manifest_hash
 from protos.sampling import SamplingParams
-from stage_node.runner import RunnerOptions, ShardRunner
+from server.prefix import HashChain
+from stage_node.paged import PagedRunner, PagedStep
+from stage_node.runner import CapacityExceeded, RunnerOptions
 from stage_node.sampling import _adjust, _inverse_cdf, greedy_token, probabilities
 from stage_node.speculative import DraftDistribution, uniform
 
@@ -63,9 +66,22 @@ class Proposer(Protocol):
 # 1.4-2.0 s in chunks of 64.
 DRAFT_CHUNK = 64
 
+# The draft's KV block pool (allocated up front; a 0.5B draft with an f16 cache takes 12 KiB a
+# position: about 43,000 positions for every sequence together, and the prefix cache).
+DRAFT_KV_BYTES = 1 << 29
+
 
 class DraftProposer:
-    """The draft model: one OpenVINO session per sequence, kept in step with the target."""
+    """The draft model: one KV session per sequence, kept in step with the target.
+
+    It runs on the paged backend (:class:`stage_node.paged.PagedRunner`) with its own prefix
+    cache: the blocks a sequence fills with its own tokens (prompt and accepted tokens, never
+    proposals) are published under the chained hashes of :mod:`server.prefix` (salted with the
+    draft's manifest hash), and a new sequence starts on the cached blocks of its prefix, as the
+    stages do, so a conversation's next turn or a shared system prompt is not taken in again.
+    Its numbers only affect speed (the target verifies every proposal), so it computes without
+    batch invariance. A sequence the pool cannot hold gets no proposals (plain steps).
+    """
 
     def __init__(
         self,
@@ -73,8 +89,13 @@ class DraftProposer:
         options: RunnerOptions,
         vocab_size: int | None,
         chunk: int = DRAFT_CHUNK,
+        *,
+        kv_cache_bytes: int = DRAFT_KV_BYTES,
+        prefix_cache_blocks: int | None = None,
     ) -> None:
-        """``vocab_size``: the target's (None: check_target later, before the first use)."""
+        """``vocab_size``: the target's (None: check_target later, before the first use).
+        ``prefix_cache_blocks``: blocks no sequence holds kept for later prefixes at most
+        (None: as many as are free; 0: no prefix cache)."""
         self.chunk = chunk
         manifest = load_manifest(export_dir)
         if manifest.num_stages != 1:
@@ -83,10 +104,20 @@ class DraftProposer:
         if vocab_size is not None:
             self.check_target(vocab_size)
         self.model_id = manifest.model.model_id
-        self.runner = ShardRunner(export_dir, 0, options, manifest=manifest)
+        self.runner = PagedRunner(
+            export_dir,
+            0,
+            replace(options, batch_invariant=False),
+            kv_cache_bytes=kv_cache_bytes,
+            prefix_cache_blocks=prefix_cache_blocks,
+            manifest=manifest,
+        )
+        self._salt = manifest_hash(export_dir)  # draft and target hashes never mix
         # Per sequence: the tokens its draft session holds, and how many of them came from the
         # sequence itself (the rest are proposals, which may have been rejected since).
         self._held: dict[str, tuple[list[int], int]] = {}
+        self._chains: dict[str, HashChain] = {}  # per sequence: its own tokens' block hashes
+        self.fed = 0  # positions computed (prompts, catch-ups and proposals)
         self._lock = threading.Lock()  # one inference at a time on the gateway
 
     def check_target(self, vocab_size: int) -> None:
@@ -98,60 +129,109 @@ class DraftProposer:
 
     def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
         started = time.perf_counter()
+        tokens: list[int] = []
+        dists: list[DraftDistribution] = []
         with self._lock:
-            held, common = self._held.get(seq_id, ([], 0))
-            # the sequence only grows: only the proposals held beyond `common` can differ
-            while common < min(len(held), len(context)) and held[common] == context[common]:
-                common += 1
-            if common == len(context):  # the last token's logits are needed again
-                common -= 1
-            if common < len(held):
-                self.runner.rollback(seq_id, len(held) - common)
-                del held[common:]
-            feed = context[common:]
-            if len(feed) > self.chunk + 1:
-                # far behind (a long prompt not yet taken in, or many plain steps): take in
-                # one chunk now and propose on a later step (this one goes plain)
-                self._take_in(seq_id, held, feed[: self.chunk])
-                return Proposal([], [], time.perf_counter() - started)
-            synced = len(context)
-            tokens: list[int] = []
-            dists: list[DraftDistribution] = []
-            greedy = params.temperature == 0.0
-            for _ in range(k):
-                logits = self.runner.forward(seq_id, np.asarray(feed, dtype=np.int64))[-1]
-                held.extend(feed)
-                position = len(held)
-                if greedy:
-                    token = greedy_token(_adjust(logits, params, ()))
-                else:
-                    token, dist = _draw(logits, params, position)
-                    dists.append(dist)
-                tokens.append(token)
-                feed = [token]
-            self._held[seq_id] = (held, synced)
+            try:
+                held, common = self._open(seq_id, context)
+                # the sequence only grows: only the proposals held beyond `common` can differ
+                while common < min(len(held), len(context)) and held[common] == context[common]:
+                    common += 1
+                if common == len(context):  # the last token's logits are needed again
+                    common -= 1
+                if common < len(held):
+                    held = self._rollback(seq_id, held, common, context)
+                    common = len(held)
+                feed = context[common:]
+                if len(feed) > self.chunk + 1:
+                    # far behind (a long prompt not yet taken in, or many plain steps): take in
+                    # one chunk now and propose on a later step (this one goes plain)
+                    self._take_in(seq_id, held, feed[: self.chunk])
+                    return Proposal([], [], time.perf_counter() - started)
+                # the first feed is the sequence's own: the blocks it fills are published
+                hashes = self._chains[seq_id].filled(context, common, len(context))
+                greedy = params.temperature == 0.0
+                for _ in range(k):
+                    logits = self._forward(seq_id, feed, len(held), hashes)[-1]
+                    held.extend(feed)
+                    self._held[seq_id] = (held, len(context))
+                    position = len(held)
+                    if greedy:
+                        token = greedy_token(_adjust(logits, params, ()))
+                    else:
+                        token, dist = _draw(logits, params, position)
+                        dists.append(dist)
+                    tokens.append(token)
+                    feed, hashes = [token], []
+            except CapacityExceeded:
+                # the pool (or the context) cannot hold more of this sequence now: what was
+                # proposed so far (often nothing: a plain step); the session is as it was
+                pass
         return Proposal(tokens, dists, time.perf_counter() - started)
 
     def warm(self, seq_id: str, prompt: list[int]) -> bool:
         # all but the last token: a proposal always needs to feed at least one
         wanted = prompt[:-1]
         with self._lock:
-            held, synced = self._held.get(seq_id, ([], 0))
-            # held is always the sequence's own start, unless proposals went on from there
-            if synced != len(held) or len(held) >= len(wanted):
-                return True  # taken in, or proposals already went on from there
-            self._take_in(seq_id, held, wanted[len(held) : len(held) + self.chunk])
+            try:
+                held, synced = self._open(seq_id, prompt)
+                # held is always the sequence's own start, unless proposals went on from there
+                if synced != len(held) or len(held) >= len(wanted):
+                    return True  # taken in, or proposals already went on from there
+                self._take_in(seq_id, held, wanted[len(held) : len(held) + self.chunk])
+            except CapacityExceeded:
+                return True  # nothing more now: proposals take the prompt in later, or go plain
             return len(held) >= len(wanted)
+
+    def _open(self, seq_id: str, tokens: list[int]) -> tuple[list[int], int]:
+        """The sequence's held tokens and how many are its own (under the lock); a sequence
+        seen for the first time starts on the cached blocks of its prefix (``tokens``)."""
+        if seq_id in self._held:
+            return self._held[seq_id]
+        chain = self._chains.get(seq_id)
+        if chain is None:
+            chain = self._chains[seq_id] = HashChain(self._salt, self.runner.blocks.block_size)
+        blocks = self.runner.acquire(seq_id, chain.reusable(tokens))
+        taken = blocks * self.runner.blocks.block_size
+        self._held[seq_id] = (list(tokens[:taken]), taken)
+        return self._held[seq_id]
+
+    def _rollback(self, seq_id: str, held: list[int], common: int, context: list[int]) -> list[int]:
+        """Cut the session down to ``common`` positions (under the lock); the tokens it holds."""
+        try:
+            self.runner.rollback(seq_id, len(held) - common)
+        except ValueError:
+            # the cut falls inside a block shared with another sequence (the last token of a
+            # context seen before, at a block's end): start again on the cached blocks
+            self.runner.release(seq_id)
+            del self._held[seq_id]
+            return self._open(seq_id, context)[0]
+        del held[common:]
+        self._held[seq_id] = (held, min(self._held[seq_id][1], common))
+        return held
+
+    def _forward(
+        self, seq_id: str, tokens: list[int], start: int, hashes: list[bytes]
+    ) -> np.ndarray:
+        """Feed ``tokens`` at ``start``: the logits of the last one (under the lock)."""
+        step = PagedStep(seq_id, np.asarray(tokens, dtype=np.int64), start, hashes=tuple(hashes))
+        self.runner.place(step)
+        (logits,) = self.runner.forward([step])
+        self.fed += len(tokens)
+        return logits
 
     def _take_in(self, seq_id: str, held: list[int], tokens: list[int]) -> None:
         """Feed tokens of the sequence itself (under the lock); ``held`` grows by them."""
-        self.runner.forward(seq_id, np.asarray(tokens, dtype=np.int64))
+        end = len(held) + len(tokens)
+        hashes = self._chains[seq_id].filled([*held, *tokens], len(held), end)
+        self._forward(seq_id, tokens, len(held), hashes)
         held.extend(tokens)
         self._held[seq_id] = (held, len(held))
 
     def release(self, seq_id: str) -> None:
         with self._lock:
             self._held.pop(seq_id, None)
+            self._chains.pop(seq_id, None)
             self.runner.release(seq_id)
 
 

@@ -809,11 +809,11 @@ def test_with_a_prefix_cache_a_session_first_opens_on_its_cached_prefix() -> Non
     assert (rest.tokens, rest.start_position, rest.samples) == ((42,), 20, True)
 
     s.add(seq("b", prompt=6))
-    [lookup_b] = [w for w in s.next_work(0.0) if w.seq_id == "b"]
+    assert [w.lookup for w in s.next_work(0.0) if w.seq_id == "b"] == [True]
     s.cancel("b")
     s.on_prefix("b", 0)
     assert "b" not in s.sequences and freed(s) == ["b"]
     with pytest.raises(ValueError, match="cached positions"):
         s.add(seq("c", prompt=6))
-        [lookup_c] = [w for w in s.next_work(0.0) if w.seq_id == "c"]
+        assert [w.lookup for w in s.next_work(0.0) if w.seq_id == "c"] == [True]
         s.on_prefix("c", 6)  # at least the last prompt token is always computed
