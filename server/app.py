@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from common import systemd
 from common.net import check_can_listen, split_listen
+from server.constraints import Grammars
 from server.edge import Edge
 from server.engine import Engine
 from server.errors import APIError, error_response, errors_to_api_error
@@ -278,6 +279,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
             spec_k=settings.spec_k,
             spec_max_k=settings.spec_max_k,
             spec_max_users=spec_max_users,
+            grammars=Grammars(codec.chat, codec.vocab_size, sorted(codec.eos_ids)),
         )
         model = settings.model_name or manifest.model.model_id
         gateway.service = CompletionService(engine, codec, model, context, gateway.metrics)

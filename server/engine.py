@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from protos.sampling import SampledToken, SamplingParams
+from server.constraints import Constraint, ConstraintError, Grammars, Matcher
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient, PipelineError
 from server.prefix import HashChain
@@ -61,6 +62,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1
+    constraint: Constraint | None = None  # what the output must match (constrained decoding)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class _Stream:
 
     sampling: SamplingParams
     queue: asyncio.Queue[SampledToken | BaseException | None] = field(default_factory=asyncio.Queue)
+    matcher: Matcher | None = None  # constrained decoding: where the output is in its grammar
 
 
 class Engine:
@@ -91,6 +94,7 @@ class Engine:
         spec_k: int = 0,
         spec_max_k: int = 8,
         spec_max_users: int = 0,
+        grammars: Grammars | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.eos_ids = eos_ids
@@ -122,6 +126,7 @@ class Engine:
         # the draft shares cores with the stages, it costs more than it saves once the ring
         # is full (benchmarks/results/servers-*.md).
         self.spec_max_users = spec_max_users
+        self.grammars = grammars  # constrained decoding (requests with a Constraint)
         self._adaptive = SharedK(spec_max_k, self.fixed_k)  # server-wide costs, by concurrency
         self._acceptance: dict[str, Acceptance] = {}  # each request's own acceptance rate
         self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
@@ -161,6 +166,10 @@ class Engine:
         seq = Sequence(seq_id, list(request.prompt_ids), request.max_tokens, arrival)
         self.scheduler.add(seq)  # raises QueueFull
         stream = _Stream(self.choice_sampling(request, choice))
+        if request.constraint is not None:
+            if self.grammars is None:
+                raise ConstraintError("this gateway cannot constrain its output")
+            stream.matcher = self.grammars.matcher(request.constraint)
         self._streams[seq_id] = stream
         self._kick()
         try:
@@ -267,8 +276,12 @@ class Engine:
                 return
             began = time.perf_counter()  # the step's time includes waiting for the draft
             plan = await self._speculate(seq, item, sampling)
+            matcher = stream.matcher if stream is not None and item.samples else None
+            masks: list[bytes] = []
+            if matcher is not None:
+                masks, plan = _masked(matcher, plan, sampling.temperature == 0.0)
             started = time.perf_counter()
-            follow = self._follow_budget(seq, item, plan)
+            follow = 0 if matcher is not None else self._follow_budget(seq, item, plan)
             results = self.pipeline.steps(
                 item.session,
                 plan.tokens,
@@ -284,6 +297,7 @@ class Engine:
                 follow=follow,
                 stop_ids=self._stop_ids if follow else (),
                 block_hashes=self._filled(seq, item),
+                token_masks=masks,
             )
             async with contextlib.aclosing(results):
                 out = await anext(results)
@@ -296,6 +310,8 @@ class Engine:
                     taken = self.scheduler.on_result(
                         item.seq_id, [t.token_id for t in out.tokens], out.session_length or None
                     )
+                    if matcher is not None:
+                        matcher.advance([t.token_id for t in out.tokens[:taken]])
                     if stream is not None:
                         for token in out.tokens[:taken]:
                             stream.queue.put_nowait(token)
@@ -559,6 +575,21 @@ class _Plan:
     @property
     def num_logits(self) -> int:
         return len(self.tokens) if self.draft else 1
+
+
+def _masked(matcher: Matcher, plan: _Plan, greedy: bool) -> tuple[list[bytes], _Plan]:
+    """The token masks of a sampling step's rows, and its plan without the draft tokens the
+    grammar refuses (the first one it refuses and all after it)."""
+    masks, used = matcher.masks(plan.draft)
+    if used < len(plan.draft):
+        draft = plan.draft[:used]
+        x0 = plan.tokens[:1]
+        if not draft or (not greedy and used < 1):
+            plan = _Plan(x0, level=plan.level, draft_s=plan.draft_s)
+        else:
+            fed = (*x0, *(draft if greedy else draft[:-1]))
+            plan = _Plan(fed, draft, plan.dists[:used], plan.draft_s, plan.level)
+    return masks[: plan.num_logits], plan
 
 
 def _nothing() -> None:

@@ -465,6 +465,7 @@ class PipelineClient:
         group: int = 0,
         solo: bool = False,
         block_hashes: Sequence[bytes] = (),
+        token_masks: Sequence[bytes] = (),
     ) -> StepOutput:
         """Feed ``tokens`` at ``start_position`` through the ring; sample ``num_logits`` rows.
 
@@ -490,6 +491,7 @@ class PipelineClient:
             group=group,
             solo=solo,
             block_hashes=block_hashes,
+            token_masks=token_masks,
         )
         try:
             return await anext(results)
@@ -514,6 +516,7 @@ class PipelineClient:
         follow: int = 0,
         stop_ids: Sequence[int] = (),
         block_hashes: Sequence[bytes] = (),
+        token_masks: Sequence[bytes] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         """As :meth:`step`, and with ``follow`` (a decode step without draft tokens, on a
         ring with :attr:`ring_loop`) the ring then decodes up to ``follow`` more tokens on
@@ -528,7 +531,7 @@ class PipelineClient:
             if start_position:
                 self._release_soon({session_id})
             raise
-        if follow and not (self.ring_loop and not draft_tokens):
+        if follow and not (self.ring_loop and not draft_tokens and not token_masks):
             raise ValueError("the ring decodes on its own only plain decode steps, on a loop")
         timeout = self.step_timeout if timeout is None else timeout
         step_id = next(self._ids)
@@ -559,6 +562,7 @@ class PipelineClient:
                 follow=follow,
                 stop_ids=list(stop_ids),
                 block_hashes=list(block_hashes),
+                token_masks=list(token_masks),
             )
         )
         if self._push_task is None or self._push_task.done():

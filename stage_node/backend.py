@@ -26,7 +26,7 @@ from protos.sampling import SampledToken, SamplingParams
 from stage_node.metrics import StageMetrics
 from stage_node.paged import PagedRunner, PagedStep
 from stage_node.runner import InvalidStageInput, ShardBase, ShardRunner
-from stage_node.sampling import sample
+from stage_node.sampling import apply_masks, sample
 from stage_node.speculative import DraftDistribution, verify
 
 
@@ -50,6 +50,7 @@ class StepInput:
     group: int = 0  # micro-batch group: steps of one group are computed together
     solo: bool = False  # computed in a call of its own, one-row calls not padded (pb.Step.solo)
     block_hashes: tuple[bytes, ...] = ()  # prefix cache: blocks this step fills (pb.Step)
+    token_masks: tuple[bytes, ...] = ()  # constrained decoding: one per sampled row (pb.Step)
 
 
 # Hidden states for the next stage, sampled tokens on the last stage, None for a pure
@@ -100,6 +101,8 @@ class _Backend:
         num_logits = len(out)
         first = step.start_position + len(step.data) - num_logits
         history = list(step.history)
+        if step.token_masks:
+            out = apply_masks(out, step.token_masks)
         if step.draft_tokens:
             return verify(
                 out, step.draft_tokens, step.draft_dists, step.sampling, first + 1, history

@@ -262,3 +262,21 @@ def _inverse_cdf(probs: ProbArray, u: float) -> int:
 def _draw(adjusted: FloatArray, params: SamplingParams, u: float) -> int:
     ids, probs = _distribution(adjusted, params, reach=u)
     return int(ids[_inverse_cdf(probs, u)])
+
+
+def apply_masks(rows: npt.ArrayLike, masks: Sequence[bytes]) -> FloatArray:
+    """Logits ``rows`` with every token a mask does not allow set to -inf (constrained
+    decoding): ``masks[i]`` is row i's bitmask, bit t of byte t // 8 (little-endian bit order)
+    for token t; tokens past its end are not allowed. A copy; ``rows`` is not changed."""
+    out = np.array(rows, dtype=np.float32)
+    if len(masks) != len(out):
+        raise ValueError(f"{len(masks)} token masks for {len(out)} sampled rows")
+    vocab = out.shape[-1]
+    for row, mask in zip(out, masks, strict=True):
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+        allowed = np.zeros(vocab, dtype=bool)
+        allowed[: min(vocab, len(bits))] = bits[:vocab].astype(bool)
+        if not allowed.any():
+            raise ValueError("a token mask allows no token")
+        row[~allowed] = -np.inf
+    return out

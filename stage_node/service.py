@@ -358,6 +358,7 @@ class StageService(pb_grpc.StageServicer):
                 group=step.group,
                 solo=step.solo,
                 block_hashes=tuple(step.block_hashes),
+                token_masks=tuple(step.token_masks),
             )
         except Exception as exc:
             return exc

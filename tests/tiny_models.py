@@ -14,9 +14,22 @@ CORPUS = [
     "hello world, this is pipeshard: split models, serve them, measure them.",
 ]
 VOCAB = 256
+# With CORPUS, for models that must be able to write JSON and tool calls (constrained
+# decoding): braces, quotes, digits, tags.
+JSON_CORPUS = [
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+    '<tool_call>\n{"name": "lookup", "arguments": {"query": "fox"}}\n</tool_call>',
+    '[{"id": 0, "ok": true, "score": -1.5e2, "tags": ["a", "b"], "none": null}]',
+    "0123456789 ABCDEFGHIJKLMNOPQRSTUVWXYZ _-+*/=<>()[]{}|#@!?'`~^$%&\\\t",
+]
 
 
-def make_tokenizer(folder: Path, vocab: int = VOCAB, chat_template: str | None = None) -> None:
+def make_tokenizer(
+    folder: Path,
+    vocab: int = VOCAB,
+    chat_template: str | None = None,
+    corpus: list[str] = CORPUS,
+) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -30,7 +43,7 @@ def make_tokenizer(folder: Path, vocab: int = VOCAB, chat_template: str | None =
         special_tokens=["<unk>", "<s>", "</s>"],
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
@@ -154,8 +167,10 @@ def make_model(
     layers: int = 6,
     vocab: int = VOCAB,
     chat_template: str | None = None,
+    corpus: list[str] = CORPUS,
 ) -> Path:
-    """Save a random model of ``arch`` with the tiny tokenizer into ``folder``."""
+    """Save a random model of ``arch`` with the tiny tokenizer (trained on ``corpus``: its
+    alphabet is the corpus's characters) into ``folder``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -167,7 +182,7 @@ def make_model(
             if param.dim() == 2:
                 param.mul_(2.0)
     model.save_pretrained(folder)
-    make_tokenizer(folder, min(vocab, VOCAB), chat_template)
+    make_tokenizer(folder, min(vocab, VOCAB), chat_template, corpus)
     return folder
 
 

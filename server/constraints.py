@@ -1,0 +1,219 @@
+"""Constrained decoding: what a request's output must match (a JSON schema, any JSON object, a
+call of an offered tool) as a grammar, and the per-sequence matcher that says which tokens the
+last stage may sample.
+
+The grammar engine is llguidance (numpy token bitmasks, no torch). The gateway keeps one
+matcher per sequence, advanced by the tokens the sequence takes; each sampling step carries a
+bitmask per sampled row (``pb.Step.token_masks``), which the last stage applies to the logits
+before it samples (stage_node/sampling.py ``apply_masks``). With speculative decoding the
+matcher walks the draft tokens to give each verified row its own mask and cuts the draft at
+the first token the grammar refuses. Masks live in the gateway, so micro-batching, ``n > 1``,
+preemption, re-prefill and a stage restart need nothing more: the matcher holds the state.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class ConstraintError(ValueError):
+    """A grammar that cannot be built (an unsupported schema), or output it refuses."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar the output must match (llguidance's grammar form) and what it is for."""
+
+    grammar: str
+    kind: str  # "json_object", "json_schema", "tool_call" (required / a named function)
+
+
+def json_schema_constraint(schema: dict[str, Any], kind: str = "json_schema") -> Constraint:
+    import llguidance
+
+    try:
+        # compact JSON: a model may not wander off into whitespace (OpenAI writes it compact)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False}
+        )
+    except (ValueError, TypeError) as exc:
+        raise ConstraintError(f"the JSON schema cannot be enforced: {exc}") from None
+    return Constraint(grammar, kind)
+
+
+def _tool_body_schema(tools: Sequence[Any], arguments_key: str) -> dict[str, Any]:
+    """A JSON object calling one of ``tools``: its name and arguments valid for its schema."""
+    options = []
+    for tool in tools:
+        function = tool.function
+        parameters = function.parameters or {"type": "object"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function.name}, arguments_key: parameters},
+                "required": ["name", arguments_key],
+                "additionalProperties": False,
+            }
+        )
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_call_constraint(
+    tools: Sequence[Any], tool_format: Any, parallel: bool, vocab: dict[str, int] | None = None
+) -> Constraint:
+    """A grammar for one call (or, with ``parallel``, one or more) of ``tools`` written as
+    ``tool_format`` writes it: its text before each call, the JSON body, its text after."""
+    import llguidance
+
+    body = _tool_body_schema(tools, tool_format.arguments_key)
+
+    def literal(text: str) -> str:
+        if not text:
+            return ""
+        token = (vocab or {}).get(text)
+        quoted = json.dumps(text)
+        # a tag the model writes as one token of its vocabulary may come either way
+        return f"(<[{token}]> | {quoted})" if token is not None else quoted
+
+    def tagged(text: str) -> str:
+        """``text`` with a tag at either end (e.g. ``<tool_call>\\n``) as one literal each."""
+        stripped = text.strip()
+        if not stripped or stripped == text:
+            return literal(text)
+        start = text.index(stripped)
+        parts = [text[:start], stripped, text[start + len(stripped) :]]
+        return " ".join(
+            literal(p) if p != stripped else literal(stripped) for p in parts if p
+        )
+
+    call = " ".join(
+        x for x in (tagged(tool_format.call_start), "body", tagged(tool_format.call_end)) if x
+    )
+    separator = literal(tool_format.call_separator)
+    more = f'({separator} call)*' if parallel else ""
+    lines = [
+        f"start: {tagged(tool_format.calls_start)} call {more} {tagged(tool_format.calls_end)}",
+        f"call: {call}",
+        f"body: %json {json.dumps({**body, 'x-guidance': {'whitespace_flexible': False}})}",
+    ]
+    lark = "\n".join(" ".join(line.split()) for line in lines) + "\n"
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as exc:
+        raise ConstraintError(f"the tools' schemas cannot be enforced: {exc}") from None
+    return Constraint(grammar, "tool_call")
+
+
+def constraint_for(req: Any, tool_format: Any, vocab: dict[str, int] | None = None) -> (
+    Constraint | None
+):
+    """The constraint a chat request asks for, or None: a call of an offered tool with
+    ``tool_choice`` ``"required"`` or a named function (``tool_format``: the model's, from
+    server/tools.py), else ``response_format`` ``json_object`` / ``json_schema``."""
+    tools = getattr(req, "tools", None) or []
+    choice = getattr(req, "tool_choice", None)
+    if tools and tool_format is not None and choice is not None and choice != "auto":
+        if choice == "required":
+            offered = tools
+        elif choice == "none":
+            offered = []
+        else:  # a named function
+            name = choice.function.name
+            offered = [t for t in tools if t.function.name == name]
+        if offered:
+            parallel = getattr(req, "parallel_tool_calls", None) is not False and choice == (
+                "required"
+            )
+            return tool_call_constraint(offered, tool_format, parallel, vocab)
+    fmt: Any = getattr(req, "response_format", None)
+    kind = getattr(fmt, "type", None)
+    if kind == "json_object":
+        return json_schema_constraint({"type": "object"}, "json_object")
+    if kind == "json_schema":
+        return json_schema_constraint(fmt.json_schema.schema_, "json_schema")
+    return None
+
+
+class Grammars:
+    """The model's tokenizer as llguidance sees it (built once, ~1 s, on first use) and the
+    matchers of constrained sequences."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_ids)
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            return self._tokenizer
+
+    def vocab(self) -> dict[str, int]:
+        """Token strings to ids (tags that are one token are allowed as that token)."""
+        return dict(self._hf.get_vocab())
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        return Matcher(self.tokenizer(), constraint, self.vocab_size)
+
+
+class Matcher:
+    """One sequence's place in its grammar: the masks of its next rows, advanced by the tokens
+    it takes."""
+
+    def __init__(self, tokenizer: Any, constraint: Constraint, vocab_size: int) -> None:
+        import llguidance
+
+        self.constraint = constraint
+        self.vocab_size = vocab_size
+        self._m = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        if self._m.is_error():
+            raise ConstraintError(f"the grammar cannot be used: {self._m.get_error()}")
+
+    def masks(self, draft: Sequence[int] = ()) -> tuple[list[bytes], int]:
+        """The bitmask of the next row, and of each row after a draft token the grammar
+        allows (draft tokens are walked, then forgotten); how many draft tokens it allows."""
+        import llguidance.numpy as lnp
+
+        buffer = lnp.allocate_token_bitmask(len(draft) + 1, self.vocab_size)
+        lnp.fill_next_token_bitmask(self._m, buffer, 0)
+        used = 0
+        for i, token in enumerate(draft):
+            if not _allows(buffer[i], token) or not self._m.consume_token(token):
+                break
+            used += 1
+            lnp.fill_next_token_bitmask(self._m, buffer, used)
+        if used:
+            self._m.rollback(used)
+        self._check()
+        return [buffer[i].tobytes() for i in range(used + 1)], used
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The sequence took ``tokens`` (sampled under this matcher's masks)."""
+        for token in tokens:
+            if self._m.is_stopped():
+                break  # the end-of-sequence token after a complete match
+            if not self._m.consume_token(token):
+                raise ConstraintError(f"token {token} does not match the grammar")
+        self._check()
+
+    def _check(self) -> None:
+        if self._m.is_error():
+            raise ConstraintError(f"constrained decoding failed: {self._m.get_error()}")
+
+
+def _allows(row: np.ndarray, token: int) -> bool:
+    word = token // 32
+    return word < len(row) and bool((int(row[word]) >> (token % 32)) & 1)
