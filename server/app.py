@@ -323,6 +323,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         request: Request, prepared_kind: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> Response:
         svc = service()
+        _check_json_body(request)
         body = await _read_body(request, settings.max_body_bytes)
         req = parse_request(prepared_kind, body)
         prefix = "chatcmpl" if prepared_kind is ChatCompletionRequest else "cmpl"
@@ -334,7 +335,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         result = await _until_disconnect(request, svc.complete(prep))
         return JSONResponse(result.model_dump(mode="json"))
 
-    generation_errors = (400, *auth, 404, 413, 429, 503, 504)
+    generation_errors = (400, *auth, 404, 413, 415, 429, 503, 504)
 
     @app.post(
         "/v1/chat/completions",
@@ -431,6 +432,22 @@ async def _disconnected(request: Request) -> None:
     # request.is_disconnected() only peeks: it does not wait for the message.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _check_json_body(request: Request) -> None:
+    """415 for a body declared as anything but JSON (a form, say), which would otherwise be
+    read as JSON; a body with no Content-Type is read as JSON."""
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";", 1)[0].strip().lower()
+    if not media or media == "application/json":
+        return
+    if media.startswith("application/") and media.endswith("+json"):
+        return
+    raise APIError(
+        415,
+        f"Unsupported Content-Type '{media}': the request body must be JSON, sent with "
+        "'Content-Type: application/json'.",
+    )
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -82,21 +82,23 @@ def tool_call_constraint(
         return f"(<[{token}]> | {quoted})" if token is not None else quoted
 
     def tagged(text: str) -> str:
-        """``text`` with a tag at either end (e.g. ``<tool_call>\\n``) as one literal each."""
-        stripped = text.strip()
-        if not stripped or stripped == text:
-            return literal(text)
-        start = text.index(stripped)
-        parts = [text[:start], stripped, text[start + len(stripped) :]]
-        return " ".join(
-            literal(p) if p != stripped else literal(stripped) for p in parts if p
-        )
+        """``text`` with each of the format's tags in it (``<tool_call>``, ``[TOOL_CALLS]``)
+        as a literal of its own, so that one may come as its single token."""
+        parts = [text]
+        for tag in getattr(tool_format, "tags", ()):
+            parts = [
+                piece
+                for part in parts
+                for i, split in enumerate(part.split(tag))
+                for piece in ((tag, split) if i else (split,))
+            ]
+        return " ".join(literal(p) for p in parts if p)
 
     call = " ".join(
         x for x in (tagged(tool_format.call_start), "body", tagged(tool_format.call_end)) if x
     )
     separator = literal(tool_format.call_separator)
-    more = f'({separator} call)*' if parallel else ""
+    more = f"({separator} call)*" if parallel else ""
     lines = [
         f"start: {tagged(tool_format.calls_start)} call {more} {tagged(tool_format.calls_end)}",
         f"call: {call}",
@@ -110,9 +112,9 @@ def tool_call_constraint(
     return Constraint(grammar, "tool_call")
 
 
-def constraint_for(req: Any, tool_format: Any, vocab: dict[str, int] | None = None) -> (
-    Constraint | None
-):
+def constraint_for(
+    req: Any, tool_format: Any, vocab: dict[str, int] | None = None
+) -> Constraint | None:
     """The constraint a chat request asks for, or None: a call of an offered tool with
     ``tool_choice`` ``"required"`` or a named function (``tool_format``: the model's, from
     server/tools.py), else ``response_format`` ``json_object`` / ``json_schema``."""

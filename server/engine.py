@@ -256,11 +256,7 @@ class Engine:
         opening = item.lookup or (
             item.prefill and item.start_position == 0 and not self.config.prefix_cache
         )
-        if (
-            proposer is not None
-            and opening
-            and self._speculating(len(self.scheduler.sequences))
-        ):
+        if proposer is not None and opening and self._speculating(len(self.scheduler.sequences)):
             # the draft takes in the prompt while the stages prefill it (once: not on resumes;
             # not while speculation pauses for load: it catches up if it ever proposes)
             task = asyncio.create_task(self._warm(proposer, seq))

@@ -22,6 +22,7 @@ _ERRORS = {
     401: "Missing or wrong API key (Authorization: Bearer KEY)",
     404: "No such model",
     413: "Request body over the gateway's limit (--max-body-bytes)",
+    415: "A body declared as anything but JSON (Content-Type other than application/json)",
     429: "Too many requests queued: retry after Retry-After seconds",
     503: "The gateway is starting, a stage is down, or the request waited too long in the queue",
     504: "A pipeline step took longer than the step timeout",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -34,6 +34,7 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from protos.sampling import SamplingParams
 from server.errors import APIError, param_path, short_json, validation_error_to_api_error
@@ -49,6 +50,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 LOGIT_BIAS_LIMIT = 100.0
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (a real request needs about 5)
+MAX_TOOLS = 128  # as OpenAI
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 
@@ -182,30 +184,238 @@ class TextContentPart(_Request):
     text: str
 
 
+def _check_content_value(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(
+            "content must be a string, a list of {'type': 'text', 'text': ...} parts, or null"
+        )
+    for i, part in enumerate(value):
+        if not isinstance(part, Mapping):
+            raise ValueError(f"content part {i} must be an object, got {short_json(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            raise ValueError(
+                f"content part {i} has type {short_json(kind)}: only 'text' parts are supported"
+            )
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"content part {i} must have a string 'text'")
+    return value
+
+
+# --- tools and structured output -------------------------------------------------------------
+
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+JsonSchemaObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object"})]
+
+
+def _check_schema_object(value: Any, what: str) -> Any:
+    if value is not None and not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a JSON Schema object, got {short_json(value)}")
+    return value
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: JsonSchemaObject | None = None  # a JSON Schema; none: the function takes none
+    strict: StrictBool | None = None
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _schema(cls, value: Any) -> Any:
+        return _check_schema_object(value, "parameters")
+
+
+class ToolDefinition(_Request):
+    """An offered tool: ``{"type": "function", "function": {...}}`` (the only kind)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def _check_tool_choice(value: Any) -> Any:
+    """One readable error for a bad ``tool_choice`` (never one per union member)."""
+    if value is None or (isinstance(value, str) and value in TOOL_CHOICE_MODES):
+        return value
+    if isinstance(value, str):
+        raise ValueError(
+            f"tool_choice must be 'none', 'auto', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {short_json(value)}"
+        )
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            "tool_choice must be a string ('none', 'auto', 'required') or "
+            "{'type': 'function', 'function': {'name': ...}}"
+        )
+    if value.get("type") != "function":
+        raise ValueError(
+            f"tool_choice type must be 'function', got {short_json(value.get('type'))}"
+        )
+    function = value.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str) or not re.fullmatch(FUNCTION_NAME_PATTERN, name):
+        raise ValueError(
+            "tool_choice.function.name must name a function (1 to 64 of a-z, A-Z, 0-9, _ and -), "
+            f"got {short_json(name)}"
+        )
+    return value
+
+
+class JsonSchemaFormat(_Request):
+    name: FunctionName
+    description: str | None = None
+    schema_: JsonSchemaObject = Field(alias="schema")
+    strict: StrictBool | None = None
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema(cls, value: Any) -> Any:
+        return _check_schema_object(value, "schema")
+
+
+class ResponseFormat(_Request):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _with_type(
+        cls, value: JsonSchemaFormat | None, info: ValidationInfo
+    ) -> JsonSchemaFormat | None:
+        kind = info.data.get("type")
+        if kind == "json_schema" and value is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        if kind is not None and kind != "json_schema" and value is not None:
+            raise ValueError(f"json_schema is only valid with type 'json_schema', not {kind!r}")
+        return value
+
+
+# --- messages ----------------------------------------------------------------------------------
+
+
+class MessageFunctionCall(_Request):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str  # the arguments as a JSON object, in a string (as the model wrote them)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value, parse_constant=_reject_constant)
+        except ValueError:
+            raise ValueError(
+                f"arguments must be a JSON object in a string, got {short_json(value)}"
+            ) from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"arguments must be a JSON object, got {short_json(parsed)}")
+        return value
+
+
+class MessageToolCall(_Request):
+    """A call an assistant message made: ``{"id", "type": "function", "function"}``."""
+
+    id: Annotated[str, Field(min_length=1)]
+    type: Literal["function"]
+    function: MessageFunctionCall
+
+
+ROLES_WITH_CONTENT = ("system", "user", "developer", "tool")
+
+
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The JSON schema of a message by role (as the OpenAI spec has it), which is what the
+    validators below enforce: content required (not null) but in an assistant message with
+    tool_calls, tool_call_id only (and always) in a tool message, tool_calls only in an
+    assistant message (a field a role does not take may only be null)."""
+    props = schema.pop("properties")
+    required_content = {"anyOf": [s for s in props["content"]["anyOf"] if s.get("type") != "null"]}
+    calls = next(s for s in props["tool_calls"]["anyOf"] if s.get("type") == "array")
+    call_id = next(s for s in props["tool_call_id"]["anyOf"] if s.get("type") == "string")
+    null = {"type": "null"}
+
+    def variant(roles: list[str], required: list[str], **fields: Any) -> dict[str, Any]:
+        properties = {"role": {"type": "string", "enum": roles}, "name": props["name"], **fields}
+        return {"type": "object", "properties": properties, "required": ["role", *required]}
+
+    spoken = ["system", "user", "developer"]
+    schema.pop("required", None)
+    schema.pop("type", None)
+    schema["anyOf"] = [
+        variant(spoken, ["content"], content=required_content, tool_calls=null, tool_call_id=null),
+        variant(
+            ["assistant"], ["content"], content=required_content, tool_calls=props["tool_calls"],
+            tool_call_id=null,
+        ),
+        variant(
+            ["assistant"], ["tool_calls"], content=props["content"], tool_calls=calls,
+            tool_call_id=null,
+        ),
+        variant(["tool"], ["content", "tool_call_id"], content=required_content,
+                tool_call_id=call_id, tool_calls=null),
+    ]  # fmt: skip
+
+
 class ChatMessage(_Request):
+    """A message. ``system``, ``user``, ``developer`` and ``tool`` messages need ``content``;
+    an ``assistant`` message needs ``content`` or ``tool_calls``; ``tool_call_id`` (required)
+    is only for ``tool`` messages and ``tool_calls`` only for ``assistant`` ones."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
+
     role: Role
-    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, validate_default=True
+    )
+    content: str | list[TextContentPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _only_assistant(cls, value: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if value is not None and role is not None and role != "assistant":
+            raise ValueError(f"tool_calls are only valid in assistant messages, not {role!r}")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if role == "tool" and value is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if value is not None and role is not None and role != "tool":
+            raise ValueError(f"tool_call_id is only valid in tool messages, not {role!r}")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
-    def _check_content(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError(
-                "content must be a string, a list of {'type': 'text', 'text': ...} parts, or null"
-            )
-        for i, part in enumerate(value):
-            if not isinstance(part, Mapping):
-                raise ValueError(f"content part {i} must be an object, got {short_json(part)}")
-            kind = part.get("type")
-            if kind != "text":
-                raise ValueError(
-                    f"content part {i} has type {short_json(kind)}: only 'text' parts are supported"
-                )
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i} must have a string 'text'")
+    def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
+        value = _check_content_value(value)
+        role = info.data.get("role")
+        if value is None and role in ROLES_WITH_CONTENT:
+            raise ValueError(f"a {role} message needs content")
+        if value is None and role == "assistant" and not info.data.get("tool_calls"):
+            raise ValueError("an assistant message needs content or tool_calls")
         return value
 
 
@@ -282,6 +492,13 @@ class _SamplingRequest(_Request):
     def _validate_stop(cls, value: Any) -> Any:
         return _check_stop(value)
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streaming(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _validate_logit_bias(cls, value: Any) -> Any:
@@ -295,6 +512,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: PositiveInt32 | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+    # The deprecated forms of tools: refused with a pointer to tools (not in the schema).
+    functions: SkipJsonSchema[Any] = None
+    function_call: SkipJsonSchema[Any] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -302,6 +526,56 @@ class ChatCompletionRequest(_SamplingRequest):
         if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, value: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [tool.function.name for tool in value or ()]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"function names must be distinct, {twice[0]!r} is offered twice")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _validate_tool_choice(cls, value: Any) -> Any:
+        return _check_tool_choice(value)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _offered(cls, value: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:
+            return value  # the tools were invalid: that is the error
+        names = [tool.function.name for tool in info.data.get("tools") or ()]
+        if value == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(value, NamedToolChoice):
+            if not names:
+                raise ValueError(
+                    f"tool_choice names {value.function.name!r} but no tools are given"
+                )
+            if value.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names {value.function.name!r}, which is not among the tools"
+                )
+        return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            instead = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"{info.field_name} is deprecated and not supported: use {instead}")
+        return value
+
+    def tool_mode(self) -> str | None:
+        """How tools are used: ``"auto"``, ``"required"``, ``"named"``, or None (no tools offered,
+        or ``tool_choice: "none"``: the model must not call any)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if self.tool_choice is None or self.tool_choice == "auto":
+            return "auto"
+        return "required" if self.tool_choice == "required" else "named"
 
 
 class CompletionRequest(_SamplingRequest):
@@ -319,6 +593,11 @@ class CompletionRequest(_SamplingRequest):
     echo: StrictBool | None = False
     suffix: str | None = None
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
+    # Chat-only fields, refused here rather than ignored (not in the schema).
+    tools: SkipJsonSchema[Any] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    parallel_tool_calls: SkipJsonSchema[Any] = None
+    response_format: SkipJsonSchema[Any] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -356,6 +635,16 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         return value
 
+    @field_validator("tools", "tool_choice", "parallel_tool_calls", "response_format")
+    @classmethod
+    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(
+                f"{info.field_name} is only supported by /v1/chat/completions, "
+                "not by the legacy /v1/completions"
+            )
+        return value
+
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -378,13 +667,38 @@ def message_text(message: ChatMessage) -> str:
     return "\n".join(part.text for part in content)
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """``[{"role", "content"}]`` dicts (plus ``name`` when given) for a chat template."""
-    out: list[dict[str, str]] = []
+def template_messages(
+    messages: Sequence[ChatMessage], call_id: Callable[[str], str] | None = None
+) -> list[dict[str, Any]]:
+    """``[{"role", "content"}]`` dicts (plus ``name`` when given) for a chat template.
+
+    An assistant message's ``tool_calls`` go in as ``{"id", "type", "function": {"name",
+    "arguments"}}`` with the arguments parsed into a dict (as the templates of Qwen, Llama and
+    Mistral expect); a tool message keeps its ``tool_call_id`` and, unless it has its own, the
+    ``name`` of the function whose call it answers. ``call_id`` rewrites call ids (a Mistral
+    template accepts only ids of 9 letters and digits).
+    """
+    rename = call_id or (lambda ident: ident)
+    called: dict[str, str] = {}  # call id -> function name
+    out: list[dict[str, Any]] = []
     for message in messages:
-        item = {"role": message.role, "content": message_text(message)}
+        item: dict[str, Any] = {"role": message.role, "content": message_text(message)}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_calls:
+            calls = []
+            for call in message.tool_calls:
+                called[call.id] = call.function.name
+                function = {
+                    "name": call.function.name,
+                    "arguments": json.loads(call.function.arguments),
+                }
+                calls.append({"id": rename(call.id), "type": "function", "function": function})
+            item["tool_calls"] = calls
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = rename(message.tool_call_id)
+            if message.name is None and message.tool_call_id in called:
+                item["name"] = called[message.tool_call_id]
         out.append(item)
     return out
 

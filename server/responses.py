@@ -25,7 +25,11 @@ from pydantic import (
 
 UNLIKELY_LOGPROB = -9999.0  # what OpenAI reports for a logprob that is -inf
 OWNER = "pipeshard"
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]  # tool_calls: chat only
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
 
 
 def _finite_logprob(value: float) -> float:
@@ -98,10 +102,27 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+    """A call the model made: ``{"id": "call_<24 hex>", "type": "function", "function"}``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
+    """The answer; ``tool_calls`` is there only when the model called tools (then ``content``
+    is the text outside the calls, or null)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -121,11 +142,27 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_is_none)
+    arguments: str | None = Field(default=None, exclude_if=_is_none)  # a fragment of the JSON
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of tool call ``index``: first its ``id``, ``type`` and name (with
+    ``"arguments": ""``), then fragments of its arguments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
+    function: DeltaFunctionCall | None = Field(default=None, exclude_if=_is_none)
+
+
 class ChatDelta(BaseModel):
     """A streamed delta; serializes only the keys that are set (``{}`` on the last chunk)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

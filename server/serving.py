@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from protos.sampling import SampledToken
+from server.constraints import Constraint, ConstraintError, constraint_for
 from server.detokenizer import IncrementalDetokenizer
 from server.engine import (
     Engine,
@@ -50,12 +51,15 @@ from server.responses import (
     CompletionChoice,
     CompletionLogprobs,
     FinishReason,
+    ToolCall,
+    ToolCallFunction,
     Usage,
     chat_token_logprob,
 )
 from server.sse import (
     chat_content_chunk,
     chat_final_chunk,
+    chat_tool_call_chunks,
     chat_usage_chunk,
     completion_final_chunk,
     completion_text_chunk,
@@ -66,6 +70,15 @@ from server.sse import (
     sse_event,
 )
 from server.tokenization import TextCodec
+from server.tools import (
+    ParsedToolCall,
+    ToolCallParser,
+    ToolFormat,
+    detect_tool_format,
+    new_call_id,
+    parse_tool_calls,
+    template_tools,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +129,24 @@ class ChoiceResult:
     cached_tokens: int = 0  # prompt positions taken from the stages' prefix cache
     chat_logprobs: list[ChatTokenLogprob] = field(default_factory=list)
     legacy_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    parser: ToolCallParser | None = None  # streaming with tools: the calls in the output
+    calls: int = 0  # tool calls streamed
+
+
+@dataclass(frozen=True)
+class ToolParsing:
+    """Tools are offered (``tool_choice`` is not ``"none"``): the output is read for calls."""
+
+    format: ToolFormat
+    parallel: bool  # parallel_tool_calls (false: only the first call is kept)
+
+    def parser(self) -> ToolCallParser:
+        return ToolCallParser(self.format, self.parallel)
+
+
+def _finish_with_calls(finish: FinishReason, calls: int) -> FinishReason:
+    """``tool_calls`` when the model ended its answer (not cut at the limit) after calls."""
+    return "tool_calls" if calls and finish == "stop" else finish
 
 
 @dataclass
@@ -131,6 +162,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     chat: bool
+    tools: ToolParsing | None = None
 
 
 @dataclass
@@ -156,6 +188,21 @@ class CompletionService:
         self.model = model
         self.max_context = max_context
         self.metrics = metrics
+        self.tool_format = detect_tool_format(codec.chat_template)
+        self._vocab: dict[str, int] | None = None
+
+    def _constraint(self, req: ChatCompletionRequest, mode: str | None) -> Constraint | None:
+        """What the output must match (server/constraints.py), or a 400 naming the field."""
+        vocab = None
+        if mode in ("required", "named"):
+            if self._vocab is None:  # tags that are single tokens (built once, on first use)
+                self._vocab = dict(self.codec.chat.get_vocab())
+            vocab = self._vocab
+        try:
+            return constraint_for(req, self.tool_format if mode else None, vocab=vocab)
+        except ConstraintError as exc:
+            param = "tools" if mode in ("required", "named") else "response_format"
+            raise APIError(400, f"Invalid value for '{param}': {exc}", param=param) from None
 
     # -- preparing ------------------------------------------------------------------------
     def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> Prepared:
@@ -167,12 +214,29 @@ class CompletionService:
                 code="model_not_found",
             )
         chat = isinstance(req, ChatCompletionRequest)
+        constraint: Constraint | None = None
+        tools: ToolParsing | None = None
         if isinstance(req, ChatCompletionRequest):
+            mode = req.tool_mode()
+            if mode is not None:
+                if self.tool_format is None:
+                    raise APIError(
+                        400,
+                        f"The model '{self.model}' cannot be offered tools: its chat template "
+                        "does not support tools (send the request without 'tools', or with "
+                        "tool_choice 'none').",
+                        param="tools",
+                    )
+                tools = ToolParsing(self.tool_format, req.parallel_tool_calls is not False)
+            fmt = self.tool_format
+            messages = template_messages(req.messages, fmt.call_id if fmt else None)
+            offered = template_tools(req.tools or ()) if mode is not None else None
             try:
-                prompt = self.codec.chat_prompt(template_messages(req.messages))
+                prompt = self.codec.chat_prompt(messages, tools=offered)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
             logprobs = bool(req.logprobs)
+            constraint = self._constraint(req, mode)
         else:
             if isinstance(req.prompt, str):
                 prompt = self.codec.encode(req.prompt)
@@ -206,6 +270,7 @@ class CompletionService:
             max_tokens=max_tokens if max_tokens is not None else room,
             sampling=sampling,
             n=req.n or 1,
+            constraint=constraint,
         )
         return Prepared(
             request_id=request_id,
@@ -217,12 +282,20 @@ class CompletionService:
             stream=bool(req.stream),
             include_usage=include_usage(req),
             chat=chat,
+            tools=tools,
         )
 
     # -- generating one choice --------------------------------------------------------------
     async def _choice_events(self, prep: Prepared, index: int) -> AsyncGenerator[ChoiceEvent, None]:
         """Text pieces of one choice as they become safe to emit, then its finish reason."""
-        detok = IncrementalDetokenizer(self.codec.tokenizer, prep.generation.prompt_ids, prep.stop)
+        # (a tool format whose call marker is a special token needs it in the text)
+        keep_special = prep.tools is not None and prep.tools.format.keep_special_tokens
+        detok = IncrementalDetokenizer(
+            self.codec.tokenizer,
+            prep.generation.prompt_ids,
+            prep.stop,
+            skip_special_tokens=not keep_special,
+        )
         stats = GenerationStats()
         received = time.perf_counter()
         last = received
@@ -332,13 +405,15 @@ class CompletionService:
                 choices=[
                     ChatCompletionChoice(
                         index=r.index,
-                        message=ChatResponseMessage(content=r.text),
+                        message=message,
                         logprobs=ChatChoiceLogprobs(content=r.chat_logprobs)
                         if prep.logprobs
                         else None,
-                        finish_reason=r.finish_reason,
+                        finish_reason=finish,
                     )
-                    for r in results
+                    for r, (message, finish) in zip(
+                        results, (self._message(prep, r) for r in results), strict=True
+                    )
                 ],
             )
         return Completion(
@@ -356,6 +431,19 @@ class CompletionService:
                 for r in results
             ],
         )
+
+    @staticmethod
+    def _message(prep: Prepared, result: ChoiceResult) -> tuple[ChatResponseMessage, FinishReason]:
+        """A whole choice's message (its tool calls read from its text) and finish reason."""
+        if prep.tools is None:
+            return ChatResponseMessage(content=result.text), result.finish_reason
+        content, calls = parse_tool_calls(result.text, prep.tools.format, prep.tools.parallel)
+        if not calls:
+            return ChatResponseMessage(content=content), result.finish_reason
+        message = ChatResponseMessage(
+            content=content or None, tool_calls=[_tool_call(call) for call in calls]
+        )
+        return message, _finish_with_calls(result.finish_reason, len(calls))
 
     # -- streaming ------------------------------------------------------------------------
     async def open_stream(self, prep: Prepared) -> AsyncIterator[bytes]:
@@ -401,7 +489,11 @@ class CompletionService:
         try:
             if prep.chat:
                 for i in range(len(streams)):
-                    yield sse_event(first_chat_chunk(prep.request_id, prep.created, prep.model, i))
+                    content = None if prep.tools is not None else ""
+                    opening = first_chat_chunk(
+                        prep.request_id, prep.created, prep.model, i, content
+                    )
+                    yield sse_event(opening)
             while pending:
                 item = await queue.get()
                 if item is None:
@@ -442,7 +534,9 @@ class CompletionService:
         self._record(prep, result, event)
         out: list[bytes] = []
         ident = (prep.request_id, prep.created, prep.model)
-        if prep.chat:
+        if prep.chat and prep.tools is not None:
+            out.extend(self._tool_chunks(prep, result, event, before))
+        elif prep.chat:
             new_lp = result.chat_logprobs[before:] if prep.logprobs else None
             if event.text or new_lp:
                 out.append(
@@ -480,6 +574,43 @@ class CompletionService:
                 out.append(sse_event(completion_text_chunk(*ident, event.text, event.index, piece)))
         result.text += event.text
         return out
+
+    def _tool_chunks(
+        self, prep: Prepared, result: ChoiceResult, event: ChoiceEvent, before: int
+    ) -> list[bytes]:
+        """A chat stream with tools: the answer's text as content, each call once complete
+        (its id and name, then its arguments), ``finish_reason: "tool_calls"`` after calls."""
+        assert prep.tools is not None
+        if result.parser is None:
+            result.parser = prep.tools.parser()
+        ident = (prep.request_id, prep.created, prep.model)
+        events = result.parser.feed(event.text)
+        if event.finish_reason:
+            events += result.parser.finish()
+        new_lp = result.chat_logprobs[before:] if prep.logprobs else []
+        out: list[bytes] = []
+        for item in events:
+            if isinstance(item, ParsedToolCall):
+                chunks = chat_tool_call_chunks(
+                    *ident, result.calls, new_call_id(), item.name, item.arguments, event.index
+                )
+                out.extend(sse_event(chunk) for chunk in chunks)
+                result.calls += 1
+            else:
+                lp, new_lp = new_lp or None, []  # the tokens' logprobs go with the first text
+                out.append(sse_event(chat_content_chunk(*ident, item, event.index, lp)))
+        if new_lp:  # logprobs of tokens whose text is held back (or is a call)
+            out.append(sse_event(chat_content_chunk(*ident, "", event.index, new_lp)))
+        if event.finish_reason:
+            finish = _finish_with_calls(event.finish_reason, result.calls)
+            out.append(sse_event(chat_final_chunk(*ident, finish, event.index)))
+        return out
+
+
+def _tool_call(call: ParsedToolCall) -> ToolCall:
+    return ToolCall(
+        id=new_call_id(), function=ToolCallFunction(name=call.name, arguments=call.arguments)
+    )
 
 
 def _byte_level_bytes(piece: str) -> bytes:

@@ -6,7 +6,8 @@ inside strings are escaped by JSON, so an event never spans lines.
 
 A chat stream for one choice is::
 
-    first_chat_chunk -> chat_content_chunk* -> chat_final_chunk -> [chat_usage_chunk] -> [DONE]
+    first_chat_chunk -> (chat_content_chunk | chat_tool_call_chunks)* -> chat_final_chunk
+    -> [chat_usage_chunk] -> [DONE]
 
 (the usage chunk only with ``stream_options.include_usage``); a legacy completion stream is
 ``completion_text_chunk* -> completion_final_chunk -> [completion_usage_chunk] -> [DONE]``.
@@ -33,6 +34,8 @@ from server.responses import (
     CompletionChunk,
     CompletionChunkChoice,
     CompletionLogprobs,
+    DeltaFunctionCall,
+    DeltaToolCall,
     FinishReason,
     Usage,
 )
@@ -42,6 +45,7 @@ __all__ = [
     "SSE_MEDIA_TYPE",
     "chat_content_chunk",
     "chat_final_chunk",
+    "chat_tool_call_chunks",
     "chat_usage_chunk",
     "completion_final_chunk",
     "completion_text_chunk",
@@ -92,9 +96,12 @@ def _chat_chunk(
     return ChatCompletionChunk(id=id, created=created, model=model, choices=choices, usage=usage)
 
 
-def first_chat_chunk(id: str, created: int, model: str, index: int = 0) -> ChatCompletionChunk:
-    """The first chunk of a choice: ``delta = {"role": "assistant", "content": ""}``."""
-    delta = ChatDelta(role="assistant", content="")
+def first_chat_chunk(
+    id: str, created: int, model: str, index: int = 0, content: str | None = ""
+) -> ChatCompletionChunk:
+    """The first chunk of a choice: ``delta = {"role": "assistant", "content": ""}`` (only the
+    role with ``content=None``: an answer that may be only tool calls has no content yet)."""
+    delta = ChatDelta(role="assistant", content=content)
     return _chat_chunk(id, created, model, [ChatChunkChoice(index=index, delta=delta)])
 
 
@@ -113,6 +120,34 @@ def chat_content_chunk(
         logprobs=None if logprobs is None else ChatChoiceLogprobs(content=logprobs),
     )
     return _chat_chunk(id, created, model, [choice])
+
+
+def chat_tool_call_chunks(
+    id: str,
+    created: int,
+    model: str,
+    call_index: int,
+    call_id: str,
+    name: str,
+    arguments: str,
+    index: int = 0,
+) -> list[ChatCompletionChunk]:
+    """A complete tool call as OpenAI streams one: a chunk with its ``id``, ``type`` and
+    ``function.name`` (``"arguments": ""``), then one with the ``arguments`` (all of them, as
+    one fragment). ``call_index`` counts the choice's calls from 0."""
+    opening = DeltaToolCall(
+        index=call_index,
+        id=call_id,
+        type="function",
+        function=DeltaFunctionCall(name=name, arguments=""),
+    )
+    rest = DeltaToolCall(index=call_index, function=DeltaFunctionCall(arguments=arguments))
+    return [
+        _chat_chunk(
+            id, created, model, [ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[d]))]
+        )
+        for d in (opening, rest)
+    ]
 
 
 def chat_final_chunk(

@@ -43,11 +43,33 @@ class TextCodec:
     has_chat_template: bool
     vocab_size: int  # the model's (logits) vocabulary, read once: the tokenizer's call is slow
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids: ``messages`` (and the offered ``tools``, as
+        ``[{"type": "function", "function": {...}}]``) through the chat template.
+
+        A template that refuses the messages (its ``raise_exception``, e.g. a model that takes
+        one tool call per message) or fails on them is a ValueError with its reason.
+        """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template: use /v1/completions")
-        text = self.chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from jinja2 import TemplateError
+
+        try:
+            text = self.chat.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the model's chat template refused the messages: {exc}") from None
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"the model's chat template failed on the messages: {exc}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    @property
+    def chat_template(self) -> Any:
+        """The chat template (a string, or named templates), or None."""
+        return getattr(self.chat, "chat_template", None) if self.has_chat_template else None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)

@@ -7,7 +7,13 @@
   Content-Length), an absurd ``max_tokens`` or a prompt longer than the context is 400, all in
   the OpenAI error envelope; and the inputs the fuzzer found to crash the gateway.
 
-The model is the tests' tiny chat model exported with a 64-token context: the context bounds
+Tools and structured output (``tools``, ``tool_choice``, ``parallel_tool_calls``,
+``response_format``) are in the schema, so the fuzzing above sends them too; a focused
+Hypothesis test also combines them as real clients do (valid function names, JSON schemas,
+named choices among the tools), into the template and constrained decoding.
+
+The model is the tests' tiny chat model (with a template that takes tools) exported with a
+64-token context: the context bounds
 every generation (a larger ``max_tokens`` is a 400), so fuzzing stays fast. Generation is
 derandomized (the same requests every run); ``FUZZ_EXAMPLES=500`` fuzzes the completions
 longer than the default 60 examples per operation and mode.
@@ -44,7 +50,8 @@ from exporter.export import ExportOptions, export_model
 from protos.manifest import WeightSpec
 from tests.processes import Proc, start_gateway, start_stages
 from tests.test_gateway import Fleet
-from tests.tiny_models import CHAT_TEMPLATE, make_model
+from tests.test_tools import TINY_HERMES_TEMPLATE
+from tests.tiny_models import CORPUS, JSON_CORPUS, make_model
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -72,7 +79,14 @@ class FuzzFleet(Fleet):
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzFleet]:
     base = tmp_path_factory.mktemp("fuzz")
-    source = make_model("qwen2", base / "chat-model", chat_template=CHAT_TEMPLATE)
+    # a template that takes tools (Qwen's calls), a tokenizer that can write JSON: the fuzzed
+    # tools, tool_choice and response_format reach the template and constrained decoding
+    source = make_model(
+        "qwen2",
+        base / "chat-model",
+        chat_template=TINY_HERMES_TEMPLATE,
+        corpus=CORPUS + JSON_CORPUS,
+    )
     export = base / "export"
     export_model(
         ExportOptions(
@@ -167,13 +181,17 @@ def test_fuzz(
                     case.body["stream"] = True
             if case.path_parameters and "model_id" in case.path_parameters:
                 case.path_parameters["model_id"] = fleet.model
-        statuses.add(case.call_and_validate(headers=AUTH, checks=CHECKS).status_code)
+        response = case.call_and_validate(headers=AUTH, checks=CHECKS)
+        statuses.add(response.status_code)
+        if response.status_code == 400 and len(refusals) < 20:
+            refusals.append(response.json()["error"]["message"])
 
     statuses: set[int] = set()
+    refusals: list[str] = []  # (what stopped the requests, should none get through)
     fuzz()
     # The fuzzing got past authentication and validation into the work (for the completions,
     # into the generation).
-    assert mode is GenerationMode.NEGATIVE or 200 in statuses, statuses
+    assert mode is GenerationMode.NEGATIVE or 200 in statuses, (statuses, refusals)
 
 
 def _post(
@@ -280,6 +298,127 @@ def test_wrong_method_is_405_with_allow(fleet: FuzzFleet) -> None:
     response = httpx.get(f"{fleet.url}/v1/chat/completions", headers=AUTH)
     _assert_error(response, 405)
     assert response.headers["allow"] == "POST"
+
+
+_NAMES = st.from_regex(r"\A[a-zA-Z0-9_-]{1,12}\Z")
+_SCALAR_SCHEMAS = st.sampled_from(
+    [
+        {"type": "string"},
+        {"type": "integer"},
+        {"type": "number", "minimum": 0},
+        {"type": "boolean"},
+        {"enum": ["a", "b", 3]},
+        {"const": "x"},
+        {"type": "string", "maxLength": 3},
+        {},
+    ]
+)
+_SCHEMAS = st.recursive(
+    _SCALAR_SCHEMAS,
+    lambda inner: st.one_of(
+        st.builds(
+            lambda props, required, extra: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(set(required) & set(props)),
+                "additionalProperties": extra,
+            },
+            st.dictionaries(_NAMES, inner, max_size=3),
+            st.lists(_NAMES, max_size=2),
+            st.booleans(),
+        ),
+        st.builds(lambda items: {"type": "array", "items": items, "maxItems": 2}, inner),
+    ),
+    max_leaves=6,
+)
+_OBJECT_SCHEMAS = st.one_of(
+    st.builds(lambda s: {"type": "object", "properties": {"v": s}}, _SCHEMAS),
+    st.just({"type": "object"}),
+    st.just({}),
+)
+
+
+@st.composite
+def _tool_requests(draw: st.DrawFn) -> dict[str, object]:
+    names = draw(st.lists(_NAMES, min_size=1, max_size=3, unique=True))
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                **draw(st.fixed_dictionaries({}, optional={"parameters": _OBJECT_SCHEMAS})),
+                **draw(st.fixed_dictionaries({}, optional={"description": st.text(max_size=8)})),
+            },
+        }
+        for name in names
+    ]
+    choice = draw(st.sampled_from(["none", "auto", "required", None, "named", "unknown name"]))
+    body: dict[str, object] = {"messages": MESSAGES, "max_tokens": draw(st.integers(1, 8))}
+    if draw(st.booleans()):
+        body["tools"] = tools
+    if choice in ("named", "unknown name"):
+        name = draw(st.sampled_from(names)) if choice == "named" else "not-" + names[0]
+        body["tool_choice"] = {"type": "function", "function": {"name": name}}
+    elif choice is not None:
+        body["tool_choice"] = choice
+    if draw(st.booleans()):
+        body["parallel_tool_calls"] = draw(st.booleans())
+    fmt = draw(st.sampled_from([None, "text", "json_object", "json_schema"]))
+    if fmt == "json_schema":
+        schema = draw(_SCHEMAS)
+        body["response_format"] = {
+            "type": fmt,
+            "json_schema": {"name": draw(_NAMES), "schema": schema, "strict": draw(st.booleans())},
+        }
+    elif fmt is not None:
+        body["response_format"] = {"type": fmt}
+    if draw(st.booleans()):
+        body["stream"] = True
+    if draw(st.booleans()):  # a call and its answer in the history
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": names[0], "arguments": "{}"},
+        }
+        body["messages"] = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+        ]
+    return body
+
+
+def test_fuzz_tools_and_response_formats(fleet: FuzzFleet) -> None:
+    """Tools, tool_choice and response_format as clients combine them: a 200 (a stream ends
+    with [DONE]; calls carry JSON arguments) or a 400 in the envelope, never a 5xx."""
+    statuses: set[int] = set()
+
+    @given(fields=_tool_requests())
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def fuzz(fields: dict[str, object]) -> None:
+        body = {"model": fleet.model, **fields}
+        response = _post(fleet, json.dumps(body).encode())
+        statuses.add(response.status_code)
+        if response.status_code != 200:
+            error = response.json()["error"]
+            _assert_error(response, 400, error["param"], error["code"])
+            return
+        if body.get("stream"):
+            assert response.text.endswith("data: [DONE]\n\n"), response.text
+            assert '"error"' not in response.text, response.text
+            return
+        for choice in response.json()["choices"]:
+            for call in choice["message"].get("tool_calls") or []:
+                assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+    fuzz()
+    assert {200, 400} <= statuses, statuses
 
 
 def test_gateway_survives_fuzzing(fleet: FuzzFleet) -> None:

@@ -547,7 +547,15 @@ def test_tls_everywhere_https_gateway_over_tls_stages(fleet: Fleet, tmp_path: Pa
         body = json.dumps(
             {"model": fleet.model, "messages": MESSAGES, "max_tokens": 8, "stream": True}
         )
-        curl = ["curl", "-sN", "-H", f"Authorization: Bearer {KEY}", "-d", body]
+        curl = [
+            "curl",
+            "-sN",
+            "-H",
+            f"Authorization: Bearer {KEY}",
+            "-H",
+            "Content-Type: application/json",
+        ]
+        curl += ["-d", body]
         out = subprocess.run(
             [*curl, "--cacert", str(ca), f"{url}/v1/chat/completions"],
             capture_output=True,

@@ -69,6 +69,9 @@ BASE: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content"
 ID, CREATED, MODEL = "chatcmpl-abc", 1_700_000_000, "tiny"
 
 
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
 def _chat(**fields: Any) -> ChatCompletionRequest:
     return parse_request(ChatCompletionRequest, {**BASE, **fields})
 
@@ -130,6 +133,50 @@ def _json(model: BaseModel) -> dict[str, Any]:
         ({"stream": "yes"}, "stream", "boolean"),
         ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "boolean"),
         ({"model": None}, "model", "string"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content", "needs content"),
+        ({"messages": [{"role": "system", "content": None}]}, "messages[0].content", "needs"),
+        ({"messages": [{"role": "assistant"}]}, "messages[0].content", "content or tool_calls"),
+        ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id", "needs"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+            "messages[0].tool_call_id",
+            "only valid in tool messages",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [_CALL]}]},
+            "messages[0].tool_calls",
+            "only valid in assistant messages",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{**_CALL, "function": {"name": "f", "arguments": "{oops"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+            "JSON object",
+        ),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "'function'"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools[0].function.name",
+            "pattern",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "'none', 'auto', 'required'"),
+        ({"parallel_tool_calls": 1}, "parallel_tool_calls", "boolean"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "Missing",
+        ),
+        ({"functions": [{"name": "f"}]}, "functions", "use tools"),
     ],
 )
 def test_invalid_chat_request_is_a_400_naming_the_field(
@@ -210,11 +257,17 @@ def test_nulls_are_accepted_for_optional_fields() -> None:
         "top_logprobs",
         "logit_bias",
         "user",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "functions",
+        "function_call",
     ]
     messages = [
-        {"role": "system", "content": None, "name": None},
+        {"role": "system", "content": "", "name": None, "tool_calls": None, "tool_call_id": None},
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
     ]
     req = parse_request(
         ChatCompletionRequest,
@@ -223,7 +276,8 @@ def test_nulls_are_accepted_for_optional_fields() -> None:
     assert effective_max_tokens(req) is None
     assert stop_list(req) == []
     assert include_usage(req) is False
-    assert message_text(req.messages[0]) == ""
+    assert message_text(req.messages[0]) == message_text(req.messages[2]) == ""
+    assert req.tool_mode() is None
     params = to_sampling_params(req)
     assert params == SamplingParams(temperature=1.0, top_p=1.0)
     req = _chat(stream=True, stream_options={"include_usage": None})
@@ -232,10 +286,7 @@ def test_nulls_are_accepted_for_optional_fields() -> None:
 
 def test_unknown_fields_are_ignored() -> None:
     req = _chat(
-        messages=[{"role": "user", "content": "hi", "tool_call_id": "x", "whatever": 1}],
-        tools=[{"type": "function"}],
-        response_format={"type": "text"},
-        parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "hi", "whatever": 1}],
         stream_options={"include_usage": True, "continuous_usage_stats": True},
         stream=True,
         brand_new_field={"nested": [1, 2]},
@@ -250,7 +301,7 @@ def test_content_parts_are_joined() -> None:
         messages=[
             {"role": "developer", "content": "Be brief."},
             {"role": "user", "content": parts, "name": "ann"},
-            {"role": "tool", "content": "42"},
+            {"role": "tool", "content": "42", "tool_call_id": "call_1"},
         ]
     )
     assert message_text(req.messages[1]) == "Hello\nworld"
@@ -258,7 +309,7 @@ def test_content_parts_are_joined() -> None:
     assert template_messages(req.messages) == [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": "Hello\nworld", "name": "ann"},
-        {"role": "tool", "content": "42"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
     ]
 
 
@@ -426,7 +477,12 @@ def test_chat_chunks_on_the_wire() -> None:
     assert final["usage"] is None
     usage = _json(chat_usage_chunk(ID, CREATED, MODEL, Usage.of(5, 3)))
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert usage["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     for event in (content, final, usage):
         assert (event["id"], event["created"], event["object"]) == (
             ID,
