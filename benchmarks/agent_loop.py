@@ -120,7 +120,9 @@ def run(url: str, turns: int, first_choice: str, stream: bool, api_key: str) -> 
     final = None
     for number in range(1, turns + 1):
         began = time.perf_counter()
-        reply = turn(client, model, messages, first_choice if number == 1 else "auto", stream)
+        choice = first_choice if number == 1 else "auto"
+        # one call a turn: the task is a chain (each call needs the last one's result)
+        reply = turn(client, model, messages, choice, stream, parallel_tool_calls=False)
         seconds = time.perf_counter() - began
         log.append({"turn": number, "seconds": round(seconds, 2), **reply})
         print(json.dumps(log[-1]))

@@ -168,18 +168,25 @@ class Grammars:
         return dict(self._hf.get_vocab())
 
     def matcher(self, constraint: Constraint) -> Matcher:
-        return Matcher(self.tokenizer(), constraint, self.vocab_size)
+        return Matcher(self.tokenizer(), constraint, self.vocab_size, self._eos)
 
 
 class Matcher:
     """One sequence's place in its grammar: the masks of its next rows, advanced by the tokens
     it takes."""
 
-    def __init__(self, tokenizer: Any, constraint: Constraint, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        constraint: Constraint,
+        vocab_size: int,
+        eos_ids: Sequence[int] = (),
+    ) -> None:
         import llguidance
 
         self.constraint = constraint
         self.vocab_size = vocab_size
+        self._eos = frozenset(eos_ids)
         self._m = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         if self._m.is_error():
             raise ConstraintError(f"the grammar cannot be used: {self._m.get_error()}")
@@ -193,12 +200,21 @@ class Matcher:
         lnp.fill_next_token_bitmask(self._m, buffer, 0)
         used = 0
         for i, token in enumerate(draft):
-            if not _allows(buffer[i], token) or not self._m.consume_token(token):
+            if not _allows(buffer[i], token):
+                break
+            if token in self._eos:
+                # the end: not walked (llguidance does not roll back out of its stop), nothing
+                # after it is used, and the row after it is never sampled from
+                used += 1
+                buffer[used] = buffer[used - 1]
+                break
+            if not self._m.consume_token(token):
                 break
             used += 1
             lnp.fill_next_token_bitmask(self._m, buffer, used)
-        if used:
-            self._m.rollback(used)
+        walked = used - (1 if used and draft[used - 1] in self._eos else 0)
+        if walked:
+            self._m.rollback(walked)
         self._check()
         return [buffer[i].tobytes() for i in range(used + 1)], used
 

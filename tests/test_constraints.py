@@ -10,17 +10,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 
 from exporter.export import ExportOptions, export_model
 from protos.manifest import WeightSpec
 from protos.sampling import SamplingParams
-from server.constraints import Constraint, Grammars, json_schema_constraint
+from server.constraints import (
+    Constraint,
+    Grammars,
+    json_schema_constraint,
+    tool_call_constraint,
+)
 from server.engine import Engine, GenerationRequest
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient
 from server.scheduler import SchedulerConfig
 from server.speculative import DraftProposer, Proposer
+from server.tools import HERMES
 from tests.conftest import EXACT
 from tests.processes import start_stages
 from tests.tiny_models import CORPUS, JSON_CORPUS, make_draft, make_model
@@ -181,3 +188,67 @@ def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring
     assert metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
     assert speculative[0::2] == alone[0::2]
     assert all(_valid(text(ring, t)) for t in speculative)
+
+
+def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) -> None:
+    """Random walks: masks(draft) walks draft tokens (the end-of-sequence token among them)
+    and forgets them; the matcher then gives the mask a fresh one gives at the same place, and
+    takes any accepted part of the draft plus a token its mask allows."""
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
+    from server.constraints import _allows
+    from tests.tiny_models import make_tokenizer
+
+    make_tokenizer(tmp_path, corpus=CORPUS + JSON_CORPUS)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    grammars = Grammars(tokenizer, len(tokenizer), [eos])
+    constraint = tool_call_constraint(
+        [_Tool("get_weather", SCHEMA)], HERMES, parallel=True, vocab=grammars.vocab()
+    )
+    rng = random.Random(0)
+
+    def allowed(mask: bytes) -> list[int]:
+        row = np.frombuffer(mask, dtype=np.int32)
+        return [t for t in range(len(tokenizer)) if _allows(row, t)]
+
+    for _ in range(40):
+        matcher, taken = grammars.matcher(constraint), []
+        for _ in range(40):
+            shadow = grammars.matcher(constraint)
+            shadow.advance(taken)
+            draft: list[int] = []
+            for _ in range(rng.randint(0, 4)):
+                options = allowed(shadow.masks()[0][0])
+                if eos in options and rng.random() < 0.5:
+                    draft.append(eos)  # a draft that ends where the grammar may
+                else:
+                    draft.append(rng.choice(options) if rng.random() < 0.8 else rng.randrange(80))
+                if draft[-1] not in options or draft[-1] == eos:
+                    break
+                shadow.advance(draft[-1:])
+            masks, used = matcher.masks(draft)
+            fresh = grammars.matcher(constraint)
+            fresh.advance(taken)
+            assert masks[0] == fresh.masks()[0][0]
+            accepted = rng.randint(0, used)
+            tokens = [*draft[:accepted], rng.choice(allowed(masks[accepted]))]
+            if eos in tokens:
+                tokens = tokens[: tokens.index(eos) + 1]
+            matcher.advance(tokens)  # raises if the matcher lost its place
+            taken += tokens
+            if eos in tokens:
+                break
+
+
+@dataclass
+class _Function:
+    name: str
+    parameters: dict[str, object]
+
+
+class _Tool:
+    def __init__(self, name: str, parameters: dict[str, object]) -> None:
+        self.function = _Function(name, parameters)
