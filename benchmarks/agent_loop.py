@@ -3,10 +3,12 @@
 Two tools (a weather lookup and a unit converter, answered here), a user task that needs both,
 and up to ``--turns`` model turns: each turn sends the conversation with ``tools``; a reply with
 ``tool_calls`` gets each call answered as a ``role: "tool"`` message and the loop goes on; a
-reply with text ends it. ``--tool-choice required`` forces a call on the first turn (constrained
-decoding guarantees a schema-valid call); later turns use ``auto``. Prints every turn (calls,
-arguments, text, seconds) and one JSON summary line; exits 1 unless the loop completed (a final
-text answer after at least one valid call of each tool within the turns).
+reply with text ends it. The first turn uses ``--tool-choice`` (``auto``, or ``required``,
+which constrained decoding turns into a schema-valid call every time), the turns after it
+``auto``, and the last one ``none`` (the tool budget spent, the agent asks for the answer).
+Prints every turn (calls, arguments, text, seconds) and one JSON summary line; exits 1 unless
+the loop completed (a final text answer after at least one valid call of each tool within the
+turns).
 
   pipeshard bench agent [--url http://127.0.0.1:8000] [--turns 3] [--stream]
       [--tool-choice required|auto] [--api-key KEY]
@@ -120,7 +122,8 @@ def run(url: str, turns: int, first_choice: str, stream: bool, api_key: str) -> 
     final = None
     for number in range(1, turns + 1):
         began = time.perf_counter()
-        choice = first_choice if number == 1 else "auto"
+        # the last turn answers: an agent's tool budget spent, it asks for the text
+        choice = first_choice if number == 1 else "none" if number == turns else "auto"
         # one call a turn: the task is a chain (each call needs the last one's result)
         reply = turn(client, model, messages, choice, stream, parallel_tool_calls=False)
         seconds = time.perf_counter() - began
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--tool-choice", choices=["required", "auto"], default="required")
+    parser.add_argument("--tool-choice", choices=["required", "auto"], default="auto")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--api-key", default="none")
     opts = parser.parse_args(argv)
