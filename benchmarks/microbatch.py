@@ -89,14 +89,17 @@ def percentile(values: list[float], q: float) -> float:
 def one_user(
     url: str,
     model: str,
-    prompt: str,
+    prompt: str | list[dict[str, str]],
     tokens: int,
     eos: list[int],
     headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    """Stream one chat completion of ``prompt`` (a user message, or the whole list of
+    messages): its start, (time, tokens) arrivals, text and usage."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages,
         "max_tokens": tokens,
         "temperature": 0,
         "stream": True,
@@ -105,7 +108,8 @@ def one_user(
     }
     start = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
-    usage = 0
+    pieces: list[str] = []
+    usage: dict[str, Any] = {}
     with httpx.stream(
         "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600
     ) as response:
@@ -118,15 +122,17 @@ def one_user(
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
             if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
             for choice in chunk.get("choices", []):
                 if choice["delta"].get("content"):
                     arrivals.append((time.perf_counter(), 1))
+                    pieces.append(choice["delta"]["content"])
     # A chunk holds one token, except where the detokenizer held a partial character or a
     # possible stop string back; the last chunk then carries the rest.
-    if arrivals and usage > len(arrivals):
-        arrivals[-1] = (arrivals[-1][0], 1 + usage - len(arrivals))
-    return {"start": start, "arrivals": arrivals}
+    completion = usage.get("completion_tokens", 0)
+    if arrivals and completion > len(arrivals):
+        arrivals[-1] = (arrivals[-1][0], 1 + completion - len(arrivals))
+    return {"start": start, "arrivals": arrivals, "text": "".join(pieces), "usage": usage}
 
 
 def run_users(url: str, model: str, users: int, tokens: int, eos: list[int]) -> dict[str, Any]:

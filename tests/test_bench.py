@@ -180,3 +180,49 @@ def test_bench_lists_its_suites_and_each_suite_parses_its_own_options(
     with pytest.raises(SystemExit) as done:
         main(["--experiments", "9"])  # the paper run's own check
     assert "--experiments takes numbers from 1 to 5" in str(done.value.code)
+
+
+def test_prefix_suite_compares_the_cache_on_and_off_side_by_side(
+    exports: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`pipeshard bench prefix --quick` on the tiny export, both gateways with its draft: every
+    turn and every user on both gateways, the same replies, cached tokens only with the cache,
+    the stages' cached blocks, and a verdict per target (the speeds are not checked)."""
+    export, _ = exports
+    cmd = [
+        PIPESHARD, "bench", "prefix", "--quick", "--draft", "--export", str(export),
+        "--results", str(tmp_path), "--ov-cache-dir", str(export.parent / "ov-cache"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-5000:]
+    report = one(tmp_path, "prefix-cache-*.md").read_text()
+    data: dict[str, Any] = json.loads(one(tmp_path, "prefix-cache-*.json").read_text())
+    assert report.startswith("Command: `pipeshard bench prefix --quick --draft ")
+    assert "## Processes: cores and threads" in report and "| draft 1 |" in report
+    assert "\nMachine: " in report and len(data["stage_cache_at_end"]) == 2
+    assert "`pipeshard serve --no-prefix-cache --draft EXPORT/draft`" in report
+    turns = data["multi_turn"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and [t["first"] for t in turns] == [
+        "cached", "uncached", "cached",
+    ]  # fmt: skip
+    assert all(t["same_reply"] and t["full_length"] for t in turns)
+    assert all(t["uncached"]["cached_tokens"] == 0 for t in turns)
+    # each later turn opens on the blocks (32 positions) of the turns before it
+    assert turns[0]["cached"]["cached_tokens"] == 0
+    assert all(t["cached"]["cached_tokens"] >= 96 for t in turns[1:])
+    assert all(len(t["stage_cache"]) == 2 for t in turns)
+    shared = data["shared"]
+    assert all(shared["same_replies"]) and len(shared["same_replies"]) == 2
+    assert all(r["cached_tokens"] >= 64 for r in shared["cached"]["requests"])
+    assert all(r["cached_tokens"] == 0 for r in shared["uncached"]["requests"])
+    assert all(s["cached_blocks"] > 0 for s in shared["stage_cache_after_warm_up"])
+    assert data["gateway_tokens"]["uncached"]["prompt_cached_tokens"] == 0
+    for target in (
+        "TTFT of turns 2-3 with the cache <= 0.2x",
+        "decode tok/s of turns 2-3",
+        "TTFT p50 with the cache <= 0.3x",
+        "aggregate tok/s (end to end)",
+    ):
+        line = next(x for x in report.splitlines() if target in x)
+        assert line.endswith((": PASS", ": FAIL")), line
+    assert set(data["targets"]) == {"multi_turn", "shared"}
