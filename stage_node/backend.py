@@ -15,6 +15,7 @@ instead of once per session.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -154,15 +155,19 @@ class PagedBackend(_Backend):
         super().__init__(runner, metrics)
         self.max_batch = max_batch
         self._evictions = 0  # the pool's evictions already counted
-        self._blocks()
+        self._metrics_lock = threading.Lock()
+        self.pool_metrics()
 
-    def _blocks(self) -> None:
+    def pool_metrics(self) -> None:
+        """The KV block gauges and the evictions counter, now (from any thread)."""
         blocks = self.runner.blocks
-        self.metrics.kv_blocks.labels("used").set(blocks.used)
-        self.metrics.kv_blocks.labels("free").set(blocks.free)
-        self.metrics.kv_blocks.labels("cached").set(blocks.cached)
-        self.metrics.kv_blocks_evicted.inc(blocks.evictions - self._evictions)
-        self._evictions = blocks.evictions
+        with self._metrics_lock:
+            self.metrics.kv_blocks.labels("used").set(blocks.used)
+            self.metrics.kv_blocks.labels("free").set(blocks.free)
+            self.metrics.kv_blocks.labels("cached").set(blocks.cached)
+            evictions = blocks.evictions
+            self.metrics.kv_blocks_evicted.inc(evictions - self._evictions)
+            self._evictions = evictions
 
     def compute(self, batch: Sequence[StepInput]) -> list[StepOutcome]:
         outcomes: list[StepOutcome] = [None] * len(batch)
@@ -205,5 +210,5 @@ class PagedBackend(_Backend):
                         outcomes[i] = self._emit(batch[i], out)
                     except Exception as exc:
                         outcomes[i] = exc
-        self._blocks()
+        self.pool_metrics()
         return outcomes

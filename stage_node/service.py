@@ -160,6 +160,11 @@ class StageService(pb_grpc.StageServicer):
             info.prefix_cache = blocks.enabled
         return info
 
+    def _pool_metrics(self) -> None:
+        """The KV block gauges after a release or an acquire (steps update them as they run)."""
+        if isinstance(self.backend, PagedBackend):
+            self.backend.pool_metrics()
+
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
         return pb.HealthReply(
             serving=True,
@@ -216,6 +221,7 @@ class StageService(pb_grpc.StageServicer):
             self._released.popitem(last=False)
         released = sum(self.runner.release(sid) for sid in request.session_ids)
         self.metrics.sessions.set(self.runner.session_count)
+        self._pool_metrics()
         return pb.ReleaseReply(released=released)
 
     async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireReply:
@@ -230,6 +236,7 @@ class StageService(pb_grpc.StageServicer):
         self._released.pop(request.session_id, None)  # opened again: its steps are not late
         self.metrics.sessions.set(self.runner.session_count)
         self.metrics.prefix_blocks.inc(blocks)
+        self._pool_metrics()
         return pb.AcquireReply(blocks=blocks, block_size=self.runner.blocks.block_size)
 
     async def Tokenizer(self, request: pb.TokenizerRequest, context: Any) -> pb.TokenizerFiles:
