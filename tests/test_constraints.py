@@ -72,7 +72,13 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ring]:
         )
     )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(export / "tokenizer"))
-    procs, addresses = start_stages(export, base)
+    # pools of 12 blocks of 32 positions: 4 sequences of a short prompt and 64 tokens fill
+    # one, so constrained requests many at once are preempted and re-prefilled
+    from stage_node.paged import PagedRunner
+
+    block = max(PagedRunner(export, i, EXACT, kv_cache_bytes=1).kv_cache_bytes for i in (0, 1))
+    size = f"{12.5 * block / (1 << 30):.12f}"
+    procs, addresses = start_stages(export, base, ["--kv-cache-size", size])
     try:
         from protos.manifest import load_manifest
 
@@ -103,7 +109,7 @@ def generate(
             client,
             eos,
             256,
-            SchedulerConfig(prefill_chunk=4, max_prefill_in_flight=4),
+            SchedulerConfig(prefill_chunk=4, max_prefill_in_flight=4, kv_pools=client.kv_pools),
             metrics,
             proposer=proposer,
             spec_k=3 if proposer else 0,
@@ -168,7 +174,8 @@ def test_a_constraint_admitting_everything_changes_no_greedy_token(ring: Ring) -
 
 
 def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring) -> None:
-    """Four constrained requests (greedy and seeded sampling) together equal each alone; with
+    """Four constrained requests (greedy and seeded sampling) together equal each alone, and
+    so do 16 at once under preemption; with
     speculative decoding (the draft's proposals cut where the grammar refuses them) greedy
     output is the same, and sampled output (speculative sampling draws from the same
     distribution, not the same tokens) still validates."""
@@ -182,6 +189,12 @@ def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring
     alone = generate(ring, constraint, params, PROMPTS, concurrent=False)
     assert all(_valid(text(ring, t)) for t in alone)
     assert generate(ring, constraint, params, PROMPTS) == alone
+    # 16 at once (each prompt 4 times) in pools that hold about 4: preempted and re-prefilled
+    # (the matcher stays in the gateway), every output as alone
+    busy = GatewayMetrics()
+    together = generate(ring, constraint, params * 4, PROMPTS * 4, metrics=busy)
+    assert together == [*alone, *alone, *alone, *alone]
+    assert busy.registry.get_sample_value("pipeshard_gateway_preemptions_total")
     proposer = DraftProposer(ring.export / "draft", EXACT, None)
     metrics = GatewayMetrics()
     speculative = generate(ring, constraint, params, PROMPTS, proposer=proposer, metrics=metrics)

@@ -862,6 +862,13 @@ def test_json_schema_output_validates_on_every_sampled_request(fleet: ToolFleet)
         jsonschema.validate(json.loads(answers[-1]), SCHEMA)
         assert reply.choices[0].finish_reason == "stop"
     assert len(set(answers)) > 10  # sampled, not one forced answer
+    several = client.chat.completions.create(
+        model=fleet.model, messages=USER, response_format=fmt, temperature=1.0, seed=99, n=3,
+        max_tokens=64,
+    )  # fmt: skip
+    assert len(several.choices) == 3  # each choice its own matcher
+    for choice in several.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
     stopped = 0
     for seed in range(4):
         reply = client.chat.completions.create(

@@ -39,6 +39,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "benchmarks.long_prompt",
         "how long one user's stream pauses while another user's long prompt goes in",
     ),
+    "prefix": (
+        "benchmarks.prefix_cache",
+        "prefix caching: multi-turn chat and a shared system prompt, cache on vs off",
+    ),
     "startup": ("benchmarks.startup", "seconds until a warm `pipeshard up` serves"),
     "gateway": (
         "benchmarks.gateway_overhead",
@@ -71,6 +75,14 @@ SUITES: dict[str, tuple[str, str]] = {
     "stand-in": (
         "benchmarks.stand_in",
         "stand-in exports (real graphs, random weights) to time a model on a host it can't reach",
+    ),
+    "constraints": (
+        "benchmarks.constraints",
+        "constrained decoding (a JSON schema) vs free at 1 and 8 users: tok/s, mask cost a step",
+    ),
+    "agent": (
+        "benchmarks.agent_loop",
+        "a two-tool agent loop with the openai client against a running server",
     ),
 }
 DEFAULT = "paper"
