@@ -13,8 +13,6 @@ import jsonschema
 import numpy as np
 import pytest
 
-from exporter.export import ExportOptions, export_model
-from protos.manifest import WeightSpec
 from protos.sampling import SamplingParams
 from server.constraints import (
     Constraint,
@@ -30,7 +28,8 @@ from server.speculative import DraftProposer, Proposer
 from server.tools import HERMES
 from tests.conftest import EXACT
 from tests.processes import start_stages
-from tests.tiny_models import CORPUS, JSON_CORPUS, make_draft, make_model
+from tests.test_gateway import export_chat_model
+from tests.tiny_models import CORPUS, JSON_CORPUS
 
 SCHEMA = {
     "type": "object",
@@ -58,19 +57,7 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ring]:
     from transformers import PreTrainedTokenizerFast
 
     base = tmp_path_factory.mktemp("constraints")
-    source = make_model("qwen2", base / "model", corpus=CORPUS + JSON_CORPUS)
-    draft = make_draft(source, base / "draft-model", noise=0.3)
-    export = base / "export"
-    export_model(
-        ExportOptions(
-            model=str(source),
-            out=export,
-            stages=2,
-            weights=WeightSpec(format="fp32"),
-            draft=str(draft),
-            quiet=True,
-        )
-    )
+    _, export = export_chat_model(base, name="model", chat_template=None, json=True, draft=True)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(export / "tokenizer"))
     # pools of 12 blocks of 32 positions: 4 sequences of a short prompt and 64 tokens fill
     # one, so constrained requests many at once are preempted and re-prefilled

@@ -25,7 +25,6 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -46,12 +45,8 @@ from schemathesis.checks import (
 )
 from schemathesis.core.result import Ok
 
-from exporter.export import ExportOptions, export_model
-from protos.manifest import WeightSpec
-from tests.processes import Proc, start_gateway, start_stages
 from tests.test_gateway import Fleet
-from tests.test_tools import TINY_HERMES_TEMPLATE
-from tests.tiny_models import CORPUS, JSON_CORPUS, make_model
+from tests.test_tools import ToolFleet, hermes_fleet
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -71,43 +66,14 @@ CHECKS = [
 ]
 
 
-@dataclass
-class FuzzFleet(Fleet):
-    gateway: Proc
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzFleet]:
-    base = tmp_path_factory.mktemp("fuzz")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ToolFleet]:
     # a template that takes tools (Qwen's calls), a tokenizer that can write JSON: the fuzzed
     # tools, tool_choice and response_format reach the template and constrained decoding
-    source = make_model(
-        "qwen2",
-        base / "chat-model",
-        chat_template=TINY_HERMES_TEMPLATE,
-        corpus=CORPUS + JSON_CORPUS,
-    )
-    export = base / "export"
-    export_model(
-        ExportOptions(
-            model=str(source),
-            out=export,
-            stages=2,
-            weights=WeightSpec(format="fp32"),
-            max_context=CONTEXT,
-            quiet=True,
-        )
-    )
-    procs, addresses = start_stages(export, base)
-    gateway, url = start_gateway(
-        addresses, base / "gateway.log", ["--api-key", KEY, "--max-body-bytes", str(MAX_BODY)]
-    )
-    try:
-        yield FuzzFleet(url, "chat-model", source, export, addresses, gateway)
-    finally:
-        gateway.stop()
-        for proc in procs:
-            proc.stop()
+    flags = ["--api-key", KEY, "--max-body-bytes", str(MAX_BODY)]
+    base = tmp_path_factory.mktemp("fuzz")
+    with hermes_fleet(base, flags, name="chat-model", max_context=CONTEXT) as made:
+        yield made
 
 
 OPERATIONS = [
@@ -122,7 +88,7 @@ OPERATIONS = [
 
 
 @pytest.fixture(scope="module")
-def api_schema(fleet: FuzzFleet) -> schemathesis.BaseSchema:
+def api_schema(fleet: ToolFleet) -> schemathesis.BaseSchema:
     """The gateway's own schema, read from the running gateway over HTTP."""
     config = schemathesis.Config.from_dict(
         {
@@ -152,7 +118,7 @@ def test_schema_lists_every_operation(api_schema: schemathesis.BaseSchema) -> No
     + [(label, GenerationMode.NEGATIVE) for label in OPERATIONS[:2]],  # the rest take no input
 )
 def test_fuzz(
-    fleet: FuzzFleet, api_schema: schemathesis.BaseSchema, label: str, mode: GenerationMode
+    fleet: ToolFleet, api_schema: schemathesis.BaseSchema, label: str, mode: GenerationMode
 ) -> None:
     operation = api_schema.find_operation_by_label(label)
     assert operation is not None
@@ -219,7 +185,7 @@ def _chunks(data: bytes, size: int = 4096) -> Iterator[bytes]:
         yield data[start : start + size]
 
 
-def test_oversized_body_is_413_also_when_chunked(fleet: FuzzFleet) -> None:
+def test_oversized_body_is_413_also_when_chunked(fleet: ToolFleet) -> None:
     # (the plain oversized body with a Content-Length: tests/test_gateway.py)
     good = {"model": fleet.model, "messages": MESSAGES, "max_tokens": 2}
     padded = json.dumps({**good, "user": "x" * MAX_BODY}).encode()
@@ -235,7 +201,7 @@ def test_oversized_body_is_413_also_when_chunked(fleet: FuzzFleet) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_absurd_max_tokens_and_too_long_prompts_are_400(fleet: FuzzFleet) -> None:
+def test_absurd_max_tokens_and_too_long_prompts_are_400(fleet: ToolFleet) -> None:
     # (the chat endpoint's own cases are in tests/test_gateway.py)
     cases: list[tuple[str, dict[str, object], str]] = [
         (
@@ -274,12 +240,12 @@ def test_absurd_max_tokens_and_too_long_prompts_are_400(fleet: FuzzFleet) -> Non
     ],
 )
 def test_inputs_that_crashed_the_gateway_are_400(
-    fleet: FuzzFleet, raw: bytes, param: str | None
+    fleet: ToolFleet, raw: bytes, param: str | None
 ) -> None:
     _assert_error(_post(fleet, raw), 400, param)
 
 
-def test_negative_seed_is_served_reproducibly(fleet: FuzzFleet) -> None:
+def test_negative_seed_is_served_reproducibly(fleet: ToolFleet) -> None:
     # OpenAI's seed is a signed 64-bit integer; a negative one failed the uint64 wire field (500).
     def text(seed: int) -> str:
         body = {"model": fleet.model, "messages": MESSAGES, "max_tokens": 6, "seed": seed}
@@ -291,7 +257,7 @@ def test_negative_seed_is_served_reproducibly(fleet: FuzzFleet) -> None:
     assert text(-(2**63)) == text(-(2**63))
 
 
-def test_wrong_method_is_405_with_allow(fleet: FuzzFleet) -> None:
+def test_wrong_method_is_405_with_allow(fleet: ToolFleet) -> None:
     response = httpx.delete(f"{fleet.url}/health")
     _assert_error(response, 405)
     assert response.headers["allow"] == "GET"
@@ -388,7 +354,7 @@ def _tool_requests(draw: st.DrawFn) -> dict[str, object]:
     return body
 
 
-def test_fuzz_tools_and_response_formats(fleet: FuzzFleet) -> None:
+def test_fuzz_tools_and_response_formats(fleet: ToolFleet) -> None:
     """Tools, tool_choice and response_format as clients combine them: a 200 (a stream ends
     with [DONE]; calls carry JSON arguments) or a 400 in the envelope, never a 5xx."""
     statuses: set[int] = set()
@@ -421,7 +387,7 @@ def test_fuzz_tools_and_response_formats(fleet: FuzzFleet) -> None:
     assert {200, 400} <= statuses, statuses
 
 
-def test_gateway_survives_fuzzing(fleet: FuzzFleet) -> None:
+def test_gateway_survives_fuzzing(fleet: ToolFleet) -> None:
     """Runs after the fuzzing (file order): the process is up, answers, and holds nothing."""
     assert fleet.gateway.popen is not None and fleet.gateway.popen.poll() is None
     assert httpx.get(f"{fleet.url}/health").json() == {"status": "ok"}

@@ -24,7 +24,7 @@ from stage_node.chain import LocalChain
 from tests.conftest import EXACT, make_certificates
 from tests.processes import free_port, start_gateway, start_stages
 from tests.test_stage_ring import ring_greedy
-from tests.tiny_models import CHAT_TEMPLATE, make_model
+from tests.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 
 KEY = "test-key"
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
@@ -64,14 +64,27 @@ class ProcessFleet(Fleet):
     pids: list[int] = field(default_factory=list)  # the gateway's, then every stage's
 
 
-def export_chat_model(base: Path, stages: int = 2) -> tuple[Path, Path]:
-    """A tiny Qwen2 with a chat template, exported to fp32 stages: (source, export)."""
-    source = make_model("qwen2", base / "chat-model", chat_template=CHAT_TEMPLATE)
+def export_chat_model(
+    base: Path,
+    stages: int = 2,
+    *,
+    name: str = "chat-model",
+    chat_template: str | None = CHAT_TEMPLATE,
+    json: bool = False,
+    draft: bool = False,
+    max_context: int | None = None,
+) -> tuple[Path, Path]:
+    """A tiny Qwen2 with a chat template, exported to fp32 stages: (source, export). ``json``:
+    its tokenizer can write JSON and tool calls; ``draft``: a draft (its weights plus noise)
+    exported beside it."""
+    corpus = CORPUS + JSON_CORPUS if json else CORPUS
+    source = make_model("qwen2", base / name, chat_template=chat_template, corpus=corpus)
+    drafted = make_draft(source, base / f"{name}-draft", noise=0.3) if draft else None
     export = base / "export"
     export_model(
         ExportOptions(
             model=str(source), out=export, stages=stages, weights=WeightSpec(format="fp32"),
-            quiet=True,
+            draft=str(drafted) if drafted else None, max_context=max_context, quiet=True,
         )
     )  # fmt: skip
     return source, export

@@ -12,10 +12,11 @@ real fleet (``tool_choice`` ``"required"`` or a named function) rely on constrai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from benchmarks.agent_loop import turn
-from exporter.export import ExportOptions, export_model
-from protos.manifest import WeightSpec
 from protos.sampling import SampledToken
 from server.engine import GenerationRequest, GenerationStats
 from server.errors import APIError
@@ -46,8 +45,9 @@ from server.tools import (
     template_tools,
 )
 from tests.processes import Proc, start_gateway, start_stages
-from tests.test_gateway import Fleet
-from tests.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_model, make_tokenizer
+from tests.test_constraints import SCHEMA
+from tests.test_gateway import Fleet, export_chat_model
+from tests.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_tokenizer
 
 # --- chat templates, representative of the real ones ------------------------------------------
 
@@ -621,30 +621,32 @@ class ToolFleet(Fleet):
     gateway: Proc
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ToolFleet]:
-    """The tiny chat model with a Hermes-style template (Qwen's calls), which can write JSON."""
-    base = tmp_path_factory.mktemp("tools")
-    source = make_model(
-        "qwen2",
-        base / "tool-model",
-        chat_template=TINY_HERMES_TEMPLATE,
-        corpus=CORPUS + JSON_CORPUS,
-    )
-    export = base / "export"
-    export_model(
-        ExportOptions(
-            model=str(source), out=export, stages=2, weights=WeightSpec(format="fp32"), quiet=True
-        )
+@contextlib.contextmanager
+def hermes_fleet(
+    base: Path,
+    gateway_flags: Sequence[str] = (),
+    name: str = "tool-model",
+    max_context: int | None = None,
+) -> Iterator[ToolFleet]:
+    """The tiny chat model with a Hermes-style template (Qwen's calls), which can write JSON,
+    on 2 stages behind a gateway started with ``gateway_flags``."""
+    source, export = export_chat_model(
+        base, name=name, chat_template=TINY_HERMES_TEMPLATE, json=True, max_context=max_context
     )
     procs, addresses = start_stages(export, base)
-    gateway, url = start_gateway(addresses, base / "gateway.log", [])
+    gateway, url = start_gateway(addresses, base / "gateway.log", list(gateway_flags))
     try:
-        yield ToolFleet(url, "tool-model", source, export, addresses, gateway)
+        yield ToolFleet(url, name, source, export, addresses, gateway)
     finally:
         gateway.stop()
         for proc in procs:
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ToolFleet]:
+    with hermes_fleet(tmp_path_factory.mktemp("tools")) as made:
+        yield made
 
 
 def _post(
@@ -830,18 +832,6 @@ def test_the_openapi_schema_documents_the_new_fields(fleet: ToolFleet) -> None:
     legacy = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert "tools" not in legacy and "response_format" not in legacy
     assert ChatCompletion.model_json_schema()  # (the response model builds its schema)
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["city", "days", "ok"],
-    "additionalProperties": False,
-}
 
 
 def test_json_schema_output_validates_on_every_sampled_request(fleet: ToolFleet) -> None:
