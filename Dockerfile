@@ -14,6 +14,8 @@ FROM python:3.11-slim AS builder
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY protos ./protos
+COPY common ./common
+COPY pipeshard ./pipeshard
 COPY server ./server
 COPY stage_node ./stage_node
 COPY exporter ./exporter

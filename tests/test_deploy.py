@@ -463,6 +463,20 @@ def test_dockerfile_runtime_target() -> None:
     assert "pip wheel" in builder_runs and "--no-deps" in builder_runs
 
 
+def test_dockerfile_builds_every_runtime_package() -> None:
+    """The wheel the image installs holds every package pyproject ships but the benchmarks
+    (the command line `pipeshard` is one of them)."""
+    import tomllib
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {p.rstrip("*") for p in found["packages"]["find"]["include"]} - {"benchmarks"}
+    by_name = {s["name"]: s for s in dockerfile_stages()}
+    copied = {
+        args.split()[0] for keyword, args in by_name["builder"]["instructions"] if keyword == "COPY"
+    }
+    assert packages and packages <= copied, f"the image's wheel lacks {packages - copied}"
+
+
 def test_dockerfile_export_target() -> None:
     stages = dockerfile_stages()
     chain = stage_chain(stages, "export")
