@@ -59,8 +59,8 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ring]:
     base = tmp_path_factory.mktemp("constraints")
     _, export = export_chat_model(base, name="model", chat_template=None, json=True, draft=True)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(export / "tokenizer"))
-    # pools of 12 blocks of 32 positions: 4 sequences of a short prompt and 64 tokens fill
-    # one, so constrained requests many at once are preempted and re-prefilled
+    # pools of 12 blocks of 32 positions, so constrained requests many at once are preempted
+    # and re-prefilled
     from stage_node.paged import PagedRunner
 
     block = max(PagedRunner(export, i, EXACT, kv_cache_bytes=1).kv_cache_bytes for i in (0, 1))
@@ -173,18 +173,22 @@ def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring
         SamplingParams(temperature=0.9, seed=8),
     ]
     constraint = json_schema_constraint(SCHEMA)
-    alone = generate(ring, constraint, params, PROMPTS, concurrent=False)
+    # prompts of 19-24 tokens: with the answer, every sequence outgrows its first KV block
+    prompts = [[*p, *range(40, 56)] for p in PROMPTS]
+    alone = generate(ring, constraint, params, prompts, concurrent=False)
     assert all(_valid(text(ring, t)) for t in alone)
-    assert generate(ring, constraint, params, PROMPTS) == alone
-    # 16 at once (each prompt 4 times) in pools that hold about 4: preempted and re-prefilled
-    # (the matcher stays in the gateway), every output as alone
+    assert all(len(p) + len(t) > 33 for p, t in zip(prompts, alone, strict=True))
+    assert generate(ring, constraint, params, prompts) == alone
+    # 16 at once (each prompt 4 times) in pools of 12 blocks: admitted on their prompts' first
+    # block, they fill the pools, and none ends without a second one, so some are preempted
+    # and re-prefilled (the matcher stays in the gateway); every output is as alone
     busy = GatewayMetrics()
-    together = generate(ring, constraint, params * 4, PROMPTS * 4, metrics=busy)
+    together = generate(ring, constraint, params * 4, prompts * 4, metrics=busy)
     assert together == [*alone, *alone, *alone, *alone]
     assert busy.registry.get_sample_value("pipeshard_gateway_preemptions_total")
     proposer = DraftProposer(ring.export / "draft", EXACT, None)
     metrics = GatewayMetrics()
-    speculative = generate(ring, constraint, params, PROMPTS, proposer=proposer, metrics=metrics)
+    speculative = generate(ring, constraint, params, prompts, proposer=proposer, metrics=metrics)
     assert metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
     assert speculative[0::2] == alone[0::2]
     assert all(_valid(text(ring, t)) for t in speculative)
