@@ -386,6 +386,14 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
         "here; 0: no limit)",
     )
     p.add_argument(
+        "--micro-batch-groups",
+        type=int,
+        metavar="N",
+        help="the gateway's --micro-batch-groups (default 1: the stages share this machine's "
+        "cores, so one batch of every request, each stage in turn on all the cores, serves "
+        "more than groups pipelined across the stages)",
+    )
+    p.add_argument(
         "--no-batching",
         dest="batching",
         action="store_false",
@@ -403,6 +411,14 @@ def _run_up(args: argparse.Namespace) -> int:
         limit = speculation_users(args.speculation_max_users)
     except ValueError as exc:
         raise ValueError(f"--speculation-max-users {exc}") from None
+    groups = args.micro_batch_groups
+    if groups is not None and groups < 1:
+        raise ValueError(f"--micro-batch-groups must be 1 or more, not {groups}")
+    if groups is not None and not args.batching:
+        raise ValueError(
+            "--micro-batch-groups and --no-batching do not go together: without batching "
+            "every running request is a group of its own"
+        )
     options = FleetOptions(
         model=args.model,
         export=args.export,
@@ -418,6 +434,7 @@ def _run_up(args: argparse.Namespace) -> int:
         draft=None if args.no_draft else args.draft,
         speculation_max_users=limit,
         batching=args.batching,
+        micro_batch_groups=1 if groups is None else groups,
     )
     if args.exports_dir is not None:
         options.exports_dir = args.exports_dir

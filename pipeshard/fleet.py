@@ -18,9 +18,12 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from common.net import bind_problem
+
+if TYPE_CHECKING:
+    from server.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -52,6 +55,12 @@ class FleetOptions:
     # The gateway's speculation_max_users ("auto": 1 here, as every stage runs on this
     # machine: once two requests decode, plain decoding serves more; servers-*.md results).
     speculation_max_users: int | Literal["auto"] = "auto"
+    # The gateway's micro_batch_groups. 1: every stage runs on this machine's cores, so one
+    # batch of every request, each stage in turn on all the cores, serves more than groups
+    # pipelined across stages that share them (4 users 1.77x, 8 users
+    # 1.34x, 16 users 1.65x on 2 cores; docs/scheduling.md).
+    # None: the gateway's default (one group per stage, for stages on PCs of their own).
+    micro_batch_groups: int | None = 1
 
     def draft_model(self) -> str | None:
         if self.draft == "auto":
@@ -178,17 +187,15 @@ def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
             proc.wait(grace)
 
 
-async def _serve(
-    options: FleetOptions,
-    addresses: list[str],
-    procs: list[subprocess.Popen[bytes]],
-    draft: Path | None = None,
-) -> None:
-    from server.app import create_app, gateway_server
+def gateway_settings(
+    options: FleetOptions, addresses: list[str], draft: Path | None = None
+) -> GatewaySettings:
+    """The gateway's settings for a local fleet (the rest, e.g. HTTPS with
+    PIPESHARD_GATEWAY_TLS_CERT/_KEY, from the environment)."""
     from server.settings import GatewaySettings
 
     host = f"[{options.host}]" if ":" in options.host else options.host  # IPv6
-    settings = GatewaySettings(
+    return GatewaySettings(
         stages=addresses,
         listen=f"{host}:{options.port}",
         api_keys=options.api_keys,  # type: ignore[arg-type]
@@ -196,8 +203,19 @@ async def _serve(
         draft_threads=options.threads,
         speculation_max_users=options.speculation_max_users,
         batching=options.batching,
+        micro_batch_groups=options.micro_batch_groups if options.batching else None,
     )
-    # HTTPS with PIPESHARD_GATEWAY_TLS_CERT/_KEY, if set
+
+
+async def _serve(
+    options: FleetOptions,
+    addresses: list[str],
+    procs: list[subprocess.Popen[bytes]],
+    draft: Path | None = None,
+) -> None:
+    from server.app import create_app, gateway_server
+
+    settings = gateway_settings(options, addresses, draft)
     server = gateway_server(create_app(settings), "warning")
     gateway = server.gateway
 

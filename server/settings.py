@@ -99,7 +99,8 @@ class GatewaySettings(BaseSettings):
         default=None,
         ge=1,
         description="micro-batch groups the running requests are spread over (default: one "
-        "per stage; paged rings: one per 2 running requests, up to one per stage)",
+        "per stage; paged rings: one per 2 running requests, up to one per stage); 1 where the "
+        "stages share one machine's cores (pipeshard up does)",
     )
     batching: bool = Field(
         default=True,

@@ -12,9 +12,11 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from server.scheduler import SchedulerConfig
 from tests.conftest import ExportFn, make_certificates
 from tests.processes import PIPESHARD, free_port
 from tests.tiny_models import CHAT_TEMPLATE, make_model
@@ -295,6 +297,45 @@ def test_up_refuses_a_port_in_use_before_starting_anything(
     )
     # found before the shard is loaded, and gRPC has nothing to log about it
     assert "warmed up" not in stage.stderr and "add_port" not in stage.stderr, stage.stderr
+
+
+def test_up_batches_every_request_in_one_micro_batch_group(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """The stages of `up` share this machine's cores, so its gateway keeps every request in
+    one micro-batch group (pipelining groups across stages that share the cores gains nothing:
+    docs/scheduling.md); --micro-batch-groups N sets it, and goes with --no-batching or a
+    number below 1 only as a clear error before anything starts."""
+    from pipeshard.fleet import FleetOptions, gateway_settings
+
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+
+    def scheduler(**options: Any) -> SchedulerConfig:
+        settings = gateway_settings(FleetOptions(**options), addresses)
+        return settings.ring_scheduler_config(2, paged=True)
+
+    one = scheduler()
+    assert (one.groups, one.group_size, one.lockstep, one.solo) == (1, 0, True, False)
+    # the gateway's own default, for stages on PCs of their own: a group per stage
+    assert (
+        scheduler(micro_batch_groups=None).groups,
+        scheduler(micro_batch_groups=None).group_size,
+    ) == (2, 2)
+    assert scheduler(micro_batch_groups=3).groups == 3
+    assert scheduler(batching=False).solo
+    export = tiny_export("llama", 2)
+    for flags, message in [
+        (["--no-batching", "--micro-batch-groups", "2"], "do not go together"),
+        (["--micro-batch-groups", "0"], "--micro-batch-groups must be 1 or more, not 0"),
+    ]:
+        up = subprocess.run(
+            [PIPESHARD, "up", "--export", str(export), "--port", str(free_port()), *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert up.returncode == 2 and message in up.stderr, up.stderr
+        assert "stage 0" not in up.stdout + up.stderr  # no stage was started
 
 
 def test_startup_benchmark_times_up_to_serving(tiny_export: ExportFn, tmp_path: Path) -> None:
