@@ -1,6 +1,10 @@
 """`python -m benchmarks [SUITE] ...`: the same as `pipeshard bench` (no suite: the paper run)."""
 
-from benchmarks.suite.cli import main
+from common.telemetry import keep_telemetry_off
+
+keep_telemetry_off()  # before the suites import openvino (see common/telemetry.py)
+
+from benchmarks.suite.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -8,13 +8,27 @@ leaves constants that are already u4/u8/i8 alone anyway.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
+from types import ModuleType
 
 import openvino as ov
 
 from protos.manifest import WeightSpec
 
 log = logging.getLogger(__name__)
+
+
+def import_nncf() -> ModuleType:
+    """NNCF, with its usage telemetry off. Otherwise, with no consent file in ~/intel, NNCF
+    counts every call in ~/intel/stats and sends an event to Google Analytics from a forked
+    child process (a fork of a process full of OpenVINO threads, which can crash, and which
+    hangs on hosts without internet until its timeout). ``NNCF_CI`` is NNCF's own switch: set
+    before NNCF is first imported, its telemetry becomes a stub that sends nothing."""
+    os.environ.setdefault("NNCF_CI", "1")
+    import nncf
+
+    return nncf
 
 
 def _edge_weight_nodes(model: ov.Model, vocab_size: int) -> list[str]:
@@ -44,7 +58,7 @@ def compress_stage(model: ov.Model, weights: WeightSpec, vocab_size: int) -> ov.
     """
     if weights.format not in ("int8", "int4"):
         return model
-    import nncf
+    nncf = import_nncf()
 
     if weights.format == "int8":
         return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)

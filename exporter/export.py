@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import time
@@ -63,7 +64,8 @@ log = logging.getLogger(__name__)
 
 EXPORTER_VERSION = "0.2.0"
 # A Hugging Face folder's default: NNCF int4 (asymmetric, groups of 128), int8 embeddings/head
-DEFAULT_HF_WEIGHTS = WeightSpec(format="int4", group_size=128, symmetric=False)
+DEFAULT_HF_WEIGHTS = WeightSpec(format="int4", group_size=None, symmetric=False)
+DEFAULT_GROUP_SIZE = 128  # int4 groups, unless 128 does not divide a matrix's input channels
 
 
 @dataclass
@@ -203,10 +205,55 @@ def _weights(options: ExportOptions, source: ModelSource) -> WeightSpec:
             if entry.exactness == "rounded to f16" or entry.type == "F64":  # not asked for
                 log.warning(
                     "%d %s tensor(s) of %s: %s (%s)",
-                    entry.tensors, entry.type, source.path.name, entry.becomes, entry.exactness,
+                    entry.tensors,
+                    entry.type,
+                    source.path.name,
+                    entry.becomes,
+                    entry.exactness,
                 )
         return weights.model_copy(update={"gguf_form": form, "gguf_types": types})
     return weights
+
+
+def _int4_groups(weights: WeightSpec, facts: ArchitectureFacts) -> WeightSpec:
+    """int4 weights with their group size: the one asked for, which must divide the input
+    channels of every matrix NNCF compresses (ExportError naming the ones it does not), or by
+    default 128, or the largest power of two below it that divides them all (said in a
+    warning)."""
+    if weights.format != "int4" or (weights.group_size is not None and weights.group_size <= 0):
+        return weights
+    heads = facts.num_heads * facts.head_dim
+    channels = {"hidden_size": facts.hidden_size, "heads x head_dim": heads}
+    if facts.intermediate_size:
+        channels["intermediate_size"] = facts.intermediate_size
+    if facts.expert_intermediate_size:
+        channels["moe_intermediate_size"] = facts.expert_intermediate_size
+    common = math.gcd(*channels.values())
+    fit = next(g for g in (128, 64, 32, 16, 8, 4, 2, 1) if common % g == 0)
+    wanted = weights.group_size or DEFAULT_GROUP_SIZE
+    misfits = ", ".join(f"{k} {v}" for k, v in channels.items() if v % wanted)
+    if not misfits:
+        return weights.model_copy(update={"group_size": wanted})
+    per_channel = "--group-size -1 (per channel)"
+    if weights.group_size is not None:
+        use = f"--group-size {fit} or {per_channel}" if fit >= 16 else per_channel
+        raise ExportError(
+            f"--group-size {wanted} does not divide the input channels of this model's "
+            f"matrices ({misfits}): use {use}"
+        )
+    if fit < 16:
+        raise ExportError(
+            f"int4 groups of {wanted} do not fit this model's matrices ({misfits}), nor do "
+            f"groups of 16 or more: use {per_channel}, or --weights int8"
+        )
+    log.warning(
+        "int4 groups of %d channels instead of %d: %d does not divide %s (see --group-size)",
+        fit,
+        wanted,
+        wanted,
+        misfits,
+    )
+    return weights.model_copy(update={"group_size": fit})
 
 
 @dataclass
@@ -276,16 +323,14 @@ def _resolve(options: ExportOptions) -> _Resolved:
             )
     if options.max_context:
         facts = _with_context(facts, options.max_context)
-    weights = _weights(options, source)
+    weights = _int4_groups(_weights(options, source), facts)
     context = options.plan_context or facts.max_context
     split = _resolve_split(options, facts, context, weights)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     step = 1
     if is_fractional(split):
         step = mlp_channel_step(facts.model_type, weights.format, weights.group_size)
-    plans = plan_stages(
-        facts, split, weights.format, facts.intermediate_size, context, tied, step
-    )
+    plans = plan_stages(facts, split, weights.format, facts.intermediate_size, context, tied, step)
     if options.node_memory:
         check_fits(plans, options.node_memory, context)
     if options.stage is not None:
@@ -297,6 +342,9 @@ def _resolve(options: ExportOptions) -> _Resolved:
         if not 0 <= options.stage < len(plans):
             raise ExportError(f"--stage {options.stage}: the plan has stages 0-{len(plans) - 1}")
     label = weights.format + (f" ({weights.gguf_form})" if weights.gguf_form else "")
+    if weights.format == "int4":
+        groups = weights.group_size or 0
+        label += f" ({'groups of ' + str(groups) if groups > 0 else 'per channel'})"
     plan_text = (
         f"plan for {source.model_id} ({facts.model_type}, {facts.num_layers} layers, "
         f"{label}):\n{format_plan(plans, context, facts.intermediate_size)}"
@@ -451,7 +499,7 @@ def _export_stage(
     beside its final folder and renamed into place, so a failure leaves the old one (or none)."""
     import gc
 
-    from exporter.compress import compress_stage, save_stage
+    from exporter.compress import compress_stage, import_nncf, save_stage
     from exporter.graph import StageSpec, build_stage
     from exporter.stateful import make_stateful
 
@@ -460,9 +508,7 @@ def _export_stage(
     model = build_stage(recipe, source, spec)
     make_stateful(model, options.beam_idx)
     if options.quiet:
-        import nncf
-
-        nncf.set_log_level(logging.ERROR)
+        import_nncf().set_log_level(logging.ERROR)
     model = compress_stage(model, r.weights, r.facts.vocab_size)
     folder = root / f"stage-{plan.index}"
     part = root / f".stage-{plan.index}.tmp-{os.getpid()}"

@@ -69,7 +69,13 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         help="export only stage K of the plan (+ manifest and tokenizer), reading only its "
         "tensors: each PC builds its own stage into the same --out",
     )
-    p.add_argument("--group-size", type=int, default=128, help="int4 group size (-1: per channel)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="int4 group size; -1: per channel (default 128, or the largest power of two "
+        "below it that divides every matrix's input channels)",
+    )
     p.add_argument("--sym", action="store_true", help="symmetric int4 (default asymmetric)")
     p.add_argument("--draft", default=None, help="draft model exported beside the target")
     p.add_argument(

@@ -87,6 +87,13 @@ def test_bad_input_exits_with_one_line(
         "does not fit",
         out,
     )
+    _expect_error(
+        capsys,
+        ["export", src, "--out", str(out), "--weights", "int4", "--group-size", "128"],
+        "--group-size 128 does not divide the input channels of this model's matrices "
+        "(hidden_size 64, heads x head_dim 64): use --group-size 64 or --group-size -1",
+        out,
+    )
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     _expect_error(capsys, ["export", src, "--out", str(out)], "not empty (use --force")
@@ -114,6 +121,29 @@ def test_bad_input_exits_with_one_line(
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"0")
     _expect_error(capsys, ["export", str(not_gguf), "--out", str(tmp_path / "o3")], "not a .gguf")
+
+
+def test_int4_groups_fit_the_model_unless_asked_for(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    tiny_model: Callable[..., Path],
+) -> None:
+    """int4 without --group-size: groups of 128, or (a warning says so) the largest power of
+    two below that divides every matrix's input channels; the export is the one --group-size
+    of that size makes (reused as it is). A --group-size that does not fit is an error above."""
+    src = str(tiny_model("qwen2"))  # hidden 64: groups of 128 do not fit
+    out = tmp_path / "int4"
+    argv = ["export", src, "--out", str(out), "--stages", "2", "--weights", "int4", "--quiet"]
+    code, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    warning = "int4 groups of 64 channels instead of 128: 128 does not divide hidden_size 64"
+    assert warning in caplog.text
+    assert load_manifest(out).weights.group_size == 64
+    built = (out / "stage-0" / "model.bin").stat().st_mtime_ns
+    code, err = run_cli(capsys, *argv, "--group-size", "64", "--reuse")
+    assert code == 0, err
+    assert (out / "stage-0" / "model.bin").stat().st_mtime_ns == built  # reused
 
 
 def test_draft_with_other_vocabulary_is_refused(
