@@ -147,9 +147,7 @@ def read_recipe(config: Any, context: int | None = None) -> Recipe:
             raise ExportError(f"{model_type}: partial_rotary_factor {factor} is not supported")
         inv, scaling = _inv_freq(params, rotary_dim, config, context or facts.max_context)
         rope[layer_type] = Rope(inv, scaling)
-    scale = (
-        float(config.query_pre_attn_scalar) ** -0.5 if gemma else facts.head_dim**-0.5
-    )
+    scale = float(config.query_pre_attn_scalar) ** -0.5 if gemma else facts.head_dim**-0.5
     return Recipe(
         facts=facts,
         intermediate_size=int(config.intermediate_size),

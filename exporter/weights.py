@@ -216,9 +216,7 @@ def gguf_type_summary(path: Path, form: Q4KForm) -> list[GGUFTypeEntry]:
 
     reader = read_gguf_header(path)
     # (type, matrix, experts): an MoE's 3-D expert tensors always take the exact form
-    counts = Counter(
-        (t.tensor_type, len(t.shape) >= 2, len(t.shape) == 3) for t in reader.tensors
-    )
+    counts = Counter((t.tensor_type, len(t.shape) >= 2, len(t.shape) == 3) for t in reader.tensors)
     entries = []
     for (tensor_type, matrix, experts), count in sorted(
         counts.items(), key=lambda kv: (kv[0][0].name, not kv[0][1], kv[0][2])

@@ -264,8 +264,9 @@ def test_each_stage_exported_alone_on_its_own_machine_forms_the_same_ring(
         copy.parent.mkdir(parents=True)
         shutil.copy(tiny_gguf("llama"), copy)
         out = machine / "export"
-        code = main(["export", str(copy), "--stages", "3", "--stage", str(k), "--out", str(out),
-                     "--quiet"])
+        code = main(
+            ["export", str(copy), "--stages", "3", "--stage", str(k), "--out", str(out), "--quiet"]
+        )
         assert code == 0
         assert sorted(p.name for p in out.iterdir()) == ["manifest.json", f"stage-{k}", "tokenizer"]
         hashes.add(manifest_hash(out))
@@ -275,10 +276,28 @@ def test_each_stage_exported_alone_on_its_own_machine_forms_the_same_ring(
             shutil.copytree(out / f"stage-{k}", gathered / f"stage-{k}")
     assert hashes == {manifest_hash(whole)}
     # one machine adds another stage to its folder: allowed, the same export
-    assert main(["export", str(tiny_gguf("llama")), "--stages", "3", "--stage", "2", "--out",
-                 str(tmp_path / "pc0" / "export"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(tiny_gguf("llama")),
+                "--stages",
+                "3",
+                "--stage",
+                "2",
+                "--out",
+                str(tmp_path / "pc0" / "export"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     report = verify_export(
-        gathered, prompt_ids=PROMPTS, steps=16, against=whole, reference=False,
+        gathered,
+        prompt_ids=PROMPTS,
+        steps=16,
+        against=whole,
+        reference=False,
         options=EXACT_GGUF,
     )
     assert all(r.against is not None and r.against.max_abs_diff == 0.0 for r in report.results)
@@ -289,8 +308,19 @@ def test_each_stage_exported_alone_on_its_own_machine_forms_the_same_ring(
         (["--stages", "2", "--stage", "1", "--out", str(gathered)], "holds another export"),
         (["--stages", "3", "--stage", "3", "--out", str(tmp_path / "x")], "stages 0-2"),
         (["--stages", "3", "--stag", "1", "--out", str(tmp_path / "x")], "unrecognized"),
-        (["--stages", "3", "--stage", "1", "--draft", str(tiny_gguf("llama")), "--out",
-          str(tmp_path / "x")], "export the draft on the gateway's PC"),
+        (
+            [
+                "--stages",
+                "3",
+                "--stage",
+                "1",
+                "--draft",
+                str(tiny_gguf("llama")),
+                "--out",
+                str(tmp_path / "x"),
+            ],
+            "export the draft on the gateway's PC",
+        ),
     ]:
         with pytest.raises(SystemExit) if "unrecognized" in message else _no_raise():
             code = main(["export", str(tiny_gguf("llama")), *argv, "--quiet"])
@@ -311,8 +341,17 @@ class _no_raise:
 def test_gguf_weights_need_a_gguf_file(
     tmp_path: Path, tiny_model: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["export", str(tiny_model("qwen2")), "--weights", "gguf", "--out",
-                 str(tmp_path / "o"), "--quiet"])
+    code = main(
+        [
+            "export",
+            str(tiny_model("qwen2")),
+            "--weights",
+            "gguf",
+            "--out",
+            str(tmp_path / "o"),
+            "--quiet",
+        ]
+    )
     assert code != 0 and "is not a GGUF file" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -330,8 +369,7 @@ def test_a_gguf_tokenizer_is_read_once_then_cached(
 
     def export(name: str) -> Path:
         out = tmp_path / name
-        export_model(ExportOptions(model=str(gguf), out=out, stages=1, quiet=True,
-                                   cache_dir=cache))
+        export_model(ExportOptions(model=str(gguf), out=out, stages=1, quiet=True, cache_dir=cache))
         return out
 
     first = export("first")

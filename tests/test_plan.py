@@ -178,9 +178,10 @@ def test_moe_layers_count_every_expert_and_decode_reads_the_active_ones() -> Non
     plans = plan_stages(a3b, [24, 24], "fp16", a3b.intermediate_size, 4096)
     params = sum(p.weight_bytes for p in plans) / 2  # fp16: 2 bytes a parameter
     assert 30.0e9 < params < 31.0e9
-    active = sum(
-        layer_params(a3b, a3b.intermediate_size, i, active=True) for i in range(48)
-    ) + 2 * a3b.vocab_size * a3b.hidden_size
+    active = (
+        sum(layer_params(a3b, a3b.intermediate_size, i, active=True) for i in range(48))
+        + 2 * a3b.vocab_size * a3b.hidden_size
+    )
     assert 3.0e9 < active < 3.6e9
     # split for memory: even layers (balancing the few experts a token reads would give the
     # head's stage far fewer layers, and the first stage most of the model's memory)

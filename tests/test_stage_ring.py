@@ -127,9 +127,7 @@ def test_ring_equals_chain_and_transformers(
 
 
 @pytest.mark.parametrize("ring", ["qwen", "mistral", "phi3", "moe", "mixtral"])
-def test_interleaved_sessions_equal_each_alone(
-    ring: str, ring_of: Callable[[str], Ring]
-) -> None:
+def test_interleaved_sessions_equal_each_alone(ring: str, ring_of: Callable[[str], Ring]) -> None:
     """Sessions decoded together (one paged inference call per step) equal each decoded alone;
     for Mistral and Phi-3 every layer's sliding window is applied per row."""
     _, addresses = ring_of(ring)
