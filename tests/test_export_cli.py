@@ -124,26 +124,23 @@ def test_bad_input_exits_with_one_line(
 
 
 def test_int4_groups_fit_the_model_unless_asked_for(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    caplog: pytest.LogCaptureFixture,
-    tiny_model: Callable[..., Path],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Callable[..., Path]
 ) -> None:
-    """int4 without --group-size: groups of 128, or (a warning says so) the largest power of
-    two below that divides every matrix's input channels; the export is the one --group-size
-    of that size makes (reused as it is). A --group-size that does not fit is an error above."""
+    """int4 without --group-size: groups of 128, or (a warning and the plan say so) the
+    largest power of two below that divides every matrix's input channels; the export is the
+    one --group-size of that size makes (reused as it is). A --group-size that does not fit
+    is an error (test_bad_input_exits_with_one_line)."""
     src = str(tiny_model("qwen2"))  # hidden 64: groups of 128 do not fit
     out = tmp_path / "int4"
-    argv = ["export", src, "--out", str(out), "--stages", "2", "--weights", "int4", "--quiet"]
-    code, err = run_cli(capsys, *argv)
-    assert code == 0, err
-    warning = "int4 groups of 64 channels instead of 128: 128 does not divide hidden_size 64"
-    assert warning in caplog.text
+    argv = ["export", src, "--out", str(out), "--stages", "2", "--weights", "int4"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "(qwen2, 6 layers, int4 (groups of 64)):" in capsys.readouterr().out
     assert load_manifest(out).weights.group_size == 64
     built = (out / "stage-0" / "model.bin").stat().st_mtime_ns
-    code, err = run_cli(capsys, *argv, "--group-size", "64", "--reuse")
-    assert code == 0, err
-    assert (out / "stage-0" / "model.bin").stat().st_mtime_ns == built  # reused
+    assert main([*argv, "--group-size", "64", "--reuse"]) == 0
+    assert "already holds this export; reusing it" in capsys.readouterr().out
+    assert (out / "stage-0" / "model.bin").stat().st_mtime_ns == built
 
 
 def test_draft_with_other_vocabulary_is_refused(
