@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from protos import pipeshard_v1_pb2 as pb
 from protos.sampling import SampledToken, SamplingParams
 from server.constraints import Constraint, ConstraintError, Grammars, Matcher
 from server.metrics import GatewayMetrics
@@ -484,7 +483,6 @@ class Engine:
             stream.queue.put_nowait(seq.error if seq is not None and seq.error else None)
 
     def _release(self, releases: list[Release]) -> None:
-        publish = [p for r in releases if (p := self._publish(r)) is not None]
         for done in releases:
             if done.final:
                 self._chains.pop(done.seq_id, None)
@@ -497,29 +495,13 @@ class Engine:
 
         async def release() -> None:
             try:
-                await self.pipeline.release(*sessions, publish=publish)
+                await self.pipeline.release(*sessions)
             except Exception:
                 log.warning("releasing sessions %s failed", sessions, exc_info=True)
 
         task = asyncio.create_task(release())
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
-
-    def _publish(self, done: Release) -> pb.Publish | None:
-        """For a sequence that ended well: the hashes of every KV block its tokens filled (all
-        but the last token's position, never fed), so that the stages keep for the prefix cache
-        the blocks no step named (those the ring decoded on its own: a conversation's next
-        turn then starts after the reply too). Blocks already named stay as they are."""
-        if self._prefix_size is None or not done.tokens or done.session_id is None:
-            return None
-        chain = self._chains.get(done.seq_id)
-        if chain is None:
-            chain = HashChain(self.pipeline.manifest_hash or "", self._prefix_size)
-        blocks = (len(done.tokens) - 1) // self._prefix_size
-        if blocks < 1:
-            return None
-        hashes = chain.extend(done.tokens, blocks)
-        return pb.Publish(session_id=done.session_id, first_block=0, block_hashes=hashes)
 
     def _observe(self) -> None:
         admitted = self.scheduler.take_admitted()

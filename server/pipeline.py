@@ -347,7 +347,7 @@ class PipelineClient:
         state.up, state.detail = True, "serving"
         log.info("stage %d at %s is back", state.index, state.address)
         if state.unreleased:
-            await self._release_on(state, pb.ReleaseRequest(session_ids=sorted(state.unreleased)))
+            await self._release_on(state, sorted(state.unreleased))
 
     @property
     def kv_pools(self) -> tuple[tuple[int, int], ...]:
@@ -633,22 +633,20 @@ class PipelineClient:
             ) from None
         return int(reply.blocks)
 
-    async def release(self, *session_ids: str, publish: Sequence[pb.Publish] = ()) -> int:
-        """Free sessions on every stage that is reachable (paged stages first keep the blocks
-        ``publish`` names for the prefix cache); returns how many stages answered."""
+    async def release(self, *session_ids: str) -> int:
+        """Free sessions on every stage that is reachable; returns how many stages answered."""
         if not session_ids:
             return 0
-        request = pb.ReleaseRequest(session_ids=list(session_ids), publish=list(publish))
-        return sum(await asyncio.gather(*(self._release_on(s, request) for s in self.stages)))
 
-    async def _release_on(self, state: StageState, request: pb.ReleaseRequest) -> bool:
+        return sum(await asyncio.gather(*(self._release_on(s, session_ids) for s in self.stages)))
+
+    async def _release_on(self, state: StageState, session_ids: Sequence[str]) -> bool:
         """Free sessions on one stage; ones it misses are freed when it is back (a stalled
         stage keeps its sessions, a restarted one has none to free)."""
         assert state.stub is not None
-        session_ids = list(request.session_ids)
         try:
             await state.stub.Release(
-                request,
+                pb.ReleaseRequest(session_ids=list(session_ids)),
                 metadata=self._metadata(),
                 timeout=self.health_timeout * 2,
             )

@@ -623,14 +623,8 @@ class Scheduler:
         if seq.seq_id in self.running:
             self.running.remove(seq.seq_id)
         if seq.opened or seq.incarnation:
-            ended_well = seq.opened and seq.error is None
             self._releases.append(
-                Release(
-                    seq.seq_id,
-                    seq.session_id if seq.opened else None,
-                    final=True,
-                    tokens=tuple(seq.prompt + seq.generated) if ended_well else (),
-                )
+                Release(seq.seq_id, seq.session_id if seq.opened else None, final=True)
             )
 
     def take_releases(self) -> list[Release]:

@@ -57,9 +57,6 @@ class Release:
     seq_id: str
     session_id: str | None
     final: bool
-    # a sequence that ended well: its prompt and generated tokens, whose KV blocks (but the
-    # last token's, never fed) the stages may keep for the prefix cache
-    tokens: tuple[int, ...] = ()
 
 
 @dataclass

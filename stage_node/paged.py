@@ -443,18 +443,6 @@ class PagedRunner(ShardBase):
         with self._lock:
             return self.blocks.release(session_id)
 
-    def publish(self, session_id: str, first: int, hashes: list[bytes]) -> int:
-        """Name the session's full blocks ``first``, ``first + 1``, ... by ``hashes`` for the
-        prefix cache (those it does not hold in full are left unnamed); how many it named."""
-        with self._lock:
-            table = self.blocks.tables.get(session_id)
-            if table is None or first < 0:
-                return 0
-            count = max(0, min(len(hashes), table.length // self.blocks.block_size - first))
-            if count:
-                self.blocks.publish(session_id, first, hashes[:count])
-            return count
-
     def release_idle(self, max_idle_s: float) -> list[str]:
         cutoff = time.monotonic() - max_idle_s
         with self._lock:

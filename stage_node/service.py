@@ -79,8 +79,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 # Steps computed together, and their outcomes
 Computed = tuple[list[tuple[StepInput, pb.Step]], list[StepOutcome]]
-
-
 class StageService(pb_grpc.StageServicer):
     def __init__(
         self,
@@ -221,13 +219,6 @@ class StageService(pb_grpc.StageServicer):
             self._released.move_to_end(sid)
         while len(self._released) > _RELEASED_KEPT:
             self._released.popitem(last=False)
-        if isinstance(self.runner, PagedRunner):  # the stateful backend keeps no prefixes
-            freed = set(request.session_ids)
-            for entry in request.publish:
-                if entry.session_id in freed:
-                    self.runner.publish(
-                        entry.session_id, entry.first_block, list(entry.block_hashes)
-                    )
         released = sum(self.runner.release(sid) for sid in request.session_ids)
         self.metrics.sessions.set(self.runner.session_count)
         self._pool_metrics()
