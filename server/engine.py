@@ -361,11 +361,14 @@ class Engine:
         return chain
 
     def _filled(self, seq: Sequence, item: Work) -> list[bytes]:
-        """The hashes of the KV blocks this step fills with the sequence's own tokens: a
-        prompt chunk's, or a decode step's first token (draft tokens may be rejected)."""
-        if self._prefix_size is None:
+        """The hashes of the KV blocks this prompt chunk fills (a prompt's, or a resumed
+        sequence's prompt and generated tokens). Decode steps name none: their K/V come from
+        decode-time attention, which is close to a prefill's, not equal, and a later prompt
+        that took them could get other tokens than one that prefills them (measured on the
+        default model: a chat's next turn did)."""
+        if self._prefix_size is None or not item.prefill:
             return []
-        end = item.start_position + (len(item.tokens) if item.prefill else 1)
+        end = item.start_position + len(item.tokens)
         return self._chain(seq).filled(seq.prefix, item.start_position, end)
 
     def _follow_budget(self, seq: Sequence, item: Work, plan: _Plan) -> int:

@@ -1,0 +1,66 @@
+"""The prefix cache keeps only blocks that prompt chunks filled: a block that decode steps
+completed holds K/V from decode-time attention, close to what a prefill of the same tokens
+computes but not equal, so a later prompt that took it could get other tokens (seen on the
+default model). A conversation's next turn therefore re-prefills the last reply."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from server.engine import Engine, GenerationRequest, GenerationStats
+from server.pipeline import PipelineClient
+from server.settings import GatewaySettings
+from tests.processes import start_stages
+from tests.test_gateway import export_chat_model
+
+PROMPT = [(7 * i) % 200 + 3 for i in range(40)]  # block 0 and 8 positions of block 1
+
+
+def _run(
+    addresses: list[str], prompt: list[int], max_tokens: int, prefix_cache: bool
+) -> tuple[list[int], int]:
+    """One greedy request (no end-of-sequence stop), every decode step through the gateway
+    (no ring decoding): its tokens and cached prompt positions."""
+
+    async def run() -> tuple[list[int], int]:
+        client = PipelineClient(addresses)
+        await client.start()
+        settings = GatewaySettings(
+            stages=addresses, ring_decode_batched=0, prefix_cache=prefix_cache
+        )
+        config = settings.ring_scheduler_config(
+            len(addresses), True, client.kv_pools, client.prefix_block_size
+        )
+        engine = Engine(client, frozenset(), 1024, config)
+        try:
+            stats = GenerationStats()
+            request = GenerationRequest(f"r{len(prompt)}{prefix_cache}", prompt, max_tokens)
+            tokens = [t.token_id async for t in engine.generate(request, stats=stats)]
+            await asyncio.sleep(0.2)  # the session's release goes out
+            return tokens, stats.cached_tokens
+        finally:
+            await engine.close()
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def test_a_next_turn_reuses_the_prompt_blocks_but_not_the_decoded_ones(tmp_path: Path) -> None:
+    """Turn 1: a 40-token prompt and a 70-token reply, every step through the gateway. Turn 2
+    (prompt, reply and 3 more tokens) opens on the prompt's one full block only, although the
+    reply's decode steps completed two more; its reply equals a gateway's without the prefix
+    cache, token for token."""
+    _, export = export_chat_model(tmp_path)
+    procs, addresses = start_stages(export, tmp_path)
+    try:
+        reply, cached = _run(addresses, PROMPT, 70, prefix_cache=True)
+        assert cached == 0 and len(reply) == 70
+        turn = [*PROMPT, *reply, 5, 6, 7]
+        second, cached = _run(addresses, turn, 24, prefix_cache=True)
+        assert cached == 32
+        plain, uncached = _run(addresses, turn, 24, prefix_cache=False)
+        assert uncached == 0 and second == plain
+    finally:
+        for proc in procs:
+            proc.stop()
