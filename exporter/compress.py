@@ -8,24 +8,21 @@ leaves constants that are already u4/u8/i8 alone anyway.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 import openvino as ov
 
+from common.telemetry import keep_telemetry_off
 from protos.manifest import WeightSpec
 
 log = logging.getLogger(__name__)
 
 
 def import_nncf() -> ModuleType:
-    """NNCF, with its usage telemetry off. Otherwise, with no consent file in ~/intel, NNCF
-    counts every call in ~/intel/stats and sends an event to Google Analytics from a forked
-    child process (a fork of a process full of OpenVINO threads, which can crash, and which
-    hangs on hosts without internet until its timeout). ``NNCF_CI`` is NNCF's own switch: set
-    before NNCF is first imported, its telemetry becomes a stub that sends nothing."""
-    os.environ.setdefault("NNCF_CI", "1")
+    """NNCF, with its usage telemetry off (common/telemetry.py), also where the exporter is
+    used as a library rather than through the `pipeshard` command."""
+    keep_telemetry_off()
     import nncf
 
     return nncf

@@ -434,8 +434,9 @@ def _run_up(args: argparse.Namespace) -> int:
         draft=None if args.no_draft else args.draft,
         speculation_max_users=limit,
         batching=args.batching,
-        micro_batch_groups=1 if groups is None else groups,
     )
+    if groups is not None:
+        options.micro_batch_groups = groups
     if args.exports_dir is not None:
         options.exports_dir = args.exports_dir
     return run_fleet(options)

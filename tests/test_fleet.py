@@ -317,10 +317,8 @@ def test_up_batches_every_request_in_one_micro_batch_group(
     one = scheduler()
     assert (one.groups, one.group_size, one.lockstep, one.solo) == (1, 0, True, False)
     # the gateway's own default, for stages on PCs of their own: a group per stage
-    assert (
-        scheduler(micro_batch_groups=None).groups,
-        scheduler(micro_batch_groups=None).group_size,
-    ) == (2, 2)
+    per_stage = scheduler(micro_batch_groups=None)
+    assert (per_stage.groups, per_stage.group_size) == (2, 2)
     assert scheduler(micro_batch_groups=3).groups == 3
     assert scheduler(batching=False).solo
     export = tiny_export("llama", 2)
