@@ -17,6 +17,7 @@ COPY protos ./protos
 COPY common ./common
 COPY pipeshard ./pipeshard
 COPY server ./server
+COPY shard_runtime ./shard_runtime
 COPY stage_node ./stage_node
 COPY exporter ./exporter
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .

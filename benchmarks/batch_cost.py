@@ -62,8 +62,8 @@ def stage_costs(
     """``stateful``: also time the stateful backend's one-row call (one session, the same
     prompt length) in each round. ``sync``: a barrier the stages measured side by side wait at
     before each row count of each round, so that they compute at the same time."""
-    from stage_node.paged import PagedRunner, PagedStep
-    from stage_node.runner import RunnerOptions, ShardRunner
+    from shard_runtime.paged import PagedRunner, PagedStep
+    from shard_runtime.runner import RunnerOptions, ShardRunner
 
     runner = PagedRunner(export, index, RunnerOptions(threads=threads, batch_invariant=False))
     plain = ShardRunner(export, index, RunnerOptions(threads=threads)) if stateful else None

@@ -136,7 +136,7 @@ async def run_users(
 
 def stage_mask_seconds(vocab: int, rows: int = 200) -> float:
     """Seconds the last stage takes to apply one mask to one row of logits."""
-    from stage_node.sampling import apply_masks
+    from shard_runtime.sampling import apply_masks
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((1, vocab)).astype(np.float32)

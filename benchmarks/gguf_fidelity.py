@@ -47,7 +47,7 @@ PROMPTS = [
 
 
 def runtime_options(name: str, threads: int) -> Any:
-    from stage_node.runner import RunnerOptions
+    from shard_runtime.runner import RunnerOptions
 
     if name == "exact":
         return RunnerOptions(
@@ -81,7 +81,7 @@ def reference_tokens(manifest: Any, prompts: list[list[int]], steps: int) -> lis
 def export_tokens(
     export_dir: Path, runtime: str, threads: int, prompts: list[list[int]], steps: int
 ) -> list[list[int]]:
-    from stage_node.chain import LocalChain
+    from shard_runtime.chain import LocalChain
 
     chain = LocalChain(export_dir, runtime_options(runtime, threads))
     out = []

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     os.sched_setaffinity(0, parse_cores(opts.cores))
     from exporter.verify import encode_prompts
     from protos.manifest import load_manifest
-    from stage_node.chain import LocalChain
+    from shard_runtime.chain import LocalChain
 
     exports = {}
     for spec in opts.export:

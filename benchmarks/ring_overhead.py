@@ -55,8 +55,8 @@ class LocalChainRunner:
     same KV backend as the ring's stages."""
 
     def __init__(self, export: Path, kv_backend: Literal["stateful", "paged"] = "stateful") -> None:
-        from stage_node.chain import LocalChain
-        from stage_node.runner import RunnerOptions
+        from shard_runtime.chain import LocalChain
+        from shard_runtime.runner import RunnerOptions
 
         self.kv_backend = kv_backend
         self.chain = LocalChain(export, RunnerOptions(threads=1), kv_backend)

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from protos.manifest import load_manifest
     from server.speculative import DraftProposer
-    from stage_node.runner import RunnerOptions
+    from shard_runtime.runner import RunnerOptions
 
     manifest = load_manifest(opts.export)
     if manifest.draft is None:

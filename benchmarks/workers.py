@@ -35,8 +35,8 @@ PROMPT = (
     "Write a Python class that implements a least-recently-used cache with get and put "
     "methods, explain its time complexity, and add a short usage example."
 )
-# pipeshard's CPU runtime (stage_node.runner.RunnerOptions' defaults); the genai baseline gets the
-# same so that a ratio compares the split, not two runtimes.
+# pipeshard's CPU runtime (shard_runtime.runner.RunnerOptions' defaults); the genai baseline
+# gets the same so that a ratio compares the split, not two runtimes.
 PIPESHARD_CPU = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f16"}
 
 
@@ -197,8 +197,8 @@ def chain_decode(
     """Decode tok/s of ``prompt_ids`` (default: PROMPT through the export's tokenizer)."""
     import numpy as np
 
-    from stage_node.chain import LocalChain
-    from stage_node.runner import RunnerOptions
+    from shard_runtime.chain import LocalChain
+    from shard_runtime.runner import RunnerOptions
 
     options = RunnerOptions(threads=threads, inference_precision=precision, cache_dir=cache_dir)
     chain = LocalChain(path, options)

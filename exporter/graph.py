@@ -323,7 +323,7 @@ class _Builder:
         width = f.hidden_size * (2 if stage.mlp_in is not None else 1)
         # The main input's node is "main_input" whatever its port is called, as the traced
         # stages had it: paged_attention_transformation reshapes a node named input_ids or
-        # inputs_embeds itself, and stage_node.paged does that for every stage instead.
+        # inputs_embeds itself, and shard_runtime.paged does that for every stage instead.
         if self.first:
             main = ops.parameter([-1, -1], ov.Type.i64, name="main_input")
             main_name = "input_ids"

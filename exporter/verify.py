@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from protos.manifest import ShardManifest, load_manifest
-from stage_node.chain import LocalChain
-from stage_node.runner import RunnerOptions
+from shard_runtime.chain import LocalChain
+from shard_runtime.runner import RunnerOptions
 
 log = logging.getLogger(__name__)
 

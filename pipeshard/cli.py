@@ -18,7 +18,7 @@ from pipeshard.arguments import COMMON, add_export_parser, export_options
 from server.options import parse_properties
 
 if TYPE_CHECKING:
-    from stage_node.runner import RunnerOptions
+    from shard_runtime.runner import RunnerOptions
 
 
 def _add_runner_options(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def _add_runner_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _runner_options(args: argparse.Namespace) -> RunnerOptions:
-    from stage_node.runner import RunnerOptions
+    from shard_runtime.runner import RunnerOptions
 
     return RunnerOptions(
         device=args.device,
@@ -474,7 +474,7 @@ def _health_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_health(args: argparse.Namespace) -> int:
-    from server.health import check
+    from pipeshard.health import check
 
     verdict = check(
         args.role,

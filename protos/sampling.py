@@ -1,12 +1,16 @@
 """What a request asks of sampling and what a sampled token carries back: the types the wire
-contract (protos/codec.py) encodes; the stage samples with them (stage_node/sampling.py)."""
+contract (protos/codec.py) encodes; the stage samples with them (shard_runtime/sampling.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+# A draft model's proposal distribution for one position: (token ids, probabilities), sent
+# with a speculative step so the last stage can verify sampled proposals exactly.
+DraftDistribution = tuple[Sequence[int], Sequence[float]]
 
 MAX_TOP_LOGPROBS = 20
 

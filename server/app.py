@@ -41,7 +41,7 @@ from server.settings import GatewaySettings
 from server.speculative import DraftProposer, NgramProposer, Proposer
 from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from server.tokenization import codec_from_files, load_codec
-from stage_node.runner import RunnerOptions
+from shard_runtime.runner import RunnerOptions
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ last stage may sample.
 The grammar engine is llguidance (numpy token bitmasks, no torch). The gateway keeps one
 matcher per sequence, advanced by the tokens the sequence takes; each sampling step carries a
 bitmask per sampled row (``pb.Step.token_masks``), which the last stage applies to the logits
-before it samples (stage_node/sampling.py ``apply_masks``). With speculative decoding the
+before it samples (shard_runtime/sampling.py ``apply_masks``). With speculative decoding the
 matcher walks the draft tokens to give each verified row its own mask and cuts the draft at
 the first token the grammar refuses. Masks live in the gateway, so micro-batching, ``n > 1``,
 preemption, re-prefill and a stage restart need nothing more: the matcher holds the state.

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from protos.sampling import SampledToken, SamplingParams
+from protos.sampling import DraftDistribution, SampledToken, SamplingParams
 from server.constraints import Constraint, ConstraintError, Grammars, Matcher
 from server.metrics import GatewayMetrics
 from server.pipeline import PipelineClient, PipelineError
@@ -30,7 +30,6 @@ from server.prefix import HashChain
 from server.scheduler import Scheduler, SchedulerConfig
 from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
 from server.speculative import Acceptance, Proposer, SharedK
-from stage_node.speculative import DraftDistribution
 
 __all__ = [
     "Engine",

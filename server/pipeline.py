@@ -29,9 +29,8 @@ from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.codec import sampled_from_pb, sampling_to_pb
 from protos.manifest import ShardManifest
-from protos.sampling import SampledToken, SamplingParams
+from protos.sampling import DraftDistribution, SampledToken, SamplingParams
 from protos.transport import call_metadata, open_channel
-from stage_node.speculative import DraftDistribution
 
 log = logging.getLogger(__name__)
 GREEDY = SamplingParams()

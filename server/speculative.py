@@ -3,7 +3,7 @@
 A decode step with speculation feeds the target ``[x0, d1 .. dk]`` (greedy: ``k`` proposals and a
 bonus position) or ``[x0, d1 .. d(k-1)]`` (sampling: every one of the ``k`` positions tests a
 proposal, so the output does not depend on ``k``), and the last stage verifies
-(:mod:`stage_node.speculative`). Rejected positions are rolled back on every stage by the next
+(:mod:`shard_runtime.speculative`). Rejected positions are rolled back on every stage by the next
 step's ``rollback`` (the stages trim their KV state: no garbage, no growth) and in the draft here.
 
 * :class:`DraftProposer`: the small draft model of the export (``export/draft``), run with
@@ -27,12 +27,12 @@ from typing import Protocol
 import numpy as np
 
 from protos.manifest import load_manifest, manifest_hash
-from protos.sampling import SamplingParams
+from protos.sampling import DraftDistribution, SamplingParams
 from server.prefix import HashChain
-from stage_node.paged import PagedRunner, PagedStep
-from stage_node.runner import CapacityExceeded, RunnerOptions
-from stage_node.sampling import _adjust, _inverse_cdf, greedy_token, probabilities
-from stage_node.speculative import DraftDistribution, uniform
+from shard_runtime.paged import PagedRunner, PagedStep
+from shard_runtime.runner import CapacityExceeded, RunnerOptions
+from shard_runtime.sampling import adjusted_logits, greedy_token, inverse_cdf, probabilities
+from shard_runtime.speculative import uniform
 
 DRAFT_TOP_K = 64  # the draft's sampling distribution is truncated to this many tokens
 _DRAFT_STREAM = 3  # random stream of draft draws (the verifier uses 1 and 2)
@@ -74,7 +74,7 @@ DRAFT_KV_BYTES = 1 << 29
 class DraftProposer:
     """The draft model: one KV session per sequence, kept in step with the target.
 
-    It runs on the paged backend (:class:`stage_node.paged.PagedRunner`) with its own prefix
+    It runs on the paged backend (:class:`shard_runtime.paged.PagedRunner`) with its own prefix
     cache: the blocks a sequence fills with its own tokens (prompt and accepted tokens, never
     proposals) are published under the chained hashes of :mod:`server.prefix` (salted with the
     draft's manifest hash), and a new sequence starts on the cached blocks of its prefix, as the
@@ -157,7 +157,7 @@ class DraftProposer:
                     self._held[seq_id] = (held, len(context))
                     position = len(held)
                     if greedy:
-                        token = greedy_token(_adjust(logits, params, ()))
+                        token = greedy_token(adjusted_logits(logits, params, ()))
                     else:
                         token, dist = _draw(logits, params, position)
                         dists.append(dist)
@@ -548,5 +548,5 @@ def _draw(
     """A draft token and the truncated distribution it was drawn from."""
     top_k = min(params.top_k, DRAFT_TOP_K) if params.top_k else DRAFT_TOP_K
     ids, probs = probabilities(logits, replace(params, top_k=top_k))
-    index = _inverse_cdf(probs, uniform(params.seed, position, _DRAFT_STREAM))
+    index = inverse_cdf(probs, uniform(params.seed, position, _DRAFT_STREAM))
     return int(ids[index]), (ids.tolist(), probs.astype(np.float32).tolist())

@@ -9,7 +9,7 @@ at the same time. :class:`StatefulBackend` (one OpenVINO infer request and KV st
 session, one compiled model shared by all) computes steps one by one, ``parallelism`` (the
 CPU streams) at once. :class:`PagedBackend` runs every step of a batch - decode tokens,
 prefill chunks and speculative verifications of different sessions - in one inference call
-over a shared KV block pool (:mod:`stage_node.paged`), so the weights are read once per batch
+over a shared KV block pool (:mod:`shard_runtime.paged`), so the weights are read once per batch
 instead of once per session.
 """
 
@@ -23,12 +23,12 @@ from typing import Protocol
 
 import numpy as np
 
-from protos.sampling import SampledToken, SamplingParams
+from protos.sampling import DraftDistribution, SampledToken, SamplingParams
+from shard_runtime.paged import PagedRunner, PagedStep
+from shard_runtime.runner import InvalidStageInput, ShardBase, ShardRunner
+from shard_runtime.sampling import apply_masks, sample
+from shard_runtime.speculative import verify
 from stage_node.metrics import StageMetrics
-from stage_node.paged import PagedRunner, PagedStep
-from stage_node.runner import InvalidStageInput, ShardBase, ShardRunner
-from stage_node.sampling import apply_masks, sample
-from stage_node.speculative import DraftDistribution, verify
 
 
 class StepExpired(Exception):

@@ -18,10 +18,10 @@ from protos.codec import (
     tensor_to_numpy,
 )
 from protos.transport import call_metadata, open_channel
-from stage_node.metrics import StageMetrics
-from stage_node.runner import (
+from shard_runtime.runner import (
     InvalidStageInput,
 )
+from stage_node.metrics import StageMetrics
 from stage_node.settings import StageSettings
 
 log = logging.getLogger(__name__)

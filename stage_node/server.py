@@ -19,9 +19,9 @@ from common.net import bind_problem, check_can_listen
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.manifest import MANIFEST_NAME, manifest_hash
 from protos.transport import CHANNEL_OPTIONS, MANIFEST_KEY, OPEN_METHODS, SECRET_KEY
+from shard_runtime.paged import GIB, PagedRunner, PagedStep
+from shard_runtime.runner import RunnerOptions, ShardRunner
 from stage_node.metrics import StageMetrics
-from stage_node.paged import GIB, PagedRunner, PagedStep
-from stage_node.runner import RunnerOptions, ShardRunner
 from stage_node.service import StageService
 from stage_node.settings import StageSettings, hung_call, pin_process
 

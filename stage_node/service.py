@@ -34,6 +34,13 @@ from protos.codec import (
     sampled_to_pb,
     sampling_from_pb,
 )
+from shard_runtime.paged import PagedRunner
+from shard_runtime.runner import (
+    CapacityExceeded,
+    InvalidStageInput,
+    SessionNotFound,
+    ShardRunner,
+)
 from stage_node.backend import (
     PagedBackend,
     StageBackend,
@@ -44,13 +51,6 @@ from stage_node.backend import (
 )
 from stage_node.downstream import Downstream, unpack
 from stage_node.metrics import StageMetrics
-from stage_node.paged import PagedRunner
-from stage_node.runner import (
-    CapacityExceeded,
-    InvalidStageInput,
-    SessionNotFound,
-    ShardRunner,
-)
 from stage_node.settings import StageSettings
 
 log = logging.getLogger(__name__)

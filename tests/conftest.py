@@ -12,7 +12,7 @@ from common.telemetry import keep_telemetry_off
 
 keep_telemetry_off()  # as every pipeshard process does, before openvino is imported
 
-from stage_node.runner import RunnerOptions  # noqa: E402
+from shard_runtime.runner import RunnerOptions  # noqa: E402
 
 # Compile options for exactness tests: f32 compute and an f32 KV cache (the CPU default u8
 # cache and dynamic activation quantization would add noise the comparison is not about).

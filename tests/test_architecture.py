@@ -3,9 +3,13 @@ lazy ones inside functions, read from the source with ast):
 
 - ``protos`` (the wire contract) and ``common`` (helpers both services use) import nothing of
   the project but themselves;
-- the gateway (``server``) never imports the exporter, the benchmarks or the command line;
+- ``shard_runtime`` (the OpenVINO runtime of a shard, used by the stage, the gateway's draft
+  and the exporter's checks) imports only ``protos`` and ``common``;
+- the gateway (``server``) never imports a stage, the exporter, the benchmarks or the command
+  line;
 - a stage (``stage_node``) never imports the gateway, the exporter, the benchmarks or the
-  command line; the exporter never imports the gateway or the command line;
+  command line; the exporter never imports the gateway, a stage or the command line;
+- no module imports a private name (``_name``) from another package;
 - only the command line (``pipeshard``, which wires every role together) and the benchmarks
   themselves import ``benchmarks``;
 - no module imports itself back through others (no import circles).
@@ -20,14 +24,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pipeshard", "common", "server", "stage_node", "protos", "exporter", "benchmarks")
+PACKAGES = (
+    "pipeshard",
+    "common",
+    "shard_runtime",
+    "server",
+    "stage_node",
+    "protos",
+    "exporter",
+    "benchmarks",
+)
 # package -> project packages it must not import
 FORBIDDEN = {
     "protos": set(PACKAGES) - {"protos"},
     "common": set(PACKAGES) - {"common"},
-    "server": {"exporter", "benchmarks", "pipeshard"},
+    "shard_runtime": set(PACKAGES) - {"shard_runtime", "protos", "common"},
+    "server": {"stage_node", "exporter", "benchmarks", "pipeshard"},
     "stage_node": {"server", "exporter", "benchmarks", "pipeshard"},
-    "exporter": {"server", "benchmarks", "pipeshard"},
+    "exporter": {"server", "stage_node", "benchmarks", "pipeshard"},
 }
 
 
@@ -91,6 +105,25 @@ def test_packages_import_only_what_the_architecture_allows(package: str) -> None
         if target.split(".")[0] in FORBIDDEN[package]
     ]
     assert broken == []
+
+
+def private_imports() -> Iterator[str]:
+    """``from a.b import _name`` where ``a`` is another top-level package than the importer's."""
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            source = node.module.split(".")[0]
+            if source not in PACKAGES or source == name.split(".")[0]:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                    yield f"{where} imports {node.module}.{alias.name}"
+
+
+def test_no_module_imports_another_packages_private_names() -> None:
+    assert list(private_imports()) == []
 
 
 def test_only_the_command_line_and_the_benchmarks_import_the_benchmarks() -> None:

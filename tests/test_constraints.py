@@ -61,7 +61,7 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ring]:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(export / "tokenizer"))
     # pools of 12 blocks of 32 positions, so constrained requests many at once are preempted
     # and re-prefilled
-    from stage_node.paged import PagedRunner
+    from shard_runtime.paged import PagedRunner
 
     block = max(PagedRunner(export, i, EXACT, kv_cache_bytes=1).kv_cache_bytes for i in (0, 1))
     size = f"{12.5 * block / (1 << 30):.12f}"

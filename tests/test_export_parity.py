@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.verify import verify_export
-from stage_node.runner import RunnerOptions
+from shard_runtime.runner import RunnerOptions
 from tests.conftest import EXACT, ExportFn
 
 # (architecture, stages, weight format): every architecture at 1, 2 and 3 stages, both float

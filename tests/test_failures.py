@@ -494,7 +494,7 @@ def test_a_fault_in_the_scheduler_ends_the_requests_and_the_gateway_goes_on(
     from server.metrics import GatewayMetrics
     from server.pipeline import PipelineClient
     from server.scheduler import SchedulerConfig
-    from stage_node.chain import LocalChain
+    from shard_runtime.chain import LocalChain
 
     export = tiny_export("qwen2", 2)
     expected = LocalChain(export, EXACT).greedy("alone", [5, 9, 13, 40], 12)[0]

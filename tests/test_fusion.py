@@ -73,8 +73,8 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
         assert types["GatherMatmul"] == 3 * len(local), f"stage {stage.index}: {types}"
         assert types["ScaledDotProductAttention"] == stage.num_layers
         if weights == "fp32":  # the paged backend's transformation keeps them
-            from stage_node.paged import PagedRunner
-            from stage_node.runner import RunnerOptions
+            from shard_runtime.paged import PagedRunner
+            from shard_runtime.runner import RunnerOptions
 
             paged = PagedRunner(export_dir, stage.index, RunnerOptions(), kv_cache_bytes=1 << 22)
             ops = paged.compiled.get_runtime_model().get_ops()
@@ -89,7 +89,7 @@ def test_the_benchmarks_dense_moe_form_computes_every_expert_alike(
     """``benchmarks/gguf_export.py dense-moe`` (what the sparse form is timed against): the
     same tokens as the export, with no GatherMatmul left (every expert computed)."""
     from benchmarks.gguf_export import main as gguf_export_main
-    from stage_node.chain import LocalChain
+    from shard_runtime.chain import LocalChain
     from tests.conftest import EXACT
 
     export_dir = tiny_export("qwen3_moe", 2)

@@ -20,7 +20,7 @@ from exporter.export import ExportOptions, export_model
 from exporter.verify import reference_greedy
 from protos.manifest import WeightSpec
 from server.pipeline import PipelineClient
-from stage_node.chain import LocalChain
+from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT, make_certificates
 from tests.processes import free_port, start_gateway, start_stages
 from tests.test_stage_ring import ring_greedy

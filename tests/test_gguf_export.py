@@ -26,8 +26,8 @@ from exporter.export import ExportOptions, export_model
 from exporter.verify import verify_export
 from pipeshard.cli import main
 from protos.manifest import ShardManifest, load_manifest, manifest_hash
-from stage_node.chain import LocalChain
-from stage_node.runner import RunnerOptions
+from shard_runtime.chain import LocalChain
+from shard_runtime.runner import RunnerOptions
 
 # f32 compute, f32 KV cache, no dynamic int8 activations: what transformers computes
 EXACT_GGUF = RunnerOptions(

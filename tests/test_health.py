@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.health import check_stage
+from pipeshard.health import check_stage
 from tests.conftest import make_certificates
 from tests.processes import PIPESHARD, start_gateway, start_stages
 from tests.test_gateway import MESSAGES, export_chat_model

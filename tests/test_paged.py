@@ -16,12 +16,12 @@ from exporter.verify import reference_greedy
 from protos import pipeshard_v1_pb2 as pb
 from protos.sampling import SampledToken
 from server.pipeline import PipelineClient
+from shard_runtime.chain import LocalChain
+from shard_runtime.paged import BlockManager, BlocksExhausted, PagedRunner, PagedStep
+from shard_runtime.runner import CapacityExceeded, RunnerOptions, ShardRunner
 from stage_node.backend import PagedBackend, StatefulBackend, StepInput
-from stage_node.chain import LocalChain
 from stage_node.downstream import pack, unpack
 from stage_node.metrics import StageMetrics
-from stage_node.paged import BlockManager, BlocksExhausted, PagedRunner, PagedStep
-from stage_node.runner import CapacityExceeded, RunnerOptions, ShardRunner
 from tests.conftest import EXACT, ExportFn
 from tests.processes import start_stages
 from tests.test_microbatch import Fleet

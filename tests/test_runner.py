@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stage_node.chain import LocalChain
-from stage_node.runner import (
+from shard_runtime.chain import LocalChain
+from shard_runtime.runner import (
     CapacityExceeded,
     InvalidStageInput,
     RunnerOptions,

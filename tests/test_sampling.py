@@ -8,7 +8,7 @@ from scipy.special import log_softmax, softmax
 from scipy.stats import chisquare
 
 from protos.sampling import SamplingParams
-from stage_node.sampling import probabilities, sample
+from shard_runtime.sampling import probabilities, sample
 
 DRAWS = 4000
 SMALL = np.array([0.3, 0.2, 0.1, 0.0, -0.1, -0.2], dtype=np.float32)

@@ -8,8 +8,8 @@ from scipy.stats import chisquare
 
 from protos.sampling import SamplingParams
 from server.speculative import Acceptance, AdaptiveK, NgramProposer, SharedK, StepCost
-from stage_node.sampling import probabilities, sample
-from stage_node.speculative import verify
+from shard_runtime.sampling import probabilities, sample
+from shard_runtime.speculative import verify
 
 GREEDY = SamplingParams()
 

@@ -23,7 +23,7 @@ from server.pipeline import PipelineClient
 from server.scheduler import SchedulerConfig
 from server.sequence import Phase
 from server.speculative import DRAFT_CHUNK, DraftProposer, NgramProposer, Proposal, Proposer
-from stage_node.chain import LocalChain
+from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT
 from tests.processes import start_gateway, start_stages
 from tests.tiny_models import CHAT_TEMPLATE, make_draft, make_model

@@ -18,7 +18,7 @@ from protos.codec import numpy_to_tensor
 from protos.manifest import manifest_hash
 from protos.transport import call_metadata
 from server.pipeline import PipelineClient, PipelineError
-from stage_node.chain import LocalChain
+from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT, ExportFn, make_certificates
 from tests.processes import Proc, start_stages
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.stand_in import MARK, SCALE_RANGE, fill, is_stand_in, make, stand_in_label
-from stage_node.chain import LocalChain
+from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT, ExportFn
 
 PROMPT = [5, 17, 33, 99, 100, 7, 42, 8]

@@ -193,7 +193,7 @@ class Bench:
         """The draft model, loaded once, in this process (as the gateway runs it)."""
         if self._proposer is None:
             from server.speculative import DraftProposer
-            from stage_node.runner import RunnerOptions
+            from shard_runtime.runner import RunnerOptions
 
             assert self.draft_dir is not None
             options = RunnerOptions(threads=self.pin.threads, cache_dir=self.ov_cache)

@@ -12,8 +12,8 @@ import numpy as np
 import openvino as ov
 
 from protos.manifest import ShardManifest, load_manifest
-from stage_node.paged import PagedRunner, PagedStep
-from stage_node.runner import RunnerOptions, ShardRunner
+from shard_runtime.paged import PagedRunner, PagedStep
+from shard_runtime.runner import RunnerOptions, ShardRunner
 
 
 class LocalChain:

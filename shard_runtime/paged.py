@@ -33,7 +33,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from protos.manifest import ShardManifest
-from stage_node.runner import (
+from shard_runtime.runner import (
     CapacityExceeded,
     InvalidStageInput,
     RunnerOptions,

@@ -13,7 +13,7 @@ from).
   token drawn from the residual ``norm(max(0, p_i - q_i))`` and stop (Leviathan et al. 2023,
   Chen et al. 2023). Each emitted token is then distributed exactly as ``p_i``.
 
-``p_i`` is the final sampling distribution of :mod:`stage_node.sampling` (bias, penalties with
+``p_i`` is the final sampling distribution of :mod:`shard_runtime.sampling` (bias, penalties with
 the tokens before position i, temperature, top-k, top-p). Random numbers come from
 ``(seed, position, purpose)``, so a fixed seed gives the same output, and when the draft
 proposes every position (``n = m``) the output does not depend on how many tokens each step
@@ -28,23 +28,21 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from protos.sampling import SampledToken, SamplingParams
-from stage_node.sampling import (
-    _adjust,
+from protos.sampling import DraftDistribution, SampledToken, SamplingParams
+from shard_runtime.sampling import (
     _distribution,
-    _inverse_cdf,
     _peak,
     _seed_key,
     _weights,
+    adjusted_logits,
     annotate,
     greedy_token,
+    inverse_cdf,
     sample,
 )
 
 _ACCEPT = 1  # random stream for acceptance tests
 _RESIDUAL = 2  # random stream for draws from the residual
-
-DraftDistribution = tuple[Sequence[int], Sequence[float]]  # (token ids, probabilities)
 
 
 def uniform(seed: int | None, position: int, purpose: int) -> float:
@@ -78,7 +76,7 @@ def verify(
         if i == len(draft):  # the bonus position: a plain sample
             out.append(sample(logits[i], params, position, seen))
             break
-        adjusted = _adjust(logits[i], params, seen)
+        adjusted = adjusted_logits(logits[i], params, seen)
         if greedy:
             token = greedy_token(adjusted)
             accepted = token == draft[i]
@@ -123,5 +121,5 @@ def _test(
     total = float(residual.sum())
     if total <= 0.0 or not math.isfinite(total):  # p == q on p's support: any p-draw is exact
         residual, total = probs, float(probs.sum())
-    index = _inverse_cdf(residual / total, uniform(params.seed, position, _RESIDUAL))
+    index = inverse_cdf(residual / total, uniform(params.seed, position, _RESIDUAL))
     return int(ids[index]), False

@@ -72,7 +72,7 @@ def sample(
     """
     if position < 0:
         raise ValueError(f"position must be >= 0, got {position}")
-    adjusted = _adjust(logits, params, history)
+    adjusted = adjusted_logits(logits, params, history)
     if params.temperature == 0.0:
         token = greedy_token(adjusted)
     else:
@@ -115,7 +115,7 @@ def probabilities(
     """
     if params.temperature <= 0.0:
         raise ValueError("probabilities() needs temperature > 0 (greedy has no distribution)")
-    return _distribution(_adjust(logits, params, history), params)
+    return _distribution(adjusted_logits(logits, params, history), params)
 
 
 # --- internals -------------------------------------------------------------------------------
@@ -126,7 +126,9 @@ def _seed_key(seed: int | None) -> int:
     return 0 if seed is None else int(seed) % _SEED_MOD
 
 
-def _adjust(logits: npt.ArrayLike, params: SamplingParams, history: Sequence[int]) -> FloatArray:
+def adjusted_logits(
+    logits: npt.ArrayLike, params: SamplingParams, history: Sequence[int]
+) -> FloatArray:
     """float32 logits with bias and penalties applied; a copy only when something changes."""
     row: FloatArray = np.asarray(logits, dtype=np.float32)
     if row.ndim != 1 or row.size == 0:
@@ -250,7 +252,7 @@ def _distribution(
             count = size
 
 
-def _inverse_cdf(probs: ProbArray, u: float) -> int:
+def inverse_cdf(probs: ProbArray, u: float) -> int:
     """Index of the draw ``u`` in sorted ``probs``; never a zero-probability tail entry."""
     cdf = np.cumsum(probs)
     index = int(np.searchsorted(cdf, u, side="right"))
@@ -261,7 +263,7 @@ def _inverse_cdf(probs: ProbArray, u: float) -> int:
 
 def _draw(adjusted: FloatArray, params: SamplingParams, u: float) -> int:
     ids, probs = _distribution(adjusted, params, reach=u)
-    return int(ids[_inverse_cdf(probs, u)])
+    return int(ids[inverse_cdf(probs, u)])
 
 
 def apply_masks(rows: npt.ArrayLike, masks: Sequence[bytes]) -> FloatArray:
