@@ -107,9 +107,11 @@ def chunk_end(length: int, fed: int, budget: int) -> int:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    # The defaults of the first six fields are the gateway's served ones: GatewaySettings takes
+    # its defaults for them from here (max_running is its max_concurrent).
     max_running: int = 16  # sequences holding KV sessions on the stages
-    max_queued: int = 256  # sequences waiting for a running slot
-    queue_timeout: float = 300.0  # seconds a sequence may wait in the queue
+    max_queued: int = 64  # sequences waiting for a running slot
+    queue_timeout: float = 120.0  # seconds a sequence may wait in the queue
     prefill_chunk: int = 256  # prompt tokens per prefill step
     max_prefill_in_flight: int = 1  # prefill chunks in the ring at once
     resume_grace: float = 30.0  # seconds a sequence lost to the ring waits for it to heal

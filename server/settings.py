@@ -27,6 +27,8 @@ PAGED_BUSY_PREFILL_CHUNK = 32
 # per stage): two requests decode faster batched together than pipelined one per group
 # (benchmarks/results/paged-lockstep-2026-11-30.md).
 PAGED_GROUP_SIZE = 2
+# The scheduler's defaults, which the settings below that configure it take as theirs.
+SCHEDULER_DEFAULTS = SchedulerConfig()
 
 
 class GatewaySettings(BaseSettings):
@@ -70,36 +72,44 @@ class GatewaySettings(BaseSettings):
     )
     max_body_bytes: int = Field(default=4 * 2**20, gt=0, description="larger requests get 413")
     max_concurrent: int = Field(
-        default=16,
+        default=SCHEDULER_DEFAULTS.max_running,
         ge=1,
         description="choices generating at once, each with a KV session on every stage",
     )
     max_queued: int = Field(
-        default=64, ge=0, description="choices waiting for a slot; beyond it requests get 429"
+        default=SCHEDULER_DEFAULTS.max_queued,
+        ge=0,
+        description="choices waiting for a slot; beyond it requests get 429",
     )
     queue_timeout: float = Field(
-        default=120.0, gt=0, description="seconds a choice may wait in the queue (then 503)"
+        default=SCHEDULER_DEFAULTS.queue_timeout,
+        gt=0,
+        description="seconds a choice may wait in the queue (then 503)",
     )
     prefill_chunk: int = Field(
-        default=256, ge=1, description="prompt tokens per prefill step (long prompts in chunks)"
+        default=SCHEDULER_DEFAULTS.prefill_chunk,
+        ge=1,
+        description="prompt tokens per prefill step (long prompts in chunks)",
     )
     max_prefill_in_flight: int | None = Field(
         default=None,
         ge=1,
-        description="prefill chunks in the stage ring at once (default 1; paged rings: no "
+        description="prefill chunks in the stage ring at once (default "
+        f"{SCHEDULER_DEFAULTS.max_prefill_in_flight}; paged rings: no "
         "limit but the token budget, see prefill_chunk_busy)",
     )
     prefill_chunk_busy: int | None = Field(
         default=None,
         ge=1,
         description="prompt tokens a micro-batch group may have in the ring while it decodes "
-        "(default: off, chunks of prefill_chunk; paged rings: 32)",
+        f"(default: off, chunks of prefill_chunk; paged rings: {PAGED_BUSY_PREFILL_CHUNK})",
     )
     micro_batch_groups: int | None = Field(
         default=None,
         ge=1,
         description="micro-batch groups the running requests are spread over (default: one "
-        "per stage; paged rings: one per 2 running requests, up to one per stage); 1 where the "
+        f"per stage; paged rings: one per {PAGED_GROUP_SIZE} running requests, up to one per "
+        "stage); 1 where the "
         "stages share one machine's cores (pipeshard up does)",
     )
     batching: bool = Field(
@@ -133,7 +143,7 @@ class GatewaySettings(BaseSettings):
         "starts decoding at most this many tokens later (0: every step through the gateway)",
     )
     resume_grace: float = Field(
-        default=30.0,
+        default=SCHEDULER_DEFAULTS.resume_grace,
         ge=0,
         description="seconds in-flight requests wait for a failed stage to come back, then "
         "re-prefill and go on (0: fail them at once)",
@@ -197,7 +207,8 @@ class GatewaySettings(BaseSettings):
             max_queued=self.max_queued,
             queue_timeout=self.queue_timeout,
             prefill_chunk=self.prefill_chunk,
-            max_prefill_in_flight=self.max_prefill_in_flight or 1,
+            max_prefill_in_flight=self.max_prefill_in_flight
+            or SCHEDULER_DEFAULTS.max_prefill_in_flight,
             resume_grace=self.resume_grace,
             busy_prefill_chunk=self.prefill_chunk_busy,
         )

@@ -1,0 +1,76 @@
+"""Every setting has one source: its default is stated once, and the scheduler, the command
+line's help and `pipeshard up` read it from there, so they cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+import pytest
+
+from common.net import split_listen
+from pipeshard.arguments import show_default
+from pipeshard.cli import build_parser
+from pipeshard.fleet import FleetOptions
+from server.scheduler import SchedulerConfig
+from server.settings import GatewaySettings
+from stage_node.settings import StageSettings
+
+# A number stated as a default in help text, e.g. "(64)", "(default 300)", "(1; ...)".
+STATED_NUMBER = re.compile(r"\((?:default )?-?\d[\d.]*[;)]")
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_the_scheduler_defaults_are_the_served_ones() -> None:
+    """The scheduler an engine builds without a config is the one `pipeshard serve` builds
+    from its default settings, field for field."""
+    served = GatewaySettings(stages=["127.0.0.1:1"]).scheduler_config()
+    assert served == SchedulerConfig(), [
+        (f.name, getattr(served, f.name), getattr(SchedulerConfig(), f.name))
+        for f in dataclasses.fields(SchedulerConfig)
+        if getattr(served, f.name) != getattr(SchedulerConfig(), f.name)
+    ]
+
+
+@pytest.mark.parametrize("command", ["stage", "serve", "up", "health"])
+def test_help_takes_the_defaults_from_the_settings(command: str) -> None:
+    """No flag's help states a number as its default; it names the setting's ({default}),
+    which the help shows as the settings class holds it."""
+    parser = _commands()[command]
+    text = " ".join(parser.format_help().split())
+    placeholders = 0
+    for action in parser._actions:
+        raw = action.help or ""
+        assert not STATED_NUMBER.search(raw), (action.dest, raw)
+        placeholders += "{default}" in raw
+    assert placeholders
+    assert not re.search(r"\{\w+\}", text)  # every one filled in
+
+
+def test_serve_help_shows_the_served_defaults() -> None:
+    text = " ".join(_commands()["serve"].format_help().split())
+    settings = GatewaySettings(stages=["127.0.0.1:1"])
+    assert f"beyond it 429 ({settings.max_queued})" in text
+    assert f"may wait ({show_default(settings.queue_timeout)})" in text
+    assert f"(default {settings.listen})" in text
+
+
+def test_up_starts_the_services_with_their_own_defaults() -> None:
+    """`pipeshard up` differs from `serve` and `stage` only where it says why (one
+    micro-batch group on shared cores): the rest are the services' defaults."""
+    fleet = FleetOptions()
+    gateway = GatewaySettings(stages=["127.0.0.1:1"])
+    stage = StageSettings(shards=".", stage=0)  # type: ignore[arg-type]
+    assert (fleet.host, fleet.port) == split_listen(gateway.listen)
+    assert fleet.stage_port == split_listen(stage.listen)[1]
+    assert (fleet.threads, fleet.kv_backend) == (stage.threads, stage.kv_backend)
+    assert (fleet.batching, fleet.speculation_max_users) == (
+        gateway.batching,
+        gateway.speculation_max_users,
+    )
