@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 def _add_runner_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("OpenVINO")
-    group.add_argument("--device", default="CPU", help="CPU (default), GPU, NPU, AUTO, ...")
-    group.add_argument("--threads", type=int, default=0, help="inference threads (0: default)")
+    # no defaults here: RunnerOptions holds them
+    group.add_argument("--device", help="CPU (default), GPU, NPU, AUTO, ...")
+    group.add_argument("--threads", type=int, help="inference threads (0: default)")
     group.add_argument(
         "--kv-cache-precision", default=None, help="KV_CACHE_PRECISION, e.g. f32, f16, u8"
     )
@@ -53,14 +54,7 @@ def _add_runner_options(parser: argparse.ArgumentParser) -> None:
 def _runner_options(args: argparse.Namespace) -> RunnerOptions:
     from shard_runtime.runner import RunnerOptions
 
-    return RunnerOptions(
-        device=args.device,
-        threads=args.threads,
-        kv_cache_precision=args.kv_cache_precision,
-        inference_precision=args.inference_precision,
-        cache_dir=args.ov_cache_dir,
-        properties=parse_properties(args.ov_property),
-    )
+    return RunnerOptions.from_settings(args, properties=parse_properties(args.ov_property))
 
 
 def _run_export(args: argparse.Namespace) -> int:

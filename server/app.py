@@ -41,7 +41,6 @@ from server.settings import GatewaySettings
 from server.speculative import DraftProposer, NgramProposer, Proposer
 from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from server.tokenization import codec_from_files, load_codec
-from shard_runtime.runner import RunnerOptions
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +145,9 @@ def make_proposer(settings: GatewaySettings) -> Proposer | None:
         return NgramProposer()
     if settings.draft is None:
         raise ValueError("speculation = draft needs --draft DIR (the export's draft folder)")
-    options = RunnerOptions(
-        device=settings.draft_device,
-        threads=settings.draft_threads,
-        cache_dir=settings.ov_cache_dir,
-        max_sessions=4 * settings.max_concurrent,
-    )
     proposer = DraftProposer(
         settings.draft,
-        options,
+        settings.draft_runner_options(),
         None,
         kv_cache_bytes=int(settings.draft_kv_cache_size * (1 << 30)),
         prefix_cache_blocks=None if settings.prefix_cache else 0,

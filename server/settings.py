@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -19,6 +19,9 @@ from pydantic_settings import (
 from common.net import check_listen, check_tls_pair, default_ov_cache, local_address, split_listen
 from server.hosts import stages_here
 from server.scheduler import SchedulerConfig
+
+if TYPE_CHECKING:
+    from shard_runtime.runner import RunnerOptions
 
 # Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
 # 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.
@@ -199,6 +202,18 @@ class GatewaySettings(BaseSettings):
         return 1, (
             f"auto: stage {here[0]} ({self.stages[here[0]]}) runs on this machine and the "
             "draft takes its cores; --speculation-max-users 0 lifts the limit"
+        )
+
+    def draft_runner_options(self) -> RunnerOptions:
+        """How the draft model is compiled: its device and threads, the OpenVINO cache, and
+        sessions for every running request's draft with room to spare."""
+        from shard_runtime.runner import RunnerOptions
+
+        return RunnerOptions.from_settings(
+            self,
+            device=self.draft_device,
+            threads=self.draft_threads,
+            max_sessions=4 * self.max_concurrent,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

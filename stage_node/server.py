@@ -118,17 +118,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     cpus = settings.cpu_list()
     if cpus:
         pin_process(cpus)
-    options = RunnerOptions(
-        device=settings.device,
-        threads=settings.threads,
-        kv_cache_precision=settings.kv_cache_precision,
-        inference_precision=settings.inference_precision,
-        cache_dir=settings.ov_cache_dir,
-        properties=dict(settings.ov_properties),
-        max_sessions=settings.max_sessions,
-        streams=settings.streams,
-        batch_invariant=settings.batch_invariant,
-    )
+    options = RunnerOptions.from_settings(settings)
     if settings.ov_cache_dir is not None:
         settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)
     runner: ShardRunner | PagedRunner

@@ -74,3 +74,44 @@ def test_up_starts_the_services_with_their_own_defaults() -> None:
         gateway.batching,
         gateway.speculation_max_users,
     )
+
+
+def test_runner_options_come_from_the_settings_of_each_role() -> None:
+    """The stage, `pipeshard verify` and the gateway's draft build their RunnerOptions in one
+    place (RunnerOptions.from_settings): the stage's and verify's defaults are its defaults."""
+    from pipeshard.cli import _runner_options
+    from shard_runtime.runner import RunnerOptions
+
+    stage = StageSettings(shards=".", stage=0)  # type: ignore[arg-type]
+    assert RunnerOptions.from_settings(stage) == RunnerOptions(cache_dir=stage.ov_cache_dir)
+    pinned = StageSettings(
+        shards=".",  # type: ignore[arg-type]
+        stage=0,
+        threads=2,
+        max_sessions=3,
+        streams=2,
+        batch_invariant=False,
+        kv_cache_precision="u8",
+        ov_properties={"KEY": "1"},
+    )
+    assert RunnerOptions.from_settings(pinned) == RunnerOptions(
+        threads=2,
+        max_sessions=3,
+        streams=2,
+        batch_invariant=False,
+        kv_cache_precision="u8",
+        cache_dir=stage.ov_cache_dir,
+        properties={"KEY": "1"},
+    )
+    verify = build_parser().parse_args(["verify", "export"])
+    assert _runner_options(verify) == RunnerOptions()
+    verify = build_parser().parse_args(
+        ["verify", "export", "--device", "GPU", "--threads", "2", "--ov-property", "A=b"]
+    )
+    assert _runner_options(verify) == RunnerOptions(device="GPU", threads=2, properties={"A": "b"})
+    gateway = GatewaySettings(
+        stages=["127.0.0.1:1"], draft_device="GPU", draft_threads=3, max_concurrent=2
+    )
+    assert gateway.draft_runner_options() == RunnerOptions(
+        device="GPU", threads=3, max_sessions=8, cache_dir=gateway.ov_cache_dir
+    )
