@@ -299,7 +299,7 @@ async def run_one(client: httpx.AsyncClient, spec: Spec, model: str) -> Outcome:
     elif spec.leave == "cancel":
         try:
             out = await asyncio.wait_for(run(client, spec, model), spec.leave_after)
-        except asyncio.TimeoutError:  # the client went away: its connection is closed
+        except TimeoutError:  # the client went away: its connection is closed
             out = Outcome(spec, cancelled=True)
     else:
         out = await run(client, spec, model)

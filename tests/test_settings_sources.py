@@ -115,3 +115,17 @@ def test_runner_options_come_from_the_settings_of_each_role() -> None:
     assert gateway.draft_runner_options() == RunnerOptions(
         device="GPU", threads=3, max_sessions=8, cache_dir=gateway.ov_cache_dir
     )
+
+
+def test_the_python_floor_is_the_same_for_pip_ruff_and_mypy() -> None:
+    """requires-python is what the code needs (3.11: builtin TimeoutError from asyncio), and
+    the linters check the code for that version, not another."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    floor = pyproject["project"]["requires-python"]
+    assert floor == ">=3.11"
+    major, minor = floor.removeprefix(">=").split(".")
+    assert pyproject["tool"]["ruff"]["target-version"] == f"py{major}{minor}"
+    assert pyproject["tool"]["mypy"]["python_version"] == f"{major}.{minor}"
