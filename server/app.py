@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from common import systemd
 from common.net import check_can_listen, split_listen
+from common.version import VERSION
 from server.constraints import Grammars
 from server.edge import Edge
 from server.engine import Engine
@@ -279,7 +280,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         gateway.created = int(time.time())
         return engine, model, manifest.num_stages
 
-    app = FastAPI(title="pipeshard", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="pipeshard", version=VERSION, lifespan=lifespan)
     app.state.gateway = gateway
     keys = [k.get_secret_value().encode() for k in settings.api_keys]
     app.add_middleware(Edge, keys=keys, max_body=settings.max_body_bytes, metrics=gateway.metrics)

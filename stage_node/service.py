@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from common.version import VERSION
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.codec import (
@@ -54,7 +55,6 @@ from stage_node.metrics import StageMetrics
 from stage_node.settings import StageSettings
 
 log = logging.getLogger(__name__)
-VERSION = "0.1.0"
 _RELEASED_KEPT = 4096  # freed session ids remembered (late steps of theirs fail uncounted)
 
 

@@ -129,3 +129,27 @@ def test_the_python_floor_is_the_same_for_pip_ruff_and_mypy() -> None:
     major, minor = floor.removeprefix(">=").split(".")
     assert pyproject["tool"]["ruff"]["target-version"] == f"py{major}{minor}"
     assert pyproject["tool"]["mypy"]["python_version"] == f"{major}.{minor}"
+
+
+def test_the_version_is_stated_once() -> None:
+    """pyproject.toml states the version; the package, the gateway's OpenAPI document and the
+    stages' Info reply read it, and no source file repeats it."""
+    import tomllib
+    from pathlib import Path
+
+    import pipeshard
+    import stage_node.service
+    from common.version import VERSION
+    from server.app import create_app
+
+    root = Path(__file__).parents[1]
+    stated = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert VERSION == stated == pipeshard.__version__ == stage_node.service.VERSION
+    assert create_app(GatewaySettings(stages=["127.0.0.1:1"])).version == VERSION
+    repeated = [
+        str(path.relative_to(root))
+        for folder in ("pipeshard", "common", "server", "stage_node", "shard_runtime", "exporter")
+        for path in (root / folder).rglob("*.py")
+        if f'"{VERSION}"' in path.read_text()
+    ]
+    assert not repeated
