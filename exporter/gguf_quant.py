@@ -6,8 +6,8 @@ The reference is gguf-py's ``gguf.quants.dequantize`` (what llama.cpp and transf
 Block types are not requantized: their integer codes are kept as stored (u4/i4/u8/i8) with f32
 per-group scales and, for the scale+min types, an f32 zero point, laid out as the CPU plugin's
 compressed FullyConnected pattern ``Constant(codes) -> Convert -> [Subtract zp] -> Multiply scale
--> Reshape -> MatMul``. Why f32 and not f16 scales: ``d*sc`` needs up to 18 significant bits
-(see shared/notes/gguf.md). Types without an exact form become dense f16 with a note saying so.
+-> Reshape -> MatMul``. Why f32 and not f16 scales: ``d*sc`` needs up to 18 significant bits,
+more than f16's 11. Types without an exact form become dense f16 with a note saying so.
 """
 
 from __future__ import annotations

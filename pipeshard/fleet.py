@@ -61,8 +61,7 @@ class FleetOptions:
     speculation_max_users: int | Literal["auto"] = _GATEWAY["speculation_max_users"].default
     # The gateway's micro_batch_groups. 1: every stage runs on this machine's cores, so one
     # batch of every request, each stage in turn on all the cores, serves more than groups
-    # pipelined across stages that share them (4 users 1.77x, 8 users
-    # 1.34x, 16 users 1.65x on 2 cores; docs/scheduling.md).
+    # pipelined across stages that share them (docs/scheduling.md#micro-batch-groups).
     # None: the gateway's default (one group per stage, for stages on PCs of their own).
     micro_batch_groups: int | None = 1
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible requests (:class:`ChatCompletionRequest`, :class:`CompletionRequest`),
-as described in ``/work/shared/notes/openai-api.md``, and what the gateway reads from them:
+as docs/api.md describes them, and what the gateway reads from them:
 
 * unknown extra fields are ignored, nearly every optional field accepts ``null``;
 * numbers and booleans are strict (``"3"``, ``3.0`` or ``true`` are not a valid ``max_tokens``);

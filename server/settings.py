@@ -23,12 +23,11 @@ from server.scheduler import SchedulerConfig
 if TYPE_CHECKING:
     from shard_runtime.runner import RunnerOptions
 
-# Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
-# 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.
+# Prompt tokens per chunk while a paged ring's group decodes: small enough that the group's
+# decode steps stay short (docs/benchmarks.md, "Micro-batch groups on paged rings").
 PAGED_BUSY_PREFILL_CHUNK = 32
 # Running requests per micro-batch group on a paged ring before another group opens (up to one
-# per stage): two requests decode faster batched together than pipelined one per group
-# (benchmarks/results/paged-lockstep-2026-11-30.md).
+# per stage): two requests decode faster batched together than pipelined one per group.
 PAGED_GROUP_SIZE = 2
 # The scheduler's defaults, which the settings below that configure it take as theirs.
 SCHEDULER_DEFAULTS = SchedulerConfig()

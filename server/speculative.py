@@ -60,10 +60,8 @@ class Proposer(Protocol):
 
 # Tokens the draft takes in per call. Prompts and catch-ups (after plain steps) longer than
 # this go in over several calls, so that other requests' proposals, which wait for the one draft
-# thread, run in between instead of behind a whole long prompt. Measured on 2 cores
-# (docs/scheduling.md, "Long prompts and the draft"): a streaming user's longest pause while
-# another sent a 2,535-token prompt was 16-17 s in one call, 4.1-5.3 s in chunks of 256,
-# 1.4-2.0 s in chunks of 64.
+# thread, run in between instead of behind a whole long prompt (docs/benchmarks.md, "Draft
+# prompt chunks").
 DRAFT_CHUNK = 64
 
 # The draft's KV block pool (allocated up front; a 0.5B draft with an f16 cache takes 12 KiB a
