@@ -86,8 +86,8 @@ def _server_credentials(settings: StageSettings) -> grpc.ServerCredentials | Non
 
 def warm_up(runner: ShardRunner | PagedRunner) -> None:
     """One throwaway prompt and decode step before serving: OpenVINO's first inference of a
-    shape takes seconds (measured 4.5 s for the 1.5B model's stage 0), which the first user
-    would otherwise wait for."""
+    shape takes seconds (docs/benchmarks.md, "Start-up costs"), which the first user would
+    otherwise wait for."""
     started = time.perf_counter()
     session = "__warm-up__"
     length = max(1, min(16, runner.max_context - 1))

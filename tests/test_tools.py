@@ -1,4 +1,4 @@
-"""Tools and structured output (#37) on the API side: the model's tool-call format from its chat
+"""Tools and structured output on the API side: the model's tool-call format from its chat
 template, tools and tool history through the template, generated calls into OpenAI
 ``tool_calls`` (whole and streamed, read by the ``openai`` client), and the validation of
 ``tools`` / ``tool_choice`` / ``response_format`` over HTTP against the real gateway.
