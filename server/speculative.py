@@ -483,8 +483,8 @@ class SharedK:
     (:class:`AdaptiveK`). With others, each request maximising its own tokens per second
     is not the server's best: a large k slows every other request's steps too (the draft
     thread and the stages are shared), and a request's own step times cannot tell that
-    apart from load, so each drifts to a large k (measured: 2 users at 0 ms per hop settled
-    at k = 3, 0.85 of the best fixed k, with plain decoding faster still). So from
+    apart from load, so each drifts to a large k, slower than the best k for all
+    (docs/benchmarks.md, "Adaptive K under load"). So from
     ``c`` = 2 on, every request takes one k, held for ``EPOCH`` steps per request, and an
     :class:`AdaptiveK` per ``c`` learns from those steps only: with one k for all, a step's
     measured time is what the server gets at that k, and the k that maximises one request's
