@@ -41,8 +41,8 @@ from stage_node.settings import parse_cpus  # noqa: E402
 def make_tiny(out: Path) -> None:
     """A 2-stage fp32 export of the test suite's random 4-layer Qwen2, with a chat template."""
     from exporter.export import ExportOptions, export_model
+    from exporter.tiny_models import CHAT_TEMPLATE, make_model
     from protos.manifest import WeightSpec
-    from tests.tiny_models import CHAT_TEMPLATE, make_model
 
     with tempfile.TemporaryDirectory() as scratch:
         hf = make_model(

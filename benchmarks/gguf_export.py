@@ -236,8 +236,8 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
     """Write the file, tensor data streamed chunk by chunk; its size in bytes."""
     import gguf
 
-    from tests.tiny_gguf import FILE_TYPES, _write_tokenizer
-    from tests.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
+    from exporter.tiny_gguf import FILE_TYPES, write_tokenizer
+    from exporter.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
 
     if shape.hidden % QK_K or shape.intermediate % QK_K:
         raise SystemExit("--hidden and --intermediate must be multiples of 256 (K-quants)")
@@ -268,7 +268,7 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # the tiny BPE tokenizer, padded to the model's rows with placeholders as llama.cpp does
         make_tokenizer(Path(tmp), VOCAB, CHAT_TEMPLATE)
-        _write_tokenizer(writer, Path(tmp), shape.vocab)
+        write_tokenizer(writer, Path(tmp), shape.vocab)
     for t in tensors:
         writer.add_tensor_info(
             t.name, t.shape, np.dtype(np.float32), t.gguf_bytes, gguf.GGMLQuantizationType[t.type]

@@ -23,7 +23,7 @@ ExportFn = Callable[..., Path]
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from tests.tiny_models import make_model
+    from exporter.tiny_models import make_model
 
     made: dict[tuple[str, int, int], Path] = {}
 

@@ -13,6 +13,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from exporter.tiny_models import CORPUS, JSON_CORPUS
 from protos.sampling import SamplingParams
 from server.constraints import (
     Constraint,
@@ -29,7 +30,6 @@ from server.tools import HERMES
 from tests.conftest import EXACT
 from tests.processes import start_stages
 from tests.test_gateway import export_chat_model
-from tests.tiny_models import CORPUS, JSON_CORPUS
 
 SCHEMA = {
     "type": "object",
@@ -202,8 +202,8 @@ def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) ->
 
     from transformers import PreTrainedTokenizerFast
 
+    from exporter.tiny_models import make_tokenizer
     from server.constraints import _allows
-    from tests.tiny_models import make_tokenizer
 
     make_tokenizer(tmp_path, corpus=CORPUS + JSON_CORPUS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))

@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
+from exporter.tiny_models import CHAT_TEMPLATE, make_model
 from server.scheduler import SchedulerConfig
 from tests.conftest import ExportFn, make_certificates
 from tests.processes import PIPESHARD, free_port
-from tests.tiny_models import CHAT_TEMPLATE, make_model
 
 
 def children(pid: int) -> set[int]:

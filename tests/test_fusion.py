@@ -65,7 +65,7 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
     the chosen experts only), not to matmuls over every expert; NNCF's int4 experts too."""
     export_dir = tiny_export(arch, 3, weights)
     manifest = load_manifest(export_dir)
-    # tests.tiny_models: qwen3_moe's layer 2 keeps a dense MLP; every mixtral layer is experts
+    # exporter.tiny_models: qwen3_moe's layer 2 keeps a dense MLP; every mixtral layer is experts
     moe_layers = {0, 1, 3, 4, 5} if arch == "qwen3_moe" else set(range(6))
     for stage in manifest.stages:
         types = runtime_layer_types(str(export_dir / stage.model_xml))

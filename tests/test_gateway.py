@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from exporter.export import ExportOptions, export_model
+from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 from exporter.verify import reference_greedy
 from protos.manifest import WeightSpec
 from server.pipeline import PipelineClient
@@ -24,7 +25,6 @@ from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT, make_certificates
 from tests.processes import free_port, start_gateway, start_stages
 from tests.test_stage_ring import ring_greedy
-from tests.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 
 KEY = "test-key"
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]

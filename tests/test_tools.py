@@ -27,6 +27,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from benchmarks.agent_loop import turn
+from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_tokenizer
 from protos.sampling import SampledToken
 from server.engine import GenerationRequest, GenerationStats
 from server.errors import APIError
@@ -47,7 +48,6 @@ from server.tools import (
 from tests.processes import Proc, start_gateway, start_stages
 from tests.test_constraints import SCHEMA
 from tests.test_gateway import Fleet, export_chat_model
-from tests.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_tokenizer
 
 # --- chat templates, representative of the real ones ------------------------------------------
 
