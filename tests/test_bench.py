@@ -63,16 +63,17 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def run(exports: tuple[Path, Path]) -> tuple[Path, subprocess.CompletedProcess[str]]:
     export, variants = exports
     base = export.parent
-    out = base / "results"
+    out = base / "results"  # no --results: the report lands in the current directory
+    out.mkdir(exist_ok=True)
     cmd = [
         PIPESHARD,
         "bench",
         "--quick",
-        *("--export", str(export), "--variants", str(variants), "--out", str(out)),
+        *("--export", str(export), "--variants", str(variants)),
         *("--ov-cache-dir", str(base / "ov-cache")),
         *("--delays", "0,20"),  # the quick default goes to 100 ms per hop: slow on any model
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=base)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out)
     return out, done
 
 

@@ -86,7 +86,7 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
 def test_the_benchmarks_dense_moe_form_computes_every_expert_alike(
     tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """``benchmarks/gguf_export.py dense-moe`` (what the sparse form is timed against): the
+    """``pipeshard bench gguf-export dense-moe`` (what the sparse form is timed against): the
     same tokens as the export, with no GatherMatmul left (every expert computed)."""
     from benchmarks.gguf_export import main as gguf_export_main
     from shard_runtime.chain import LocalChain
