@@ -22,6 +22,8 @@ from exporter.export import ExportOptions, export_model
 from exporter.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 from protos.manifest import WeightSpec
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ["parity", "microbatch", "speculative", "latency", "ttft"]
 TITLES = [m.TITLE for m in (parity, users, speculation, latency, ttft)]

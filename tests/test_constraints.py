@@ -124,6 +124,7 @@ def text(ring: Ring, tokens: list[int]) -> str:
     return str(ring.grammars._hf.decode([t for t in tokens if t not in eos]))
 
 
+@pytest.mark.integration
 def test_json_schema_output_validates_every_time_when_sampling(ring: Ring) -> None:
     """20 seeded requests at temperature 1, 4 at a time: every output parses and validates
     against the schema, and ends with the end-of-sequence token; unconstrained, they do not."""
@@ -147,6 +148,7 @@ def _valid(output: str) -> bool:
     return True
 
 
+@pytest.mark.integration
 def test_a_constraint_admitting_everything_changes_no_greedy_token(ring: Ring) -> None:
     """Greedy output under a grammar that admits any text (every token but the special ones)
     equals the output without a constraint."""
@@ -160,6 +162,7 @@ def test_a_constraint_admitting_everything_changes_no_greedy_token(ring: Ring) -
     assert generate(ring, everything, greedy, PROMPTS, max_tokens=24) == free
 
 
+@pytest.mark.integration
 def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring) -> None:
     """Four constrained requests (greedy and seeded sampling) together equal each alone, and
     so do 16 at once under preemption; with
@@ -194,6 +197,7 @@ def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring
     assert all(_valid(text(ring, t)) for t in speculative)
 
 
+@pytest.mark.component  # trains a tokenizer and builds its grammar: seconds
 def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) -> None:
     """Random walks: masks(draft) walks draft tokens (the end-of-sequence token among them)
     and forgets them; the matcher then gives the mask a fresh one gives at the same place, and

@@ -26,6 +26,8 @@ from tests.conftest import EXACT, ExportFn
 from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_stages
 from tests.test_gateway import MESSAGES, export_chat_model
 
+pytestmark = pytest.mark.integration
+
 NO_EOS = {"2": -100}  # the tiny model's end-of-sequence token never comes
 # The default gateway, and one without batching, where the ring decodes on its own (the last
 # stage feeds each token back to stage 0): failures must end the same way on both.

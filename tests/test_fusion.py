@@ -10,6 +10,8 @@ import pytest
 from protos.manifest import load_manifest
 from tests.conftest import ExportFn
 
+pytestmark = pytest.mark.component
+
 
 def runtime_layer_types(xml: str) -> Counter[str]:
     compiled = ov.Core().compile_model(xml, "CPU")

@@ -48,6 +48,8 @@ from schemathesis.core.result import Ok
 from tests.test_gateway import Fleet
 from tests.test_tools import ToolFleet, hermes_fleet
 
+pytestmark = pytest.mark.integration
+
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 16384

@@ -26,6 +26,8 @@ from tests.conftest import EXACT, make_certificates
 from tests.processes import free_port, start_gateway, start_stages
 from tests.test_stage_ring import ring_greedy
 
+pytestmark = pytest.mark.integration
+
 KEY = "test-key"
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 

@@ -7,7 +7,11 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.processes import PIPESHARD
+
+pytestmark = pytest.mark.integration
 
 SUITE = [PIPESHARD, "bench", "gateway-stream"]
 

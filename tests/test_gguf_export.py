@@ -29,6 +29,8 @@ from protos.manifest import ShardManifest, load_manifest, manifest_hash
 from shard_runtime.chain import LocalChain
 from shard_runtime.runner import RunnerOptions
 
+pytestmark = pytest.mark.component
+
 # f32 compute, f32 KV cache, no dynamic int8 activations: what transformers computes
 EXACT_GGUF = RunnerOptions(
     kv_cache_precision="f32",

@@ -30,6 +30,8 @@ import pytest
 from tests.processes import Proc, start_gateway, start_stages
 from tests.test_gateway import Fleet, export_chat_model
 
+pytestmark = pytest.mark.integration
+
 KEY = "load-key"
 CONCURRENCY = 32
 REQUESTS = 500

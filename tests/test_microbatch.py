@@ -29,6 +29,8 @@ from benchmarks.latency_proxy import start_in_thread
 from tests.processes import free_port, start_gateway, start_stages
 from tests.test_gateway import export_chat_model
 
+pytestmark = pytest.mark.integration
+
 EOS = 2
 MAX_RUNNING = 8
 

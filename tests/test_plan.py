@@ -20,6 +20,8 @@ from exporter.plan import (
     split_for_memory,
 )
 
+pytestmark = pytest.mark.unit
+
 # The shape of Qwen2.5-Coder-1.5B.
 QWEN15 = ArchitectureFacts(
     model_type="qwen2",

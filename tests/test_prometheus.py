@@ -20,6 +20,8 @@ import yaml
 from tests.processes import Proc, free_port, start_gateway, start_stages
 from tests.test_gateway import export_chat_model
 
+pytestmark = pytest.mark.integration
+
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 

@@ -28,6 +28,8 @@ from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT
 from tests.processes import start_gateway, start_stages
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = [[5, 9, 13, 2 + i, 40, 41, 42, 7 * i + 3, 12, 13, 14] for i in range(4)]
 TOKENS = 40
 GREEDY = SamplingParams()

@@ -22,6 +22,8 @@ from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT, ExportFn, make_certificates
 from tests.processes import Proc, start_stages
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = [
     [5, 17, 33, 99, 100, 7, 42, 8],
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],

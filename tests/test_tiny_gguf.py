@@ -22,6 +22,8 @@ from exporter.tiny_gguf import (
 )
 from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, make_model
 
+pytestmark = pytest.mark.component
+
 ARCHES = ["llama", "qwen2", "qwen3", "gemma3"]
 # gemma3: five sliding-window layers then a global one (its default pattern, what GGUF implies).
 LAYERS = {"gemma3": 6}

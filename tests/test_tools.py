@@ -256,6 +256,7 @@ HISTORY = [
 # --- the format, from the template ---------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_formats_are_detected_from_the_templates() -> None:
     assert detect_tool_format(QWEN25_TEMPLATE) is FORMATS["hermes"]
     assert detect_tool_format(TINY_HERMES_TEMPLATE) is FORMATS["hermes"]
@@ -273,6 +274,7 @@ def test_formats_are_detected_from_the_templates() -> None:
     )
 
 
+@pytest.mark.unit
 def test_the_formats_say_what_the_grammar_needs() -> None:
     hermes, llama, mistral = FORMATS["hermes"], FORMATS["llama3_json"], FORMATS["mistral"]
     assert (hermes.call_start, hermes.call_end, hermes.arguments_key) == (
@@ -294,6 +296,7 @@ def _written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
     return fmt.calls_start + fmt.call_separator.join(bodies) + fmt.calls_end
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_calls_written_in_the_format_parse_back(name: str) -> None:
     fmt = FORMATS[name]
@@ -377,6 +380,7 @@ CALL = ParsedToolCall("get_weather", '{"city": "Paris"}')
         (M, "[TOOL_CALLS][{oops}]", "[TOOL_CALLS][{oops}]", []),
     ],
 )
+@pytest.mark.unit
 def test_outputs_parse_whole_and_streamed_alike(
     fmt: ToolFormat, text: str, content: str, calls: list[ParsedToolCall]
 ) -> None:
@@ -395,6 +399,7 @@ def test_outputs_parse_whole_and_streamed_alike(
         assert [e for e in events if isinstance(e, ParsedToolCall)] == calls
 
 
+@pytest.mark.unit
 def test_text_before_a_call_streams_before_the_call_completes() -> None:
     parser = ToolCallParser(H)
     assert parser.feed("Checking the weather") == ["Checking the weather"]
@@ -432,6 +437,7 @@ def _rendered(codec: TextCodec, messages: list[dict[str, Any]], tools: list[Any]
     return text
 
 
+@pytest.mark.unit
 def test_the_templates_render_tools_and_the_call_history(tmp_path: Path) -> None:
     qwen = _codec(tmp_path / "qwen", QWEN25_TEMPLATE)
     text = _rendered(qwen, HISTORY, TOOLS)
@@ -518,6 +524,7 @@ TWO_CALLS = (
 )
 
 
+@pytest.mark.unit
 def test_calls_become_tool_calls_for_the_openai_client(tmp_path: Path) -> None:
     service = _service(_codec(tmp_path / "qwen", QWEN25_TEMPLATE), [TWO_CALLS])
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
@@ -545,6 +552,7 @@ def test_calls_become_tool_calls_for_the_openai_client(tmp_path: Path) -> None:
     assert wire["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.unit
 def test_streamed_calls_accumulate_in_the_openai_client(tmp_path: Path) -> None:
     service = _service(_codec(tmp_path / "qwen", QWEN25_TEMPLATE), [TWO_CALLS])
     body = {
@@ -583,6 +591,7 @@ def test_streamed_calls_accumulate_in_the_openai_client(tmp_path: Path) -> None:
         assert all(CALL_ID.match(c.id) for c in calls)
 
 
+@pytest.mark.unit
 def test_text_answers_with_tools_offered_are_plain_content(tmp_path: Path) -> None:
     service = _service(_codec(tmp_path / "qwen", QWEN25_TEMPLATE), ["It is sunny in Paris."])
     body = {"messages": HISTORY, "tools": TOOLS}
@@ -597,6 +606,7 @@ def test_text_answers_with_tools_offered_are_plain_content(tmp_path: Path) -> No
     assert b"tool_calls" not in raw and b'"finish_reason":"stop"' in raw
 
 
+@pytest.mark.unit
 def test_a_template_without_tools_refuses_them(tmp_path: Path) -> None:
     service = _service(_codec(tmp_path / "plain", CHAT_TEMPLATE), ["hi"])
     with pytest.raises(APIError) as info:
@@ -669,6 +679,7 @@ def _error(response: httpx.Response, status: int, param: str | None) -> str:
 USER = [{"role": "user", "content": "the weather in Paris?"}]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
 def test_tools_and_formats_are_validated_over_http(fleet: ToolFleet, stream: bool) -> None:
     good: dict[str, Any] = {"model": fleet.model, "messages": USER, "max_tokens": 2}
@@ -732,6 +743,7 @@ def test_tools_and_formats_are_validated_over_http(fleet: ToolFleet, stream: boo
         assert response.status_code == 200, response.text
 
 
+@pytest.mark.integration
 def test_tools_reach_the_prompt_and_history_round_trips(fleet: ToolFleet) -> None:
     client = fleet.client()
     plain = client.chat.completions.create(model=fleet.model, messages=USER, max_tokens=2)
@@ -795,6 +807,7 @@ FINITE_TOOLS = [
 
 # Constrained decoding (server/constraints.py): the tiny random model writes a valid call only
 # because the grammar makes it.
+@pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_and_named_tool_choice_make_a_call(fleet: ToolFleet, stream: bool) -> None:
     client = fleet.client()
@@ -824,6 +837,7 @@ def test_required_and_named_tool_choice_make_a_call(fleet: ToolFleet, stream: bo
         assert reply.choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.integration
 def test_the_openapi_schema_documents_the_new_fields(fleet: ToolFleet) -> None:
     schema = httpx.get(f"{fleet.url}/openapi.json").json()
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
@@ -834,6 +848,7 @@ def test_the_openapi_schema_documents_the_new_fields(fleet: ToolFleet) -> None:
     assert ChatCompletion.model_json_schema()  # (the response model builds its schema)
 
 
+@pytest.mark.integration
 def test_json_schema_output_validates_on_every_sampled_request(fleet: ToolFleet) -> None:
     """20 seeded requests at temperature 1 with response_format json_schema: every answer
     parses and validates (json_object: every answer is a JSON object); without it, none of
@@ -876,6 +891,7 @@ def test_json_schema_output_validates_on_every_sampled_request(fleet: ToolFleet)
     assert stopped >= 2
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tool_round_trip_call_result_answer(fleet: ToolFleet, stream: bool) -> None:
     """A required call (arguments valid for its schema), the tool's result sent back with
