@@ -27,20 +27,11 @@ from server.pipeline import PipelineClient
 from server.scheduler import SchedulerConfig
 from server.speculative import DraftProposer, Proposer
 from server.tools import HERMES
+from tests.clients import SCHEMA
 from tests.conftest import EXACT
+from tests.fleets import export_chat_model
 from tests.processes import start_stages
-from tests.test_gateway import export_chat_model
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["city", "days", "ok"],
-    "additionalProperties": False,
-}
 PROMPTS = [[5, 17, 33, 99, 100, 7, 42, 8], [60, 61, 62], [9, 9, 9, 9, 9, 9], [18, 180, 81]]
 
 

@@ -23,8 +23,8 @@ from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata
 from server.sequence import Work
 from tests.conftest import EXACT, ExportFn
+from tests.fleets import MESSAGES, export_chat_model
 from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_stages
-from tests.test_gateway import MESSAGES, export_chat_model
 
 pytestmark = pytest.mark.integration
 

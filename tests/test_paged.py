@@ -23,8 +23,8 @@ from stage_node.backend import PagedBackend, StatefulBackend, StepInput
 from stage_node.downstream import pack, unpack
 from stage_node.metrics import StageMetrics
 from tests.conftest import EXACT, ExportFn
+from tests.fleets import Fleet
 from tests.processes import start_stages
-from tests.test_microbatch import Fleet
 
 PROMPTS = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(8)]
 
@@ -465,8 +465,8 @@ def _small_pool_fleet(
 ) -> Iterator[Fleet]:
     """The chat model on two paged stages whose pools hold ``blocks`` blocks of 32 positions
     each, behind a gateway started with ``gateway_flags``."""
+    from tests.fleets import export_chat_model
     from tests.processes import start_gateway
-    from tests.test_gateway import export_chat_model
 
     _, export = export_chat_model(tmp_path)
     # half a block more, so that rounding the GiB figure cannot cost a block
@@ -476,7 +476,7 @@ def _small_pool_fleet(
     )
     gateway, url = start_gateway(addresses, tmp_path / "gateway.log", list(gateway_flags))
     try:
-        yield Fleet(url, addresses)
+        yield Fleet(url, stages=addresses)
     finally:
         gateway.stop()
         for proc in procs:
@@ -495,7 +495,7 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
     pool fills up at admission (any two prompts fit), so decoding must preempt."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.test_microbatch import request, stream_text
+    from tests.clients import request, stream_text
 
     with _small_pool_fleet(tmp_path, 8, ["--prefill-chunk", "16"]) as fleet:
         bodies = [{**request(i), "max_tokens": 64} for i in range(8)]
@@ -530,7 +530,7 @@ def test_pools_smaller_than_the_models_context_bound_every_request(tmp_path: Pat
     """Stages whose pools hold 128 positions under a model context of 256: the gateway says
     so at start, a request that could not fit gets the context-length 400 at once (not a
     refusal per step), and one without max_tokens generates up to the pool, not beyond it."""
-    from tests.test_microbatch import request
+    from tests.clients import request
 
     with _small_pool_fleet(tmp_path, 4) as fleet:
         client = fleet.client()

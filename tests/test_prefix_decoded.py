@@ -13,8 +13,8 @@ import pytest
 from server.engine import Engine, GenerationRequest, GenerationStats
 from server.pipeline import PipelineClient
 from server.settings import GatewaySettings
+from tests.fleets import export_chat_model
 from tests.processes import start_stages
-from tests.test_gateway import export_chat_model
 
 pytestmark = pytest.mark.integration
 

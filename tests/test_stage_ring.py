@@ -19,6 +19,7 @@ from protos.manifest import manifest_hash
 from protos.transport import call_metadata
 from server.pipeline import PipelineClient, PipelineError
 from shard_runtime.chain import LocalChain
+from tests.clients import ring_greedy
 from tests.conftest import EXACT, ExportFn, make_certificates
 from tests.processes import Proc, start_stages
 
@@ -35,19 +36,6 @@ PROMPTS = [
     [18, 180, 81, 118, 181, 8, 88, 188],
 ]
 STEPS = 16
-
-
-async def ring_greedy(
-    client: PipelineClient, session: str, prompt: list[int], steps: int
-) -> list[int]:
-    out = await client.step(session, prompt, 0)
-    tokens = [out.tokens[0].token_id]
-    position = len(prompt)
-    while len(tokens) < steps:
-        out = await client.step(session, tokens[-1:], position)
-        position += 1
-        tokens.append(out.tokens[0].token_id)
-    return tokens
 
 
 def stop_all(procs: list[Proc]) -> None:

@@ -12,11 +12,10 @@ real fleet (``tool_choice`` ``"required"`` or a named function) rely on constrai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +44,8 @@ from server.tools import (
     parse_tool_calls,
     template_tools,
 )
-from tests.processes import Proc, start_gateway, start_stages
-from tests.test_constraints import SCHEMA
-from tests.test_gateway import Fleet, export_chat_model
+from tests.clients import SCHEMA
+from tests.fleets import TINY_HERMES_TEMPLATE, Fleet, hermes_fleet
 
 # --- chat templates, representative of the real ones ------------------------------------------
 
@@ -203,16 +201,6 @@ MISTRAL_TEMPLATE = """{%- if messages[0]["role"] == "system" %}
 {%- endfor %}
 """
 
-# A Hermes-style template short enough for the tiny model's 256-token context: the tools by
-# name, calls and their answers as Qwen writes them.
-TINY_HERMES_TEMPLATE = (
-    "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') "
-    "| join(', ') }}; call one as <tool_call>\n{% endif %}"
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, "
-    "'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 
 WEATHER = {
     "type": "function",
@@ -626,35 +614,8 @@ def test_a_template_without_tools_refuses_them(tmp_path: Path) -> None:
 # --- the real gateway over HTTP ------------------------------------------------------------------
 
 
-@dataclass
-class ToolFleet(Fleet):
-    gateway: Proc
-
-
-@contextlib.contextmanager
-def hermes_fleet(
-    base: Path,
-    gateway_flags: Sequence[str] = (),
-    name: str = "tool-model",
-    max_context: int | None = None,
-) -> Iterator[ToolFleet]:
-    """The tiny chat model with a Hermes-style template (Qwen's calls), which can write JSON,
-    on 2 stages behind a gateway started with ``gateway_flags``."""
-    source, export = export_chat_model(
-        base, name=name, chat_template=TINY_HERMES_TEMPLATE, json=True, max_context=max_context
-    )
-    procs, addresses = start_stages(export, base)
-    gateway, url = start_gateway(addresses, base / "gateway.log", list(gateway_flags))
-    try:
-        yield ToolFleet(url, name, source, export, addresses, gateway)
-    finally:
-        gateway.stop()
-        for proc in procs:
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ToolFleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     with hermes_fleet(tmp_path_factory.mktemp("tools")) as made:
         yield made
 
@@ -681,7 +642,7 @@ USER = [{"role": "user", "content": "the weather in Paris?"}]
 
 @pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
-def test_tools_and_formats_are_validated_over_http(fleet: ToolFleet, stream: bool) -> None:
+def test_tools_and_formats_are_validated_over_http(fleet: Fleet, stream: bool) -> None:
     good: dict[str, Any] = {"model": fleet.model, "messages": USER, "max_tokens": 2}
     if stream:
         good["stream"] = True
@@ -744,7 +705,7 @@ def test_tools_and_formats_are_validated_over_http(fleet: ToolFleet, stream: boo
 
 
 @pytest.mark.integration
-def test_tools_reach_the_prompt_and_history_round_trips(fleet: ToolFleet) -> None:
+def test_tools_reach_the_prompt_and_history_round_trips(fleet: Fleet) -> None:
     client = fleet.client()
     plain = client.chat.completions.create(model=fleet.model, messages=USER, max_tokens=2)
     offered = client.chat.completions.create(
@@ -809,7 +770,7 @@ FINITE_TOOLS = [
 # because the grammar makes it.
 @pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_and_named_tool_choice_make_a_call(fleet: ToolFleet, stream: bool) -> None:
+def test_required_and_named_tool_choice_make_a_call(fleet: Fleet, stream: bool) -> None:
     client = fleet.client()
     for choice, names in [
         ("required", {"get_weather", "lookup"}),
@@ -838,7 +799,7 @@ def test_required_and_named_tool_choice_make_a_call(fleet: ToolFleet, stream: bo
 
 
 @pytest.mark.integration
-def test_the_openapi_schema_documents_the_new_fields(fleet: ToolFleet) -> None:
+def test_the_openapi_schema_documents_the_new_fields(fleet: Fleet) -> None:
     schema = httpx.get(f"{fleet.url}/openapi.json").json()
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"tools", "tool_choice", "parallel_tool_calls", "response_format"} <= set(chat)
@@ -849,7 +810,7 @@ def test_the_openapi_schema_documents_the_new_fields(fleet: ToolFleet) -> None:
 
 
 @pytest.mark.integration
-def test_json_schema_output_validates_on_every_sampled_request(fleet: ToolFleet) -> None:
+def test_json_schema_output_validates_on_every_sampled_request(fleet: Fleet) -> None:
     """20 seeded requests at temperature 1 with response_format json_schema: every answer
     parses and validates (json_object: every answer is a JSON object); without it, none of
     them is a valid answer."""
@@ -893,7 +854,7 @@ def test_json_schema_output_validates_on_every_sampled_request(fleet: ToolFleet)
 
 @pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_tool_round_trip_call_result_answer(fleet: ToolFleet, stream: bool) -> None:
+def test_a_tool_round_trip_call_result_answer(fleet: Fleet, stream: bool) -> None:
     """A required call (arguments valid for its schema), the tool's result sent back with
     its tool_call_id, and a final answer as text, streamed and not."""
     client = fleet.client()
