@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ import pytest
 from benchmarks.latency_proxy import start_in_thread
 from tests.clients import request, stream_text
 from tests.fleets import Fleet, export_chat_model, scrape
-from tests.processes import free_port, start_gateway, start_stages
+from tests.processes import PIPESHARD, free_port, start_gateway, start_stages
 
 pytestmark = pytest.mark.integration
 
@@ -209,9 +208,8 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     """The benchmark script end to end on the tiny export (no genai baseline): every system
     at each user count, in its table, JSON and plot."""
     assert fleet.export is not None
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "microbatch.py"
     subprocess.run(
-        [sys.executable, str(script), "--export", str(fleet.export), "--no-baseline",
+        [PIPESHARD, "bench", "users", "--export", str(fleet.export), "--no-baseline",
          "--users", "1,2", "--tokens", "6", "--rounds", "1", "--results", str(tmp_path),
          "--gateway-cores", "0"],
         check=True, capture_output=True, timeout=600,
@@ -220,7 +218,7 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     (data,) = tmp_path.glob("microbatch-*.json")
     assert list(tmp_path.glob("microbatch-*.png"))
     text = report.read_text()
-    assert text.startswith("Command: `python ") and "--no-batching" in text
+    assert text.startswith("Command: `pipeshard bench users ") and "--no-batching" in text
     rows = json.loads(data.read_text())["rows"]
     assert "the stages' defaults (paged KV, batch invariance on" in text
     padding = json.loads(data.read_text())["stage_padding"]
@@ -257,9 +255,8 @@ def test_microbatch_benchmark_passes_stage_flags_and_states_them(
     """``--stage-flags`` reaches both stage processes (their logs show the stateful backend,
     without the paged block pool) and the report says which flags the stages ran with."""
     assert fleet.export is not None
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "microbatch.py"
     subprocess.run(
-        [sys.executable, str(script), "--export", str(fleet.export), "--no-baseline",
+        [PIPESHARD, "bench", "users", "--export", str(fleet.export), "--no-baseline",
          "--users", "1", "--tokens", "4", "--rounds", "1", "--results", str(tmp_path),
          "--systems", "unbatched", "--stage-flags=--kv-backend stateful"],
         check=True, capture_output=True, timeout=600,

@@ -24,7 +24,7 @@ from stage_node.downstream import pack, unpack
 from stage_node.metrics import StageMetrics
 from tests.conftest import EXACT, ExportFn
 from tests.fleets import Fleet
-from tests.processes import start_stages
+from tests.processes import PIPESHARD, start_stages
 
 PROMPTS = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(8)]
 
@@ -342,18 +342,16 @@ def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
 ) -> None:
     import json
     import subprocess
-    import sys
 
     export = tiny_export("qwen2", 2, "int4")
-    root = Path(__file__).resolve().parents[1]
     subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "batch_cost.py"), "--export", str(export),
+        [PIPESHARD, "bench", "batch-cost", "--export", str(export),
          "--rows", "1,2", "--steps", "2", "--rounds", "1", "--results", str(tmp_path), *mode],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     (report,) = tmp_path.glob("batch_cost-*.md")
     (data,) = tmp_path.glob("batch_cost-*.json")
-    assert report.read_text().startswith("Command: `python ")
+    assert report.read_text().startswith("Command: `pipeshard bench batch-cost ")
     assert "the split that evens them out: `--split " in report.read_text()
     result = json.loads(data.read_text())
     assert sum(result["suggested_split"]) == pytest.approx(6)
@@ -381,15 +379,13 @@ def test_batch_cost_side_by_side_reports_a_failing_stage_instead_of_waiting(
     with that stage's error, while the other stage waits at the barrier: no hang."""
     import shutil
     import subprocess
-    import sys
 
     export = tmp_path / "export"
     shutil.copytree(tiny_export("qwen2", 2, "int4"), export)
     weights = export / "stage-1" / "model.bin"
     weights.write_bytes(weights.read_bytes()[:100])
-    root = Path(__file__).resolve().parents[1]
     run = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "batch_cost.py"), "--export", str(export),
+        [PIPESHARD, "bench", "batch-cost", "--export", str(export),
          "--rows", "1", "--steps", "1", "--rounds", "1", "--results", str(tmp_path),
          "--side-by-side", "--stateful"],
         capture_output=True, text=True, timeout=300,
