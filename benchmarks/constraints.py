@@ -11,7 +11,7 @@ share (applying a mask to a row of logits) is timed apart, per row, on the same 
 
   pipeshard bench constraints [--export DIR] [--users 1,8] [--tokens 64] [--rounds 2]
       [--cores 0,1] [--threads 1] [--name constraints]
-Writes benchmarks/results/<name>-<date>.{md,json}.
+Writes <name>-<date>.{md,json} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.processes import start_pinned_stages
-from benchmarks.report import reachable_eos, save
+from benchmarks.report import add_results_option, reachable_eos, save
 
 SCHEMA = {
     "type": "object",
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default=None, help="stage k on the k-th core (default 0,1,..)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--name", default="constraints")
-    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    add_results_option(parser)
     opts = parser.parse_args(argv)
     from protos.manifest import load_manifest
     from server.constraints import Grammars

@@ -20,7 +20,7 @@ speculation at the same latency and user count. Ratios compare runs of the same 
 
 Usage: pipeshard bench speculation [--export DIR] [--delays 0,10,50,100] [--ks 1,2,4,8]
                                        [--users 1,2] [--rounds N]
-Writes benchmarks/results/speculative-<date>.{json,md,png}.
+Writes speculative-<date>.{json,md,png} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -29,19 +29,15 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.latency_proxy import delay_stages  # noqa: E402
-from benchmarks.processes import run_async, start_pinned_stages  # noqa: E402
-from benchmarks.report import reachable_eos, save  # noqa: E402
+from benchmarks.latency_proxy import delay_stages
+from benchmarks.processes import run_async, start_pinned_stages
+from benchmarks.report import add_results_option, reachable_eos, save
 
 if TYPE_CHECKING:
     from server.engine import Engine
@@ -201,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2c")
+    p.add_argument("--export", type=Path, default=Path("exports/qwen15-int4-s2c"))
     p.add_argument("--delays", default="0,10,50,100", help="added one-way ms per hop")
     p.add_argument("--ks", default="1,2,4,8", help="fixed K values (adaptive is always run)")
     p.add_argument("--users", default="1,2")
@@ -239,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the gateway's --batching (default on); --no-batching: every request alone, "
         "pipelined across the stages",
     )
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    add_results_option(p)
     opts = p.parse_args(argv)
 
     from protos.manifest import load_manifest

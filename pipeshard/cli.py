@@ -154,7 +154,7 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="paged, CPU: each row's result independent of its batch, so greedy output is the same "
         "alone, batched and speculative (default on; off saves padding one-row calls to two "
-        "where this CPU needs it: up to 1.4x a one-user decode step, benchmarks/batch_cost.py)",
+        "where this CPU needs it: up to 1.4x a one-user decode step, pipeshard bench batch-cost)",
     )
     p.add_argument("--kv-cache-precision", help="KV_CACHE_PRECISION, e.g. f16, f32, u8")
     p.add_argument("--inference-precision", help="INFERENCE_PRECISION_HINT, e.g. f32")
@@ -534,7 +534,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         add_help=False,
         help="measure on this machine, one suite at a time (the paper's experiments when none "
-        "is named): report, raw data, plots (= python -m benchmarks)",
+        "is named): report, raw data, plots",
     )
 
 

@@ -12,6 +12,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from server.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
+pytestmark = pytest.mark.unit
+
 QWEN_TOKENIZER = Path(__file__).resolve().parents[1] / (
     "exports/qwen15-int4-s2/tokenizer/tokenizer.json"
 )

@@ -11,6 +11,8 @@ from protos.sampling import SamplingParams
 from server.speculative import DraftProposer
 from tests.conftest import EXACT, ExportFn
 
+pytestmark = pytest.mark.component
+
 GREEDY = SamplingParams()
 
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from server.engine import Engine, GenerationRequest, GenerationStats
 from server.pipeline import PipelineClient
 from server.settings import GatewaySettings
+from tests.fleets import export_chat_model
 from tests.processes import start_stages
-from tests.test_gateway import export_chat_model
+
+pytestmark = pytest.mark.integration
 
 PROMPT = [(7 * i) % 200 + 3 for i in range(40)]  # block 0 and 8 positions of block 1
 

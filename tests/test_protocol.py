@@ -60,6 +60,8 @@ from server.sse import (
     sse_event,
 )
 
+pytestmark = pytest.mark.unit
+
 try:  # the HTTP library the installed openai client is built on
     import httpx2 as httpx
 except ImportError:  # older openai releases

@@ -9,6 +9,8 @@ import pytest
 from server.scheduler import MAX_SESSION_LOSSES, Scheduler, SchedulerConfig, chunk_end
 from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
 
+pytestmark = pytest.mark.unit
+
 EOS = 0
 
 

@@ -11,6 +11,8 @@ from server.speculative import Acceptance, AdaptiveK, NgramProposer, SharedK, St
 from shard_runtime.sampling import probabilities, sample
 from shard_runtime.speculative import verify
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams()
 
 

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from exporter.export import ExportOptions, export_model
+from exporter.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 from protos.manifest import WeightSpec, load_manifest
 from protos.sampling import SamplingParams
 from server.engine import Engine, GenerationRequest
@@ -26,7 +27,8 @@ from server.speculative import DRAFT_CHUNK, DraftProposer, NgramProposer, Propos
 from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT
 from tests.processes import start_gateway, start_stages
-from tests.tiny_models import CHAT_TEMPLATE, make_draft, make_model
+
+pytestmark = pytest.mark.integration
 
 PROMPTS = [[5, 9, 13, 2 + i, 40, 41, 42, 7 * i + 3, 12, 13, 14] for i in range(4)]
 TOKENS = 40
