@@ -119,7 +119,7 @@ class GatewaySettings(BaseSettings):
         description="several requests' rows in one inference call (paged stages); off: each "
         "running request a micro-batch group of its own, pipelined across the stages, its "
         "one-row steps not padded where no speculation runs (faster for a few users where a "
-        "two-row call costs much more than a one-row one: benchmarks/batch_cost.py)",
+        "two-row call costs much more than a one-row one: `pipeshard bench batch-cost`)",
     )
     prefix_cache: bool = Field(
         default=True,

@@ -17,6 +17,8 @@ from server.scheduler import SchedulerConfig
 from server.settings import GatewaySettings
 from stage_node.settings import StageSettings
 
+pytestmark = pytest.mark.unit
+
 # A number stated as a default in help text, e.g. "(64)", "(default 300)", "(1; ...)".
 STATED_NUMBER = re.compile(r"\((?:default )?-?\d[\d.]*[;)]")
 
