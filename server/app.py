@@ -33,9 +33,10 @@ from server.engine import Engine
 from server.errors import APIError, error_response, errors_to_api_error
 from server.metrics import GatewayMetrics
 from server.openapi import body_schema, document, operation_responses
-from server.pipeline import PipelineClient, PipelineError
+from server.pipeline import PipelineClient
 from server.requests import ChatCompletionRequest, CompletionRequest, parse_request
 from server.responses import ChatCompletion, Completion, ModelCard, ModelList
+from server.ring import Ring, RingError
 from server.serving import CompletionService
 from server.settings import GatewaySettings
 from server.speculative import DraftProposer, NgramProposer, Proposer
@@ -61,7 +62,7 @@ class Readiness(BaseModel):
 @dataclass
 class Gateway:
     settings: GatewaySettings
-    pipeline: PipelineClient
+    pipeline: Ring
     metrics: GatewayMetrics
     service: CompletionService | None = None
     created: int = 0
@@ -192,7 +193,7 @@ def gateway_server(app: FastAPI, log_level: str) -> GatewayServer:
     return GatewayServer(config, gateway)
 
 
-def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings, pipeline: Ring | None = None) -> FastAPI:
     secret = settings.secret.get_secret_value() if settings.secret else None
     gateway = Gateway(
         settings=settings,
@@ -214,7 +215,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         gateway.starting = asyncio.ensure_future(start())
         try:
             engine, model, stages = await gateway.starting
-        except (PipelineError, ValueError) as exc:
+        except (RingError, ValueError) as exc:
             gateway.start_error = str(exc)
             log.error("cannot start: %s", exc)
             raise StartFailed(str(exc)) from None

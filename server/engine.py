@@ -1,7 +1,7 @@
 """The engine: token ids and sampling parameters in, sampled tokens out, over the stage ring.
 
 ``GenerationRequest (ids, params) -> Scheduler (one sequence and one session per choice) ->
-PipelineClient steps, many sequences in the ring at once -> SampledToken stream``.
+Ring steps (server/ring.py), many sequences in the ring at once -> SampledToken stream``.
 
 The scheduling policy lives in :mod:`server.scheduler` (a synchronous state machine); this
 module is the thin async loop around it: it sends each tick's work through the ring, feeds the
@@ -20,13 +20,12 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-import grpc
-
 from protos.sampling import DraftDistribution, SampledToken, SamplingParams
+from protos.step import StepRequest
 from server.constraints import Constraint, ConstraintError, Grammars, Matcher
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineClient, PipelineError
 from server.prefix import HashChain
+from server.ring import NoCapacity, Ring, RingError, SessionLost
 from server.scheduler import Scheduler, SchedulerConfig
 from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
 from server.speculative import Acceptance, Proposer, SharedK
@@ -84,7 +83,7 @@ class _Stream:
 class Engine:
     def __init__(
         self,
-        pipeline: PipelineClient,
+        ring: Ring,
         eos_ids: frozenset[int],
         max_context: int,
         config: SchedulerConfig | None = None,
@@ -95,7 +94,7 @@ class Engine:
         spec_max_users: int = 0,
         grammars: Grammars | None = None,
     ) -> None:
-        self.pipeline = pipeline
+        self.ring = ring
         self.eos_ids = eos_ids
         self._stop_ids = sorted(eos_ids)  # where the ring stops decoding on its own
         self.max_context = max_context
@@ -107,7 +106,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, eos_ids)
         # Prefix caching: the block size the stages keep prefixes in, and each sequence's
         # block hashes (server/prefix.py), which its steps publish and its lookup asks for
-        self._prefix_size = pipeline.prefix_block_size if self.config.prefix_cache else None
+        self._prefix_size = ring.prefix_block_size if self.config.prefix_cache else None
         self._chains: dict[str, HashChain] = {}
         self._counted = (0, 0)  # the scheduler's resumes and preemptions already in metrics
         self.metrics = metrics
@@ -152,13 +151,14 @@ class Engine:
         """Yield up to ``max_tokens`` sampled tokens; stops after an end-of-sequence token.
 
         Raises QueueFull at once when the queue is full, QueueTimeout when the request waited
-        too long, PipelineError at once when the ring is not whole (a stage is down) and when a
-        step fails for good: with bad input, or when a lost ring does not heal within the
-        resume grace (the sequence waits for it, then re-prefills and goes on).
+        too long, a RingError (server/ring.py) at once when the ring is not whole (a stage is
+        down: StageUnavailable) and when a step fails for good: with bad input, or when a lost
+        ring does not heal within the resume grace (the sequence waits for it, then
+        re-prefills and goes on).
         """
         if self.stopping:
             raise ShuttingDown("the server is shutting down")
-        self.pipeline.check_ready()
+        self.ring.check_ready()
         stats = stats or GenerationStats()
         seq_id = f"{request.request_id}-{choice}"
         arrival = time.monotonic()
@@ -218,7 +218,7 @@ class Engine:
         now = time.monotonic()
         for seq_id in self.scheduler.expire(now):
             self._end(seq_id)
-        for item in self.scheduler.next_work(now, ring_ready=self.pipeline.ready):
+        for item in self.scheduler.next_work(now, ring_ready=self.ring.ready):
             task = asyncio.create_task(self._run_step(item))
             self._steps.add(task)
             task.add_done_callback(self._steps.discard)
@@ -266,7 +266,7 @@ class Engine:
                 chain = self._chain(seq)
                 hashes = chain.reusable(seq.prefix)
                 # a prompt without a whole block to reuse opens with its first chunk, as ever
-                blocks = await self.pipeline.acquire(item.session, hashes) if hashes else 0
+                blocks = await self.ring.acquire(item.session, hashes) if hashes else 0
                 self.scheduler.on_prefix(item.seq_id, blocks * chain.block_size)
                 return
             began = time.perf_counter()  # the step's time includes waiting for the draft
@@ -277,23 +277,24 @@ class Engine:
                 masks, plan = _masked(matcher, plan, sampling.temperature == 0.0)
             started = time.perf_counter()
             follow = 0 if matcher is not None else self._follow_budget(seq, item, plan)
-            results = self.pipeline.steps(
-                item.session,
-                plan.tokens,
-                item.start_position,
+            step = StepRequest(
+                session_id=item.session,
+                token_ids=plan.tokens,
+                start_position=item.start_position,
                 rollback=item.rollback,
                 num_logits=plan.num_logits,
                 sampling=sampling,
-                history=list(seq.generated) if penalised and item.samples else (),
+                history=tuple(seq.generated) if penalised and item.samples else (),
                 draft_tokens=plan.draft,
-                draft_dists=plan.dists,
+                draft_dists=tuple(plan.dists),
                 group=item.group,
                 solo=self.solo,
                 follow=follow,
-                stop_ids=self._stop_ids if follow else (),
-                block_hashes=self._filled(seq, item),
-                token_masks=masks,
+                stop_ids=tuple(self._stop_ids) if follow else (),
+                block_hashes=tuple(self._filled(seq, item)),
+                token_masks=tuple(masks),
             )
+            results = self.ring.steps(step)
             async with contextlib.aclosing(results):
                 out = await anext(results)
                 if plan.draft:
@@ -319,17 +320,17 @@ class Engine:
                     # the ring's own next step, already on its way: take it as if sent
                     item, follow = ring, follow - 1
                     out = await anext(results)
-        except PipelineError as exc:
-            if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                # a stage had no KV blocks (or sessions) left for it: retry after others
-                log.info("sequence %s preempted: %s", item.seq_id, exc)
-                if self.scheduler.on_preempted(item.seq_id, exc):
-                    return
-            elif exc.retryable:
+        except NoCapacity as exc:
+            # a stage had no KV blocks (or sessions) left for it: retry after others
+            log.info("sequence %s preempted: %s", item.seq_id, exc)
+            if not self.scheduler.on_preempted(item.seq_id, exc):
+                self._end(item.seq_id)
+        except RingError as exc:
+            if exc.retryable:
                 log.warning("sequence %s lost its step: %s", item.seq_id, exc)
                 if self.scheduler.on_lost(item.seq_id, exc, time.monotonic()):
                     return  # it re-prefills when the ring is whole again
-            elif exc.code is grpc.StatusCode.NOT_FOUND:
+            elif isinstance(exc, SessionLost):
                 # a stage no longer holds the session: it restarted between health checks or
                 # freed the session; the others may still hold it (they are told to free it)
                 log.warning(
@@ -355,7 +356,7 @@ class Engine:
         chain = self._chains.get(seq.seq_id)
         if chain is None:
             assert self._prefix_size is not None
-            chain = HashChain(self.pipeline.manifest_hash or "", self._prefix_size)
+            chain = HashChain(self.ring.manifest_hash or "", self._prefix_size)
             self._chains[seq.seq_id] = chain
         return chain
 
@@ -376,7 +377,7 @@ class Engine:
         groups only while none waits to join them), within max_tokens and the context."""
         if not (self.config.ring_decode and item.samples and not plan.draft):
             return 0
-        if not self.pipeline.ring_loop:
+        if not self.ring.ring_loop:
             return 0
         if not self.solo and not self._settled(seq, item):
             return 0
@@ -497,7 +498,7 @@ class Engine:
 
         async def release() -> None:
             try:
-                await self.pipeline.release(*sessions)
+                await self.ring.release(*sessions)
             except Exception:
                 log.warning("releasing sessions %s failed", sessions, exc_info=True)
 
@@ -528,7 +529,7 @@ class Engine:
         self.stopping = True
         deadline = time.monotonic() + grace
         while self.scheduler.sequences and time.monotonic() < deadline:
-            if not self.pipeline.ready:
+            if not self.ring.ready:
                 break
             await asyncio.sleep(0.05)
         await self._abort_all()
