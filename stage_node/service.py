@@ -21,7 +21,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from queue import SimpleQueue
 from typing import Any
 
@@ -39,7 +38,7 @@ from shard_runtime.runner import (
     SessionNotFound,
     ShardRunner,
 )
-from shard_runtime.step import StepExpired
+from shard_runtime.step import StepExpired, next_ring_step
 from stage_node.backend import (
     PagedBackend,
     StageBackend,
@@ -487,26 +486,12 @@ class StageService(pb_grpc.StageServicer):
     def _follow(self, step: pb.Step, emitted: list[int], length: int) -> None:
         """The ring decodes on its own: feed the token just sampled back to stage 0 as the
         session's next step (Step.follow), unless it ends the sequence."""
-        if emitted[-1] in step.stop_ids or step.session_id in self._released:
+        if step.session_id in self._released:
             return
-        this = StepRequest.from_pb(step)
-        penalised = this.sampling.presence_penalty or this.sampling.frequency_penalty
-        # the same step one position on, for the next token: what is not carried over is
-        # only for the step the gateway sent (a rollback, draft tokens, masks, prefix blocks)
-        nxt = replace(
-            this,
-            step_id=this.step_id + 1,
-            token_ids=tuple(emitted[-1:]),
-            start_position=length,
-            rollback=0,
-            num_logits=1,
-            history=(*this.history, *emitted) if penalised else (),
-            draft_tokens=(),
-            draft_dists=(),
-            follow=this.follow - 1,
-            block_hashes=(),
-            token_masks=(),
-        ).to_pb()
+        ring_step = next_ring_step(StepRequest.from_pb(step), emitted, length)
+        if ring_step is None:
+            return
+        nxt = ring_step.to_pb()
         if self.runner.is_first:  # a ring of one stage
             self.metrics.loop_steps.inc()
             self._admit(nxt, np.asarray(nxt.token_ids, dtype=np.int64))
