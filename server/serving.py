@@ -15,8 +15,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
-import grpc
-
 from protos.sampling import SampledToken
 from server.constraints import Constraint, ConstraintError, constraint_for
 from server.detokenizer import IncrementalDetokenizer
@@ -31,7 +29,6 @@ from server.engine import (
 )
 from server.errors import APIError
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineError
 from server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +53,7 @@ from server.responses import (
     Usage,
     chat_token_logprob,
 )
+from server.ring import BadStep, NoCapacity, RingError, StageUnavailable, StepTimeout
 from server.sse import (
     chat_content_chunk,
     chat_final_chunk,
@@ -82,23 +80,26 @@ from server.tools import (
 
 log = logging.getLogger(__name__)
 
-_STATUS = {
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "stage_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "stage_timeout"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded", "capacity"),
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+# the HTTP status, OpenAI error type and code of each kind of ring failure (others: 500)
+_STATUS: dict[type[RingError], tuple[int, str, str | None]] = {
+    StageUnavailable: (503, "service_unavailable", "stage_unavailable"),
+    StepTimeout: (504, "timeout", "stage_timeout"),
+    NoCapacity: (429, "rate_limit_exceeded", "capacity"),
+    BadStep: (400, "invalid_request_error", None),
 }
 
 
-def pipeline_api_error(exc: PipelineError) -> APIError:
-    status, kind, code = _STATUS.get(exc.code, (500, "server_error", None))
+def ring_api_error(exc: RingError) -> APIError:
+    status, kind, code = next(
+        (v for t, v in _STATUS.items() if isinstance(exc, t)), (500, "server_error", None)
+    )
     return APIError(status, str(exc), type=kind, code=code)
 
 
 def generation_api_error(exc: BaseException) -> APIError | None:
     """The HTTP error for a failure of the generation below, or None if it is not one."""
-    if isinstance(exc, PipelineError):
-        return pipeline_api_error(exc)
+    if isinstance(exc, RingError):
+        return ring_api_error(exc)
     if isinstance(exc, QueueFull):
         return APIError(
             429,

@@ -476,7 +476,7 @@ class AdaptiveK:
         self._measure(0, 1, seconds)
 
 
-class SharedK:
+class KByConcurrency:
     """k for every step, by the number of requests decoding at once (``c``).
 
     Alone (``c`` = 1) a request chooses its own k from its own acceptance rate

@@ -12,7 +12,9 @@ lazy ones inside functions, read from the source with ast):
 - no module imports a private name (``_name``) from another package;
 - only the command line (``pipeshard``, which wires every role together) and the benchmarks
   themselves import ``benchmarks``;
-- no module imports itself back through others (no import circles).
+- no module imports itself back through others (no import circles);
+- in the gateway only the ring transport (``server.pipeline``) speaks gRPC: the engine and the
+  HTTP layer see the ring's typed errors (``server.ring``), never gRPC status codes.
 """
 
 from __future__ import annotations
@@ -176,3 +178,33 @@ def circles() -> list[list[str]]:
 
 def test_no_import_circles() -> None:
     assert circles() == []
+
+
+# the gateway modules that may use gRPC (grpc itself, the generated stubs, channel set-up)
+GRPC_TRANSPORT = {"server.pipeline"}
+GRPC_MODULES = ("grpc", "protos.pipeshard_v1_pb2_grpc", "protos.transport")
+
+
+def grpc_imports(name: str, path: Path) -> Iterator[str]:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for target in targets:
+            if any(target == m or target.startswith(f"{m}.") for m in GRPC_MODULES):
+                yield f"{path.relative_to(ROOT)}:{node.lineno} imports {target}"
+                break
+
+
+def test_only_the_ring_transport_speaks_grpc_in_the_gateway() -> None:
+    broken = [
+        found
+        for name, path in MODULES.items()
+        if name.split(".")[0] == "server" and name not in GRPC_TRANSPORT
+        for found in grpc_imports(name, path)
+    ]
+    assert broken == []
+    assert all(list(grpc_imports(n, MODULES[n])) for n in GRPC_TRANSPORT)  # the rule sees them

@@ -15,6 +15,7 @@ import pytest
 from exporter.verify import reference_greedy
 from protos import pipeshard_v1_pb2 as pb
 from protos.sampling import SampledToken
+from protos.step import StepRequest
 from server.pipeline import PipelineClient
 from shard_runtime.chain import LocalChain
 from shard_runtime.paged import BlockManager, BlocksExhausted, PagedRunner, PagedStep
@@ -176,7 +177,7 @@ def test_a_batch_packs_hidden_states_row_after_row() -> None:
 
 # -- one inference call for many sessions == each session alone ----------------------------------
 def _steps(session: str, data: np.ndarray, start: int, **kw: object) -> StepInput:
-    return StepInput(session_id=session, step_id=0, data=data, start_position=start, **kw)  # type: ignore[arg-type]
+    return StepInput(StepRequest(session, start_position=start, **kw), data)  # type: ignore[arg-type]
 
 
 @pytest.mark.component
