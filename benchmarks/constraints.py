@@ -77,10 +77,10 @@ async def run_users(
     from dataclasses import replace
 
     from protos.sampling import SamplingParams
-    from server.constraints import json_schema_constraint
-    from server.engine import Engine, GenerationRequest
-    from server.pipeline import PipelineClient
-    from server.scheduler import SchedulerConfig
+    from server.engine.constraints import json_schema_constraint
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+    from server.ring.grpc_client import PipelineClient
 
     client = PipelineClient(addresses)
     await client.start()
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     add_results_option(parser)
     opts = parser.parse_args(argv)
     from protos.manifest import load_manifest
-    from server.constraints import Grammars
-    from server.tokenization import keep_torch_out, load_codec
+    from server.api.tokenization import keep_torch_out, load_codec
+    from server.engine.constraints import Grammars
 
     keep_torch_out()
     if opts.export is None:

@@ -31,7 +31,7 @@ MESSAGES = [{"role": "user", "content": "Write a haiku about pipelines."}]
 async def measure(
     url: str, model: str, stages: list[str], prompt: list[int], n: int
 ) -> dict[str, Any]:
-    from server.pipeline import PipelineClient
+    from server.ring.grpc_client import PipelineClient
 
     client = PipelineClient(stages)
     await client.start()
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
 
     from protos.manifest import load_manifest
-    from server.tokenization import load_codec
+    from server.api.tokenization import load_codec
 
     manifest = load_manifest(opts.export)
     codec = load_codec(opts.export / manifest.tokenizer.directory, manifest)

@@ -104,10 +104,10 @@ WARM_UP = "What is this module for?"
 
 
 class Texts:
-    """Text cut to token counts with the gateway's own tokenizer (server/tokenization.py)."""
+    """Text cut to token counts with the gateway's own tokenizer (server/api/tokenization.py)."""
 
     def __init__(self, export: Path, manifest: Any) -> None:
-        from server.tokenization import load_codec
+        from server.api.tokenization import load_codec
 
         self.codec = load_codec(export / manifest.tokenizer.directory, manifest)
 

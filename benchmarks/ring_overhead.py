@@ -77,7 +77,7 @@ async def ring_once(
     addresses: list[str], prompt: list[int], tokens: int
 ) -> tuple[float, list[int]]:
     """One greedy run over the ring with the gateway's pipeline client: seconds per token."""
-    from server.pipeline import PipelineClient
+    from server.ring.grpc_client import PipelineClient
 
     client = PipelineClient(addresses, step_timeout=600)
     await client.start(timeout=600)

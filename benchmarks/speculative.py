@@ -40,7 +40,7 @@ from benchmarks.processes import run_async, start_pinned_stages
 from benchmarks.report import add_results_option, reachable_eos, save
 
 if TYPE_CHECKING:
-    from server.engine import Engine
+    from server.engine.loop import Engine
     from server.metrics import GatewayMetrics
 
 PROMPTS = [
@@ -81,9 +81,9 @@ async def gateway_engine(
 ) -> AsyncIterator[tuple[Engine, GatewayMetrics]]:
     """The gateway's engine (scheduler, pipeline client, proposer) in this process, with the
     scheduler `pipeshard serve` would run on this ring (``batching``: its ``--batching``)."""
-    from server.engine import Engine
+    from server.engine.loop import Engine
     from server.metrics import GatewayMetrics
-    from server.pipeline import PipelineClient
+    from server.ring.grpc_client import PipelineClient
     from server.settings import GatewaySettings
 
     client = PipelineClient(addresses, step_timeout=600)
@@ -120,7 +120,7 @@ async def run_config(
 ) -> dict[str, Any]:
     """The prompts in ``users`` concurrent lanes; tok/s, acceptance, per-prompt seconds."""
     from protos.sampling import SamplingParams
-    from server.engine import GenerationRequest
+    from server.engine.loop import GenerationRequest
 
     greedy = SamplingParams(logit_bias={e: -100.0 for e in eos})
     outputs: dict[int, list[int]] = {}
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
 
     from protos.manifest import load_manifest
-    from server.speculative import DraftProposer
+    from server.engine.speculative import DraftProposer
     from shard_runtime.runner import RunnerOptions
 
     manifest = load_manifest(opts.export)

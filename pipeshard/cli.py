@@ -361,9 +361,9 @@ def _gateway_defaults() -> dict[str, Any]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from server.app import create_app, gateway_server
+    from server.api.app import create_app, gateway_server
+    from server.api.tokenization import keep_torch_out
     from server.settings import GatewaySettings
-    from server.tokenization import keep_torch_out
 
     keep_torch_out()
     overrides = _overrides(args, GatewaySettings)

@@ -214,7 +214,7 @@ async def _serve(
     procs: list[subprocess.Popen[bytes]],
     draft: Path | None = None,
 ) -> None:
-    from server.app import create_app, gateway_server
+    from server.api.app import create_app, gateway_server
 
     settings = gateway_settings(options, addresses, draft)
     server = gateway_server(create_app(settings), "warning")
@@ -278,7 +278,7 @@ async def _serve(
 
 def run_fleet(options: FleetOptions) -> int:
     from protos.manifest import load_manifest
-    from server.tokenization import keep_torch_out
+    from server.api.tokenization import keep_torch_out
 
     keep_torch_out()  # this process is the gateway: no torch (exports run in a child)
     # before an export of minutes and the stages' compiles: a port in use fails at once

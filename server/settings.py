@@ -17,8 +17,8 @@ from pydantic_settings import (
 )
 
 from common.net import check_listen, check_tls_pair, default_ov_cache, local_address, split_listen
+from server.engine.scheduler import SchedulerConfig
 from server.hosts import stages_here
-from server.scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
     from shard_runtime.runner import RunnerOptions

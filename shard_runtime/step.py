@@ -1,5 +1,5 @@
 """What every stage does with one ring step, whichever way the step reached it: the stage's
-gRPC service (stage_node) and the in-process ring (server.local_ring) both compute steps with
+gRPC service (stage_node) and the in-process ring (server.ring.local) both compute steps with
 these, so that they sample the same tokens.
 
 ``StepRequest -> check_deadline, rollback -> runner.forward on each stage -> last_stage_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.pipeline import PipelineClient
+from server.ring.grpc_client import PipelineClient
 from tests.fleets import Fleet
 
 SCHEMA = {

@@ -17,7 +17,7 @@ import openai
 from exporter.export import ExportOptions, export_model
 from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 from protos.manifest import WeightSpec
-from server.pipeline import PipelineClient
+from server.ring.grpc_client import PipelineClient
 from tests.processes import Proc, start_gateway, start_stages
 
 KEY = "test-key"

@@ -15,18 +15,18 @@ import pytest
 
 from exporter.tiny_models import CORPUS, JSON_CORPUS
 from protos.sampling import SamplingParams
-from server.constraints import (
+from server.api.tools import HERMES
+from server.engine.constraints import (
     Constraint,
     Grammars,
     json_schema_constraint,
     tool_call_constraint,
 )
-from server.engine import Engine, GenerationRequest
+from server.engine.loop import Engine, GenerationRequest
+from server.engine.scheduler import SchedulerConfig
+from server.engine.speculative import DraftProposer, Proposer
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineClient
-from server.scheduler import SchedulerConfig
-from server.speculative import DraftProposer, Proposer
-from server.tools import HERMES
+from server.ring.grpc_client import PipelineClient
 from tests.clients import SCHEMA
 from tests.conftest import EXACT
 from tests.fleets import export_chat_model
@@ -198,7 +198,7 @@ def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) ->
     from transformers import PreTrainedTokenizerFast
 
     from exporter.tiny_models import make_tokenizer
-    from server.constraints import _allows
+    from server.engine.constraints import _allows
 
     make_tokenizer(tmp_path, corpus=CORPUS + JSON_CORPUS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))

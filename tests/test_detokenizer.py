@@ -10,7 +10,7 @@ from typing import cast
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from server.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from server.api.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The engine and the HTTP layer on the in-process ring (server.local_ring): the same tokens as a
+"""The engine and the HTTP layer on the in-process ring (server.ring.local): the same tokens as a
 ring of stage processes, and the engine's handling of each kind of ring failure, without
 processes (the failures are raised by a LocalRing that fails chosen steps)."""
 
@@ -13,11 +13,11 @@ from fastapi.testclient import TestClient
 
 from protos.sampling import SamplingParams
 from protos.step import StepRequest
-from server.app import create_app
-from server.engine import Engine, GenerationRequest
-from server.local_ring import LocalRing
+from server.api.app import create_app
+from server.api.serving import generation_api_error
+from server.engine.loop import Engine, GenerationRequest
+from server.engine.scheduler import SchedulerConfig
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineClient
 from server.ring import (
     NoCapacity,
     Ring,
@@ -26,8 +26,8 @@ from server.ring import (
     StageUnavailable,
     StepOutput,
 )
-from server.scheduler import SchedulerConfig
-from server.serving import generation_api_error
+from server.ring.grpc_client import PipelineClient
+from server.ring.local import LocalRing
 from server.settings import GatewaySettings
 from tests.conftest import EXACT, ExportFn
 from tests.processes import start_stages

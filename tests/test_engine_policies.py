@@ -9,12 +9,12 @@ from collections.abc import Sequence as Seq
 import pytest
 
 from protos.sampling import SampledToken, SamplingParams
+from server.engine.prefix import HashChain, PrefixLookup
+from server.engine.sequence import Phase, Sequence
+from server.engine.spec_policy import SpeculationPolicy
+from server.engine.speculative import NgramProposer
+from server.engine.step_plan import StepPlan, grammar_masks
 from server.metrics import GatewayMetrics
-from server.prefix import HashChain, PrefixLookup
-from server.sequence import Phase, Sequence
-from server.spec_policy import SpeculationPolicy
-from server.speculative import NgramProposer
-from server.step_plan import StepPlan, grammar_masks
 
 pytestmark = pytest.mark.unit
 

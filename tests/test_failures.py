@@ -21,7 +21,7 @@ import pytest
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata
-from server.sequence import Work
+from server.engine.sequence import Work
 from tests.conftest import EXACT, ExportFn
 from tests.fleets import MESSAGES, export_chat_model
 from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_stages
@@ -485,10 +485,10 @@ def test_a_fault_in_the_scheduler_ends_the_requests_and_the_gateway_goes_on(
     requests in progress with SchedulingFailed at once instead of leaving them waiting
     forever; their sessions are freed on the stages, and the next request is served with the
     tokens it gets alone."""
-    from server.engine import Engine, GenerationRequest, SchedulingFailed
+    from server.engine.loop import Engine, GenerationRequest, SchedulingFailed
+    from server.engine.scheduler import SchedulerConfig
     from server.metrics import GatewayMetrics
-    from server.pipeline import PipelineClient
-    from server.scheduler import SchedulerConfig
+    from server.ring.grpc_client import PipelineClient
     from shard_runtime.chain import LocalChain
 
     export = tiny_export("qwen2", 2)

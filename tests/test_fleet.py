@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from exporter.tiny_models import CHAT_TEMPLATE, make_model
-from server.scheduler import SchedulerConfig
+from server.engine.scheduler import SchedulerConfig
 from tests.conftest import ExportFn, make_certificates
 from tests.processes import PIPESHARD, free_port
 

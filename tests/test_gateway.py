@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from exporter.verify import reference_greedy
-from server.pipeline import PipelineClient
+from server.ring.grpc_client import PipelineClient
 from shard_runtime.chain import LocalChain
 from tests.clients import ring_greedy
 from tests.conftest import EXACT, make_certificates

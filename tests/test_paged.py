@@ -16,7 +16,7 @@ from exporter.verify import reference_greedy
 from protos import pipeshard_v1_pb2 as pb
 from protos.sampling import SampledToken
 from protos.step import StepRequest
-from server.pipeline import PipelineClient
+from server.ring.grpc_client import PipelineClient
 from shard_runtime.chain import LocalChain
 from shard_runtime.paged import BlockManager, BlocksExhausted, PagedRunner, PagedStep
 from shard_runtime.runner import CapacityExceeded, RunnerOptions, ShardRunner
@@ -551,9 +551,9 @@ def test_a_gateway_unaware_of_the_pools_retries_refused_steps(
     """Without pool accounting (as with a second gateway on the same stages) the stages
     refuse steps that do not fit; each refused sequence is preempted and resumed, and every
     output equals the same request alone on stateful stages."""
-    from server.engine import Engine, GenerationRequest
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
     from server.metrics import GatewayMetrics
-    from server.scheduler import SchedulerConfig
 
     export = tiny_export("qwen2", 2)
     chain = LocalChain(export, EXACT)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from server.engine import Engine, GenerationRequest, GenerationStats
-from server.local_ring import LocalRing
+from server.engine.loop import Engine, GenerationRequest, GenerationStats
+from server.ring.local import LocalRing
 from server.settings import GatewaySettings
 from tests.conftest import EXACT
 from tests.fleets import export_chat_model

@@ -110,7 +110,7 @@ def test_no_batching_gives_every_running_request_a_group_of_its_own() -> None:
 
 @pytest.mark.component
 def test_health_probes_follow_the_settings(capsys: pytest.CaptureFixture[str]) -> None:
-    from server.app import create_app
+    from server.api.app import create_app
 
     app = create_app(GatewaySettings(stages=["h:1"], health_interval=3, health_timeout=0.25))
     pipeline = app.state.gateway.pipeline

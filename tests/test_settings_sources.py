@@ -13,7 +13,7 @@ from common.net import split_listen
 from pipeshard.arguments import show_default
 from pipeshard.cli import build_parser
 from pipeshard.fleet import FleetOptions
-from server.scheduler import SchedulerConfig
+from server.engine.scheduler import SchedulerConfig
 from server.settings import GatewaySettings
 from stage_node.settings import StageSettings
 
@@ -142,7 +142,7 @@ def test_the_version_is_stated_once() -> None:
     import pipeshard
     import stage_node.service
     from common.version import VERSION
-    from server.app import create_app
+    from server.api.app import create_app
 
     root = Path(__file__).parents[1]
     stated = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]

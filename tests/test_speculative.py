@@ -7,7 +7,7 @@ import pytest
 from scipy.stats import chisquare
 
 from protos.sampling import SamplingParams
-from server.speculative import Acceptance, AdaptiveK, KByConcurrency, NgramProposer, StepCost
+from server.engine.speculative import Acceptance, AdaptiveK, KByConcurrency, NgramProposer, StepCost
 from shard_runtime.sampling import probabilities, sample
 from shard_runtime.speculative import verify
 

@@ -18,8 +18,8 @@ from protos.codec import numpy_to_tensor
 from protos.manifest import manifest_hash
 from protos.step import StepRequest
 from protos.transport import call_metadata
-from server.pipeline import PipelineClient
 from server.ring import BadStep, RingRefused, SessionLost, StageUnavailable
+from server.ring.grpc_client import PipelineClient
 from shard_runtime.chain import LocalChain
 from tests.clients import ring_greedy
 from tests.conftest import EXACT, ExportFn, make_certificates

@@ -5,7 +5,7 @@ template, tools and tool history through the template, generated calls into Open
 
 The tiny random models never write a valid call by themselves: the end-to-end calls from a
 real fleet (``tool_choice`` ``"required"`` or a named function) rely on constrained decoding
-(``server/constraints.py``) and are marked so below; everything else uses fabricated outputs.
+(``server/engine/constraints.py``) and are marked so below; everything else uses fabricated outputs.
 """
 
 # ruff: noqa: E501  (the chat templates are quoted as they are)
@@ -28,14 +28,12 @@ from tokenizers import Tokenizer
 from benchmarks.agent_loop import turn
 from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_tokenizer
 from protos.sampling import SampledToken
-from server.engine import GenerationRequest, GenerationStats
-from server.errors import APIError
-from server.metrics import GatewayMetrics
-from server.requests import ChatCompletionRequest, parse_request, template_messages
-from server.responses import ChatCompletion
-from server.serving import CompletionService
-from server.tokenization import TextCodec
-from server.tools import (
+from server.api.errors import APIError
+from server.api.requests import ChatCompletionRequest, parse_request, template_messages
+from server.api.responses import ChatCompletion
+from server.api.serving import CompletionService
+from server.api.tokenization import TextCodec
+from server.api.tools import (
     FORMATS,
     ParsedToolCall,
     ToolCallParser,
@@ -44,6 +42,8 @@ from server.tools import (
     parse_tool_calls,
     template_tools,
 )
+from server.engine.loop import GenerationRequest, GenerationStats
+from server.metrics import GatewayMetrics
 from tests.clients import SCHEMA
 from tests.fleets import TINY_HERMES_TEMPLATE, Fleet, hermes_fleet
 
@@ -766,7 +766,7 @@ FINITE_TOOLS = [
 ]
 
 
-# Constrained decoding (server/constraints.py): the tiny random model writes a valid call only
+# Constrained decoding (server/engine/constraints.py): the tiny random model writes a valid call only
 # because the grammar makes it.
 @pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])

@@ -16,20 +16,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from protos.sampling import SampledToken
-from server.constraints import Constraint, ConstraintError, constraint_for
-from server.detokenizer import IncrementalDetokenizer
-from server.engine import (
-    Engine,
-    GenerationRequest,
-    GenerationStats,
-    QueueFull,
-    QueueTimeout,
-    SchedulingFailed,
-    ShuttingDown,
-)
-from server.errors import APIError
-from server.metrics import GatewayMetrics
-from server.requests import (
+from server.api.detokenizer import IncrementalDetokenizer
+from server.api.errors import APIError
+from server.api.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     effective_max_tokens,
@@ -38,7 +27,7 @@ from server.requests import (
     template_messages,
     to_sampling_params,
 )
-from server.responses import (
+from server.api.responses import (
     ChatChoiceLogprobs,
     ChatCompletion,
     ChatCompletionChoice,
@@ -53,8 +42,7 @@ from server.responses import (
     Usage,
     chat_token_logprob,
 )
-from server.ring import BadStep, NoCapacity, RingError, StageUnavailable, StepTimeout
-from server.sse import (
+from server.api.sse import (
     chat_content_chunk,
     chat_final_chunk,
     chat_tool_call_chunks,
@@ -67,8 +55,8 @@ from server.sse import (
     sse_error,
     sse_event,
 )
-from server.tokenization import TextCodec
-from server.tools import (
+from server.api.tokenization import TextCodec
+from server.api.tools import (
     ParsedToolCall,
     ToolCallParser,
     ToolFormat,
@@ -77,6 +65,18 @@ from server.tools import (
     parse_tool_calls,
     template_tools,
 )
+from server.engine.constraints import Constraint, ConstraintError, constraint_for
+from server.engine.loop import (
+    Engine,
+    GenerationRequest,
+    GenerationStats,
+    QueueFull,
+    QueueTimeout,
+    SchedulingFailed,
+    ShuttingDown,
+)
+from server.metrics import GatewayMetrics
+from server.ring import BadStep, NoCapacity, RingError, StageUnavailable, StepTimeout
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class CompletionService:
         self._vocab: dict[str, int] | None = None
 
     def _constraint(self, req: ChatCompletionRequest, mode: str | None) -> Constraint | None:
-        """What the output must match (server/constraints.py), or a 400 naming the field."""
+        """What the output must match (server/engine/constraints.py), or a 400 naming the field."""
         vocab = None
         if mode in ("required", "named"):
             if self._vocab is None:  # tags that are single tokens (built once, on first use)

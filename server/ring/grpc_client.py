@@ -532,8 +532,8 @@ class PipelineClient:
 
     async def acquire(self, session_id: str, hashes: Sequence[bytes]) -> int:
         """Open ``session_id`` on every stage on the cached KV blocks of its prefix (``hashes``,
-        see server/prefix.py); the blocks it starts with, the same on every stage (stages that
-        held more cut theirs down to it). On failure the session is released wherever it was
+        see server/engine/prefix.py); the blocks it starts with, the same on every stage (stages
+        that held more cut theirs down to it). On failure the session is released wherever it was
         opened and the error raised (UNAVAILABLE when a stage cannot be reached)."""
         self.check_ready()
         wanted = list(hashes)

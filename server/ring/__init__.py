@@ -1,9 +1,9 @@
 """The engine's view of the stage ring: the operations it needs and the failures they raise.
 
 ``Engine -> Ring.steps(StepRequest) -> StepOutput`` (sampled tokens). Two implementations:
-:class:`server.pipeline.PipelineClient` talks to stage processes over gRPC (the only gateway
+:class:`server.ring.grpc_client.PipelineClient` talks to stage processes over gRPC (the only gateway
 module that knows gRPC: it translates status codes into the errors below at its boundary), and
-:class:`server.local_ring.LocalRing` runs every stage in this process (tests, and the engine
+:class:`server.ring.local.LocalRing` runs every stage in this process (tests, and the engine
 without processes).
 """
 

@@ -28,21 +28,21 @@ from starlette.requests import ClientDisconnect
 from common import systemd
 from common.net import check_can_listen, split_listen
 from common.version import VERSION
-from server.constraints import Grammars
-from server.edge import Edge
-from server.engine import Engine
-from server.errors import APIError, error_response, errors_to_api_error
+from server.api.edge import Edge
+from server.api.errors import APIError, error_response, errors_to_api_error
+from server.api.openapi import body_schema, document, operation_responses
+from server.api.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from server.api.responses import ChatCompletion, Completion, ModelCard, ModelList
+from server.api.serving import CompletionService
+from server.api.sse import SSE_HEADERS, SSE_MEDIA_TYPE
+from server.api.tokenization import codec_from_files, load_codec
+from server.engine.constraints import Grammars
+from server.engine.loop import Engine
+from server.engine.speculative import DraftProposer, NgramProposer, Proposer
 from server.metrics import GatewayMetrics
-from server.openapi import body_schema, document, operation_responses
-from server.pipeline import PipelineClient
-from server.requests import ChatCompletionRequest, CompletionRequest, parse_request
-from server.responses import ChatCompletion, Completion, ModelCard, ModelList
 from server.ring import Ring, RingError
-from server.serving import CompletionService
+from server.ring.grpc_client import PipelineClient
 from server.settings import GatewaySettings
-from server.speculative import DraftProposer, NgramProposer, Proposer
-from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
-from server.tokenization import codec_from_files, load_codec
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from protos.sampling import SampledToken, SamplingParams
+from server.engine.sequence import Phase, Sequence
+from server.engine.speculative import Acceptance, KByConcurrency, Proposer
+from server.engine.step_plan import StepPlan
 from server.metrics import GatewayMetrics
-from server.sequence import Phase, Sequence
-from server.speculative import Acceptance, KByConcurrency, Proposer
-from server.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 

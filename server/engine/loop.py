@@ -3,7 +3,7 @@
 ``GenerationRequest (ids, params) -> Scheduler (one sequence and one session per choice) ->
 Ring steps (server/ring.py), many sequences in the ring at once -> SampledToken stream``.
 
-The scheduling policy lives in :mod:`server.scheduler` (a synchronous state machine); this
+The scheduling policy lives in :mod:`server.engine.scheduler` (a synchronous state machine); this
 module is the thin async loop around it: it sends each tick's work through the ring, feeds the
 results back, hands tokens to the waiting generators and frees the sessions of finished
 sequences on every stage however they ended (finished, stopped early by the caller, failed, or
@@ -21,15 +21,15 @@ from dataclasses import dataclass, field, replace
 
 from protos.sampling import SampledToken, SamplingParams
 from protos.step import StepRequest
-from server.constraints import Constraint, ConstraintError, Grammars, Matcher
+from server.engine.constraints import Constraint, ConstraintError, Grammars, Matcher
+from server.engine.prefix import PrefixLookup
+from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
+from server.engine.spec_policy import SpeculationPolicy
+from server.engine.speculative import Proposer
+from server.engine.step_plan import StepPlan, grammar_masks
 from server.metrics import GatewayMetrics
-from server.prefix import PrefixLookup
 from server.ring import NoCapacity, Ring, RingError, SessionLost
-from server.scheduler import Scheduler, SchedulerConfig
-from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
-from server.spec_policy import SpeculationPolicy
-from server.speculative import Proposer
-from server.step_plan import StepPlan, grammar_masks
 
 __all__ = [
     "Engine",
@@ -105,7 +105,7 @@ class Engine:
             headroom = 1 + (spec_k or spec_max_k)
             self.config = replace(self.config, kv_headroom=headroom)
         self.scheduler = Scheduler(self.config, eos_ids)
-        # Prefix caching: each sequence's block hashes (server/prefix.py), which its prompt
+        # Prefix caching: each sequence's block hashes (server/engine/prefix.py), which its prompt
         # chunks publish and its lookup asks for
         block_size = ring.prefix_block_size if self.config.prefix_cache else None
         self.prefix = (
@@ -119,7 +119,7 @@ class Engine:
         self._steps: set[asyncio.Task[None]] = set()
         self._releasing: set[asyncio.Task[None]] = set()
         self.stopping = False  # new requests are refused (shut_down)
-        # Speculative decoding (server/spec_policy.py)
+        # Speculative decoding (server/engine/spec_policy.py)
         self.speculation = (
             SpeculationPolicy(proposer, spec_k or None, spec_max_k, spec_max_users, metrics)
             if proposer is not None

@@ -1,7 +1,7 @@
 """The micro-batch scheduler: which sequences' steps enter the stage ring next.
 
 A synchronous state machine with no I/O and no clock of its own, so it is tested without a
-model; :class:`server.engine.Engine` drives it from a thin async loop::
+model; :class:`server.engine.loop.Engine` drives it from a thin async loop::
 
     add(seq) -> queued (or QueueFull)      cancel(id) -> leaves the queue, or stops after its step
     next_work(now, ring_ready) -> [Work]   on_result(id, tokens) / on_error(id, exc)
@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
-from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
+from server.engine.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
 
 MAX_REFUSALS = 16  # a sequence whose steps stages refused this often ends with their error
 MAX_SESSION_LOSSES = 3  # a sequence whose session stages lost this often ends with the error

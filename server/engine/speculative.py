@@ -28,7 +28,7 @@ import numpy as np
 
 from protos.manifest import load_manifest, manifest_hash
 from protos.sampling import DraftDistribution, SamplingParams
-from server.prefix import HashChain
+from server.engine.prefix import HashChain
 from shard_runtime.paged import PagedRunner, PagedStep
 from shard_runtime.runner import CapacityExceeded, RunnerOptions
 from shard_runtime.sampling import adjusted_logits, greedy_token, inverse_cdf, probabilities
@@ -74,9 +74,10 @@ class DraftProposer:
 
     It runs on the paged backend (:class:`shard_runtime.paged.PagedRunner`) with its own prefix
     cache: the blocks a sequence fills with its own tokens (prompt and accepted tokens, never
-    proposals) are published under the chained hashes of :mod:`server.prefix` (salted with the
-    draft's manifest hash), and a new sequence starts on the cached blocks of its prefix, as the
-    stages do, so a conversation's next turn or a shared system prompt is not taken in again.
+    proposals) are published under the chained hashes of :mod:`server.engine.prefix` (salted
+    with the draft's manifest hash), and a new sequence starts on the cached blocks of its prefix,
+    as the stages do, so a conversation's next turn or a shared system prompt is not taken in
+    again.
     Its numbers only affect speed (the target verifies every proposal), so it computes without
     batch invariance. A sequence the pool cannot hold gets no proposals (plain steps).
     """

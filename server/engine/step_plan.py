@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos.sampling import DraftDistribution
-from server.constraints import Matcher
+from server.engine.constraints import Matcher
 
 
 @dataclass(frozen=True)
