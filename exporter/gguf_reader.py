@@ -42,6 +42,10 @@ MODEL_TYPES = {
 }
 ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gpt-oss", "qwen35", "qwen35moe",
           "qwen3next")  # fmt: skip
+# The architectures transformers' own GGUF loader reads: their floats are given as it gives
+# them (the f32 widened); for the others, as the Hugging Face config had them (the shortest
+# decimal that is the same f32: 1e-05, not 9.999999747378752e-06).
+_TRANSFORMERS_ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # Architectures whose layers alternate linear (Gated DeltaNet) and full attention.
 _HYBRID = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -133,6 +137,12 @@ class _Meta:
         """``{arch}.{name}``."""
         return self.get(f"{self.arch}.{name}", default)
 
+    def real(self, value: Any) -> float:
+        """A float field's value (stored as f32)."""
+        if self.arch in _TRANSFORMERS_ARCHES:
+            return float(value)
+        return float(str(np.float32(value)))
+
 
 def _array(field: Any) -> list[Any]:
     """An array field's values. The header reader leaves arrays undecoded (its last parts:
@@ -196,7 +206,7 @@ def read_config(path: Path | str) -> dict[str, Any]:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(_scalar(m("attention.head_count_kv", heads))),
-        rms_norm_eps=float(m("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=meta.real(m("attention.layer_norm_rms_epsilon")),
     )
     if (ff := m("feed_forward_length")) is not None:
         config["intermediate_size"] = int(_scalar(ff))
@@ -241,13 +251,13 @@ def _rope(meta: _Meta, head_dim: int) -> dict[str, Any]:
     m = meta.model
     rope: dict[str, Any] = {"rope_type": "default"}
     if (base := m("rope.freq_base")) is not None:
-        rope["rope_theta"] = float(base)
+        rope["rope_theta"] = meta.real(base)
     kind = m("rope.scaling.type")
     factor = m("rope.scaling.factor")
     if kind == "linear" and factor:
-        rope.update(rope_type="linear", factor=float(factor))
+        rope.update(rope_type="linear", factor=meta.real(factor))
     elif kind == "yarn" and factor:
-        rope.update(rope_type="yarn", factor=float(factor))
+        rope.update(rope_type="yarn", factor=meta.real(factor))
         for key, name in (
             ("original_context_length", "original_max_position_embeddings"),
             ("yarn_beta_fast", "beta_fast"),
@@ -256,7 +266,10 @@ def _rope(meta: _Meta, head_dim: int) -> dict[str, Any]:
             ("yarn_attn_factor", "attention_factor"),
         ):
             if (value := m(f"rope.scaling.{key}")) is not None:
-                rope[name] = int(value) if name.startswith("original") else float(value)
+                rope[name] = int(value) if name.startswith("original") else meta.real(value)
+        if meta.arch == "gpt-oss":
+            # not in the file: gpt-oss's config.json says False (transformers' default is True)
+            rope["truncate"] = False
     elif kind not in (None, "none"):
         raise ExportError(f"{meta.path.name}: RoPE scaling {kind!r} is not mapped here")
     dims = m("rope.dimension_count")
@@ -305,7 +318,7 @@ def _glm4moe(meta: _Meta, nextn: int) -> dict[str, Any]:
         "moe_intermediate_size": int(m("expert_feed_forward_length")),
         "n_shared_experts": int(m("expert_shared_count", 0)),
         "first_k_dense_replace": int(m("leading_dense_block_count", 0)),
-        "routed_scaling_factor": float(m("expert_weights_scale", 1.0)),
+        "routed_scaling_factor": meta.real(m("expert_weights_scale", 1.0)),
         "norm_topk_prob": bool(m("expert_weights_norm", False)),
         "n_group": int(m("expert_group_count", 1)),
         "topk_group": int(m("expert_group_used_count", 1)),
@@ -322,8 +335,8 @@ def _glm4moe(meta: _Meta, nextn: int) -> dict[str, Any]:
 
 def _gpt_oss(meta: _Meta) -> dict[str, Any]:
     """GptOssConfig's fields (conversion/gpt_oss.py): experts, the sliding window of every
-    other layer (llama.cpp: SWA pattern 2, the first layer sliding, as HF's layer_types), the
-    YaRN RoPE (without ``truncate``, which the file does not carry: gpt-oss's is False)."""
+    other layer (llama.cpp: SWA pattern 2, the first layer sliding, as HF's layer_types); its
+    YaRN RoPE is read by :func:`_rope`."""
     m = meta.model
     layers = int(m("block_count")) - int(m("nextn_predict_layers") or 0)
     out: dict[str, Any] = {
