@@ -128,10 +128,12 @@ def write_tokenizer_gguf(
     pre: str,
     arch: str = "qwen2",
     add_bos: bool | None = None,
+    keys: Any = None,
 ) -> Path:
     """``original``'s vocabulary as convert_hf_to_gguf.py writes it (_set_vocab_gpt2): tokens by
     id, special added tokens CONTROL, other added tokens USER_DEFINED, merges "a b"; eos
-    <|im_end|>, bos/pad <|endoftext|>, the chat template; and a tiny model's metadata."""
+    <|im_end|>, bos/pad <|endoftext|>, the chat template; and a tiny model's metadata (``keys``
+    writes another's)."""
     import gguf
 
     vocab = original.get_vocab()
@@ -148,14 +150,17 @@ def write_tokenizer_gguf(
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
 
     w = gguf.GGUFWriter(path, arch)
-    w.add_context_length(128)
-    w.add_embedding_length(8)
-    w.add_block_count(1)
-    w.add_feed_forward_length(16)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(2.0**-20)
+    if keys is not None:
+        keys(w)
+    else:
+        w.add_context_length(128)
+        w.add_embedding_length(8)
+        w.add_block_count(1)
+        w.add_feed_forward_length(16)
+        w.add_head_count(2)
+        w.add_head_count_kv(1)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(2.0**-20)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
@@ -248,7 +253,8 @@ def _check(path: Path, reference: Any) -> Any:
     return config
 
 
-def test_glm4moe_config(tmp_path: Path) -> None:
+def glm4moe_model(tmp_path: Path) -> tuple[Any, Any]:
+    """A tiny Glm4MoeConfig and the writer of its metadata as conversion/glm.py writes it."""
     from transformers import Glm4MoeConfig
 
     ref = Glm4MoeConfig(
@@ -278,6 +284,15 @@ def test_glm4moe_config(tmp_path: Path) -> None:
         w.add_expert_weights_scale(2.5)
         w.add_expert_weights_norm(True)
         w.add_nextn_predict_layers(1)
+
+    return ref, keys
+
+
+def test_glm4moe_config(tmp_path: Path) -> None:
+    ref, model_keys = glm4moe_model(tmp_path)
+
+    def keys(w: Any) -> None:
+        model_keys(w)
         w.add_eot_token_id(5)
 
     path = _write_model_gguf(
@@ -285,6 +300,27 @@ def test_glm4moe_config(tmp_path: Path) -> None:
     )
     config = _check(path, ref)
     assert config.eos_token_id == [3, 5]  # eos and eot: both end a reply
+
+
+def test_source_falls_back_where_transformers_refuses(tmp_path: Path) -> None:
+    """exporter.source reads a glm4moe GGUF's config and tokenizer here (transformers refuses
+    the architecture), caches them, and reads the cache back the same."""
+    from exporter.source import CONFIG_CACHE, TOKENIZER_CACHE, ModelSource
+
+    ref, keys = glm4moe_model(tmp_path)
+    original = train_tokenizer("glm4")
+    path = write_tokenizer_gguf(tmp_path / "glm.gguf", original, "glm4", "glm4moe", keys=keys)
+    cache = tmp_path / "cache"
+    for _ in range(2):  # read, then from the cache
+        source = ModelSource("gguf", path, "glm", None, cache)
+        config = source.load_config()
+        assert type(config) is type(ref)
+        assert config.n_routed_experts == 8 and config.num_hidden_layers == 3
+        tokenizer = source.load_tokenizer()
+        assert tokenizer.encode(TEXT) == original.encode(TEXT)
+        assert tokenizer.chat_template == TEMPLATE
+        assert len(list((cache / CONFIG_CACHE).iterdir())) == 1
+        assert len(list((cache / TOKENIZER_CACHE).iterdir())) == 1
 
 
 def test_gpt_oss_config(tmp_path: Path) -> None:
