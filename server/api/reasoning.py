@@ -73,6 +73,12 @@ def opened_by_prompt(prompt: str) -> bool:
     return start >= 0 and prompt.find(THINK_END, start) < 0
 
 
+def closed_by_prompt(prompt: str) -> bool:
+    """The rendered prompt ends with a closed ``<think></think>`` block (a template that
+    switched thinking off, as Qwen3's does for ``enable_thinking: false``)."""
+    return prompt.rstrip().endswith(THINK_END)
+
+
 def template_reads(template: Any, name: str) -> bool:
     """Whether the chat template reads the variable ``name`` (its source names it)."""
     return re.search(rf"(?<![\w.]){re.escape(name)}\b", template_text(template)) is not None

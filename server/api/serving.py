@@ -21,6 +21,7 @@ from server.api.detokenizer import IncrementalDetokenizer
 from server.api.errors import APIError
 from server.api.reasoning import (
     choose_reasoning,
+    closed_by_prompt,
     make_parser,
     opened_by_prompt,
     template_reads,
@@ -73,7 +74,12 @@ from server.api.tools import (
     parse_tool_calls,
     template_tools,
 )
-from server.engine.constraints import Constraint, ConstraintError, constraint_for
+from server.engine.constraints import (
+    Constraint,
+    ConstraintError,
+    after_reasoning,
+    constraint_for,
+)
 from server.engine.loop import (
     Engine,
     GenerationRequest,
@@ -291,6 +297,15 @@ class CompletionService:
             thinking_open = reasoning == "think" and opened_by_prompt(text)
             logprobs = bool(req.logprobs)
             constraint = self._constraint(req, mode)
+            if constraint is not None and reasoning == "think" and not closed_by_prompt(text):
+                # free inside the reasoning, constrained from its end
+                try:
+                    constraint = after_reasoning(constraint, thinking_open)
+                except ConstraintError as exc:
+                    param = "tools" if constraint.kind == "tool_call" else "response_format"
+                    raise APIError(
+                        400, f"Invalid value for '{param}': {exc}", param=param
+                    ) from None
         else:
             if isinstance(req.prompt, str):
                 prompt = self.codec.encode(req.prompt)
