@@ -1,11 +1,14 @@
 """Reasoning parsers (server/api/reasoning.py): the model's thinking split from its answer, fed
 piece by piece as text streams in (tags split across pieces, no end tag, a template-opened
-think, harmony's channels), and the parser chosen from the chat template."""
+think, harmony's channels), the parser chosen from the chat template, and the grammars that
+constrain an answer only after the reasoning (walked over a tiny tokenizer)."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
+import llguidance
 import pytest
 
 from server.api.reasoning import (
@@ -17,6 +20,15 @@ from server.api.reasoning import (
     make_parser,
     opened_by_prompt,
     template_reads,
+)
+from server.api.tools import HERMES
+from server.engine.constraints import (
+    Constraint,
+    Grammars,
+    after_analysis,
+    after_reasoning,
+    json_schema_constraint,
+    tool_call_constraint,
 )
 
 pytestmark = pytest.mark.unit
@@ -174,3 +186,97 @@ def test_every_split_of_a_think_output_gives_the_same_text() -> None:
         bounds = (0, *cuts, len(text))
         pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
         assert _run(ThinkParser(), pieces)[:2] == expected, pieces
+
+
+# --- constraints after the reasoning (server/engine/constraints.py) ----------------------------
+
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+
+
+@pytest.fixture(scope="module")
+def grammar_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny tokenizer that can write JSON, with harmony's markup as special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    from exporter.tiny_models import CORPUS, JSON_CORPUS, make_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(folder, corpus=CORPUS + JSON_CORPUS)
+    hf = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    hf.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    return hf
+
+
+def _walk(hf: Any, constraint: Constraint, text: str) -> tuple[bool, bool]:
+    """Whether the grammar takes ``text`` (as the tokenizer writes it), and is then complete."""
+    eos = [hf.convert_tokens_to_ids("</s>"), hf.convert_tokens_to_ids("<|return|>")]
+    tokenizer = Grammars(hf, len(hf), eos).tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+    taken = all(matcher.consume_token(t) for t in hf.encode(text, add_special_tokens=False))
+    return taken, taken and matcher.is_accepting()
+
+
+ANSWER = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_a_schema_after_a_think_block(grammar_tokenizer: Any) -> None:
+    schema = json_schema_constraint(ANSWER)
+    opened = after_reasoning(schema, opened=True)
+    assert _walk(grammar_tokenizer, opened, 'the fox </thi nk <b> </think>\n\n{"a":3}') == (
+        True,
+        True,
+    )
+    assert _walk(grammar_tokenizer, opened, 'the fox </think>{"b":3}')[0] is False
+    assert _walk(grammar_tokenizer, opened, "the fox </think> the")[0] is False
+    assert _walk(grammar_tokenizer, opened, "the fox") == (True, False)  # not complete
+    free = after_reasoning(schema, opened=False)
+    assert _walk(grammar_tokenizer, free, '<think>hmm</think>\n{"a":1}') == (True, True)
+    assert _walk(grammar_tokenizer, free, '{"a":1}') == (True, True)  # no thinking at all
+    assert _walk(grammar_tokenizer, free, "hmm")[0] is False  # text before: only in a block
+    forced = after_reasoning(schema, opened=True, think_tokens=2)
+    two = grammar_tokenizer.decode(grammar_tokenizer.encode("the fox")[:2])
+    assert _walk(grammar_tokenizer, forced, two + '</think>{"a":1}') == (True, True)
+    assert _walk(grammar_tokenizer, forced, "the fox")[0] is False  # a third token: refused
+
+
+def test_the_reasoning_allows_every_token_but_the_special_ones(grammar_tokenizer: Any) -> None:
+    import llguidance.numpy as lnp
+
+    hf = grammar_tokenizer
+    constraint = after_reasoning(json_schema_constraint(ANSWER), opened=True)
+    tokenizer = Grammars(hf, len(hf), [hf.convert_tokens_to_ids("</s>")]).tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+    mask = lnp.allocate_token_bitmask(1, len(hf))
+    lnp.fill_next_token_bitmask(matcher, mask, 0)
+    allowed = {t for t in range(len(hf)) if (int(mask[0][t // 32]) >> (t % 32)) & 1}
+    special = set(hf.all_special_ids)
+    assert allowed == set(range(len(hf))) - special
+
+
+def test_a_required_call_after_a_think_block(grammar_tokenizer: Any) -> None:
+    from types import SimpleNamespace
+
+    function = SimpleNamespace(
+        name="lookup",
+        parameters={"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    )
+    call = tool_call_constraint([SimpleNamespace(function=function)], HERMES, parallel=False)
+    constraint = after_reasoning(call, opened=True)
+    text = 'hmm</think>\n<tool_call>\n{"name":"lookup","arguments":{"q":"x"}}\n</tool_call>'
+    assert _walk(grammar_tokenizer, constraint, text) == (True, True)
+    assert _walk(grammar_tokenizer, constraint, "hmm</think>\nthe")[0] is False
+
+
+def test_a_schema_in_harmony_s_final_channel(grammar_tokenizer: Any) -> None:
+    constraint = after_analysis(json_schema_constraint(ANSWER))
+    analysed = (
+        "<|channel|>analysis<|message|>the fox {<|end|><|start|>assistant"
+        '<|channel|>final<|message|>{"a":1}'
+    )
+    assert _walk(grammar_tokenizer, constraint, analysed) == (True, True)
+    assert _walk(grammar_tokenizer, constraint, '<|channel|>final<|message|>{"a":1}') == (
+        True,
+        True,
+    )
+    assert _walk(grammar_tokenizer, constraint, "<|channel|>final<|message|>the")[0] is False
+    assert _walk(grammar_tokenizer, constraint, '{"a":1}')[0] is False  # the header comes first

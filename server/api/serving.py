@@ -77,6 +77,7 @@ from server.api.tools import (
 from server.engine.constraints import (
     Constraint,
     ConstraintError,
+    after_analysis,
     after_reasoning,
     constraint_for,
 )
@@ -297,10 +298,13 @@ class CompletionService:
             thinking_open = reasoning == "think" and opened_by_prompt(text)
             logprobs = bool(req.logprobs)
             constraint = self._constraint(req, mode)
-            if constraint is not None and reasoning == "think" and not closed_by_prompt(text):
+            if constraint is not None and reasoning != "none":
                 # free inside the reasoning, constrained from its end
                 try:
-                    constraint = after_reasoning(constraint, thinking_open)
+                    if reasoning == "harmony":
+                        constraint = after_analysis(constraint)
+                    elif not closed_by_prompt(text):
+                        constraint = after_reasoning(constraint, thinking_open)
                 except ConstraintError as exc:
                     param = "tools" if constraint.kind == "tool_call" else "response_format"
                     raise APIError(

@@ -123,13 +123,6 @@ def after_reasoning(
     ``think_tokens``: the reasoning is exactly that many tokens, then ``</think>`` is forced
     (for a test that needs the reasoning to end at a chosen point).
     """
-    import llguidance
-
-    if answer.grammar.lstrip().startswith("{"):  # a grammar set (JSON schemas)
-        parts = json.loads(answer.grammar)["grammars"]
-    else:  # a Lark grammar
-        parts = [{"lark_grammar": answer.grammar}]
-    parts = [{**parts[0], "name": "answer"}, *parts[1:]]
     if think_tokens is None:
         think = 'think[lazy]: THINK_TEXT "</think>"'  # the shortest text up to the end tag
     else:
@@ -146,6 +139,34 @@ def after_reasoning(
             r"SEP: /[ \t\r\n]{1,4}/",
         ]
     )
+    return _before_answer(lark, answer)
+
+
+def after_analysis(answer: Constraint) -> Constraint:
+    """``answer``, applied in the ``final`` channel of a harmony model (gpt-oss): first, if the
+    model wants, an ``analysis`` message (free text, no special token, up to ``<|end|>``),
+    then ``<|channel|>final<|message|>`` and the answer's grammar. The markup is the model's
+    special tokens, by name."""
+    lark = "\n".join(
+        [
+            "%llguidance {}",
+            'start: analysis? <|channel|> "final" <|message|> @answer',
+            'analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"',
+            r"TEXT: /(.|\n)*/",
+        ]
+    )
+    return _before_answer(lark, answer)
+
+
+def _before_answer(lark: str, answer: Constraint) -> Constraint:
+    """A grammar set: ``lark`` (which refers to ``@answer``), and ``answer``'s grammar."""
+    import llguidance
+
+    if answer.grammar.lstrip().startswith("{"):  # a grammar set (JSON schemas)
+        parts = json.loads(answer.grammar)["grammars"]
+    else:  # a Lark grammar
+        parts = [{"lark_grammar": answer.grammar}]
+    parts = [{**parts[0], "name": "answer"}, *parts[1:]]
     grammar = json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": lark}, *parts]})
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
