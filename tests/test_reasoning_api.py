@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,17 @@ from exporter.tiny_models import THINK_TEMPLATE
 from protos.sampling import SamplingParams
 from server.api.app import create_app
 from server.api.reasoning import ThinkParser
+from server.api.requests import ChatCompletionRequest, parse_request
+from server.api.responses import ChatCompletion
 from server.api.serving import CompletionService
-from server.engine.constraints import Grammars, after_reasoning, json_schema_constraint
+from server.engine.constraints import (
+    Grammars,
+    after_reasoning,
+    json_schema_constraint,
+    tool_call_constraint,
+)
 from server.engine.loop import Engine, GenerationRequest
+from server.metrics import GatewayMetrics
 from server.ring.local import LocalRing
 from server.settings import GatewaySettings
 from tests.conftest import EXACT
@@ -41,7 +49,10 @@ pytestmark = pytest.mark.component
 MESSAGES: list[Any] = [{"role": "user", "content": "the quick brown fox"}]
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
@@ -251,3 +262,115 @@ def test_a_schema_applies_from_the_end_of_the_reasoning_token_for_token(served: 
     assert reasoning == codec.tokenizer.decode(free)
     jsonschema.validate(json.loads(answer), SCHEMA)
     assert parser.tokens >= k + 1  # the reasoning and its end tag
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"q": {"type": "string", "maxLength": 6}},
+            "required": ["q"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("kind", ["tool", "schema"])
+def test_the_answer_after_the_reasoning_is_a_call_or_json(served: Served, kind: str) -> None:
+    """A chat request prepared by the service, whose grammar (the product's, with the
+    reasoning ended after K tokens to steer the random model) makes the model think, end its
+    reasoning and answer: the reasoning is ``reasoning_content``, the answer after it becomes
+    ``tool_calls`` (or the JSON ``content``), streamed and not, with the reasoning tokens
+    counted."""
+    codec = served.service.codec
+    k = 5
+    body: dict[str, Any] = {
+        "model": served.model,
+        "messages": MESSAGES,
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    if kind == "tool":
+        body |= {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    else:
+        body |= {"response_format": FORMAT}
+    request = parse_request(ChatCompletionRequest, body)
+    streamed = parse_request(
+        ChatCompletionRequest, {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+
+    async def run() -> tuple[ChatCompletion, list[dict[str, Any]]]:
+        ring = LocalRing(served.export, EXACT)
+        grammars = Grammars(codec.chat, codec.vocab_size, sorted(codec.eos_ids))
+        engine = Engine(ring, codec.eos_ids, 256, grammars=grammars)
+        service = CompletionService(engine, codec, served.model, 256, GatewayMetrics())
+        if kind == "tool":
+            assert service.tool_format is not None
+            vocab = dict(codec.chat.get_vocab())
+            answer = tool_call_constraint(request.tools or [], service.tool_format, False, vocab)
+        else:
+            answer = json_schema_constraint(SCHEMA)
+        steered = after_reasoning(answer, opened=True, think_tokens=k)
+        try:
+            prep = service.prepare(request, "chatcmpl-whole")
+            assert prep.generation.constraint is not None
+            assert prep.generation.constraint.grammar.startswith('{"grammars"')  # after reasoning
+            prep.generation = replace(prep.generation, constraint=steered)
+            whole = await service.complete(prep)
+            assert isinstance(whole, ChatCompletion)
+            prep = service.prepare(streamed, "chatcmpl-stream")
+            prep.generation = replace(prep.generation, constraint=steered)
+            raw = b"".join([chunk async for chunk in await service.open_stream(prep)])
+            events = [
+                json.loads(line.removeprefix(b"data: "))
+                for line in raw.split(b"\n\n")
+                if line.startswith(b"data: {")
+            ]
+            return whole, events
+        finally:
+            await engine.close()
+            await ring.close()
+
+    whole, events = asyncio.run(run())
+    message = whole.choices[0].message
+    assert message.reasoning_content and "think>" not in message.reasoning_content
+    usage = whole.usage
+    assert usage.completion_tokens_details is not None
+    assert k < usage.completion_tokens_details.reasoning_tokens < usage.completion_tokens
+    if kind == "tool":
+        assert message.content is None and message.tool_calls and len(message.tool_calls) == 1
+        call = message.tool_calls[0].function
+        assert call.name == "lookup"
+        jsonschema.validate(json.loads(call.arguments), TOOL["function"]["parameters"])
+        assert whole.choices[0].finish_reason == "tool_calls"
+    else:
+        assert message.content is not None
+        jsonschema.validate(json.loads(message.content), SCHEMA)
+    # streamed: the reasoning first, then the answer, the same as the whole
+    kinds, reasoning, content, calls = [], "", "", []
+    for event in events:
+        for choice in event["choices"]:
+            delta = choice["delta"]
+            if delta.get("reasoning_content"):
+                kinds.append("reasoning")
+                reasoning += delta["reasoning_content"]
+            if delta.get("content"):
+                kinds.append("answer")
+                content += delta["content"]
+            if delta.get("tool_calls"):
+                kinds.append("answer")
+                calls += delta["tool_calls"]
+    assert kinds[0] == "reasoning" and "answer" in kinds
+    assert kinds == sorted(kinds, key=lambda kind: kind != "reasoning")
+    assert reasoning == message.reasoning_content
+    if kind == "tool":
+        assert message.tool_calls is not None
+        assert calls[0]["function"]["name"] == "lookup"
+        assert calls[1]["function"]["arguments"] == message.tool_calls[0].function.arguments
+    else:
+        assert content == message.content
+    assert events[-1]["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": usage.completion_tokens_details.reasoning_tokens
+    }
