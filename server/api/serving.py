@@ -648,8 +648,8 @@ class CompletionService:
         elif prep.chat:
             new_lp = result.chat_logprobs[before:] if prep.logprobs else None
             if event.reasoning:  # the tokens' logprobs go with the first piece of their text
-                lp, new_lp = new_lp or None, None
-                chunk = chat_reasoning_chunk(*ident, event.reasoning, event.index, lp)
+                with_lp, new_lp = new_lp or None, None
+                chunk = chat_reasoning_chunk(*ident, event.reasoning, event.index, with_lp)
                 out.append(sse_event(chunk))
             if event.text or new_lp:
                 out.append(
