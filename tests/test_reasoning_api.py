@@ -374,3 +374,21 @@ def test_the_answer_after_the_reasoning_is_a_call_or_json(served: Served, kind: 
     assert events[-1]["usage"]["completion_tokens_details"] == {
         "reasoning_tokens": usage.completion_tokens_details.reasoning_tokens
     }
+
+
+def test_reasoning_parser_none_leaves_the_output_whole(served: Served) -> None:
+    """``--reasoning-parser none`` overrides the template's: the raw output is the content,
+    and neither message nor usage has reasoning fields."""
+    raw, tokens, _ = _raw(served, 8)
+    settings = GatewaySettings(stages=["127.0.0.1:9"], speculation="off", reasoning_parser="none")
+    app = create_app(settings, LocalRing(served.export, EXACT))
+    with TestClient(app) as http:
+        body = {"model": served.model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+        reply = http.post("/v1/chat/completions", json=body)
+        assert app.state.gateway.service.reasoning == "none"
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["choices"][0]["message"]["content"] == raw
+    assert "reasoning_content" not in answer["choices"][0]["message"]
+    assert "completion_tokens_details" not in answer["usage"]
+    assert answer["usage"]["completion_tokens"] == tokens
