@@ -288,7 +288,17 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
         grammars=Grammars(codec.chat, codec.vocab_size, sorted(codec.eos_ids)),
     )
     model = settings.model_name or manifest.model.model_id
-    gateway.service = CompletionService(engine, codec, model, context, gateway.metrics)
+    gateway.service = CompletionService(
+        engine,
+        codec,
+        model,
+        context,
+        gateway.metrics,
+        reasoning_parser=settings.reasoning_parser,
+        architecture=manifest.model.architecture,
+    )
+    if gateway.service.reasoning != "none":
+        log.info("reasoning parser: %s", gateway.service.reasoning)
     gateway.created = int(time.time())
     return engine, model, manifest.num_stages
 
