@@ -186,6 +186,14 @@ class GatewaySettings(BaseSettings):
     ov_cache_dir: Path | None = Field(
         default_factory=default_ov_cache, description="OpenVINO model cache for the draft"
     )
+    json_schema_additional_properties: Literal["closed", "open"] = Field(
+        default="closed",
+        description="tool arguments and strict JSON schemas (response_format json_schema with "
+        "strict true): closed, an object schema that names its properties and says nothing of "
+        "additionalProperties takes no other keys (additionalProperties false, as with "
+        "xgrammar's strict mode in vLLM); open: such schemas are enforced as written, extra "
+        "keys allowed",
+    )
     log_level: str = Field(default="INFO")
 
     def speculation_limit(self, draft_model: bool = True) -> tuple[int, str]:

@@ -288,7 +288,14 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
         grammars=Grammars(codec.chat, codec.vocab_size, sorted(codec.eos_ids)),
     )
     model = settings.model_name or manifest.model.model_id
-    gateway.service = CompletionService(engine, codec, model, context, gateway.metrics)
+    gateway.service = CompletionService(
+        engine,
+        codec,
+        model,
+        context,
+        gateway.metrics,
+        close_schemas=settings.json_schema_additional_properties == "closed",
+    )
     gateway.created = int(time.time())
     return engine, model, manifest.num_stages
 

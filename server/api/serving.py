@@ -183,8 +183,11 @@ class CompletionService:
         model: str,
         max_context: int,
         metrics: GatewayMetrics,
+        close_schemas: bool = True,
     ) -> None:
         self.engine = engine
+        # tool arguments and strict schemas: objects take only the keys they name
+        self.close_schemas = close_schemas
         self.codec = codec
         self.model = model
         self.max_context = max_context
@@ -200,7 +203,9 @@ class CompletionService:
                 self._vocab = dict(self.codec.chat.get_vocab())
             vocab = self._vocab
         try:
-            return constraint_for(req, self.tool_format if mode else None, vocab=vocab)
+            return constraint_for(
+                req, self.tool_format if mode else None, vocab=vocab, closed=self.close_schemas
+            )
         except ConstraintError as exc:
             param = "tools" if mode in ("required", "named") else "response_format"
             raise APIError(400, f"Invalid value for '{param}': {exc}", param=param) from None
