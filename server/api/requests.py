@@ -36,7 +36,7 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
-from protos.sampling import SamplingParams
+from protos.sampling import MAX_REPETITION_PENALTY, SamplingParams
 from server.api.errors import APIError, param_path, short_json, validation_error_to_api_error
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -486,6 +486,13 @@ class _SamplingRequest(_Request):
     frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
     user: str | None = None
+    # Extensions clients of vLLM and llama.cpp send (vLLM's semantics; docs/api.md)
+    ignore_eos: StrictBool | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = (
+        None
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -732,6 +739,8 @@ _PARAM_NAMES = (
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "min_p",
+    "repetition_penalty",
 )
 
 
@@ -772,6 +781,8 @@ def to_sampling_params(req: AnyRequest, vocab_size: int | None = None) -> Sampli
         logit_bias=bias,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
     )
     if vocab_size is not None:
         try:
