@@ -347,6 +347,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="tool arguments and strict JSON schemas: closed (default), objects take no keys "
         "their schema does not name unless it sets additionalProperties; open: as written",
     )
+    p.add_argument(
+        "--unknown-fields",
+        choices=["warn", "reject"],
+        help="request fields the gateway does not know: warn (default), ignored, named in the "
+        "log and the x-pipeshard-ignored-fields header; reject: a 400 naming the field",
+    )
     p.add_argument("--config", type=Path, help="TOML file with the same settings")
 
 

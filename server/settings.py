@@ -194,6 +194,12 @@ class GatewaySettings(BaseSettings):
         "xgrammar's strict mode in vLLM); open: such schemas are enforced as written, extra "
         "keys allowed",
     )
+    unknown_fields: Literal["warn", "reject"] = Field(
+        default="warn",
+        description="request fields the gateway does not know (other servers' extensions, "
+        "typos): warn, accepted and ignored, named in a warning in the log and in the "
+        "response header x-pipeshard-ignored-fields; reject, a 400 naming the first one",
+    )
     log_level: str = Field(default="INFO")
 
     def speculation_limit(self, draft_model: bool = True) -> tuple[int, str]:
