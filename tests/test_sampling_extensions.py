@@ -28,7 +28,8 @@ from server.ring.local import LocalRing
 from server.settings import GatewaySettings
 from shard_runtime.sampling import adjusted_logits, probabilities, sample, suppress
 from shard_runtime.speculative import verify
-from tests.conftest import EXACT, ExportFn
+from tests.conftest import EXACT
+from tests.fleets import export_chat_model
 
 PROMPT = [(7 * i) % 150 + 3 for i in range(19)]
 ROW = np.array([2.0, -1.0, 0.5, 3.0, -0.25, 1.5, 0.0, -2.0], dtype=np.float32)
@@ -160,6 +161,12 @@ def test_sampling_params_refuse_bad_values(field: str, value: float) -> None:
 # --- the engine on the in-process ring (component) ----------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 with a chat template, on 2 stages."""
+    return export_chat_model(tmp_path_factory.mktemp("extensions"))[1]
+
+
 class RecordingRing(LocalRing):
     """The in-process ring, keeping every step it was sent."""
 
@@ -216,8 +223,7 @@ def request(name: str, max_tokens: int = 16, **kw: Any) -> GenerationRequest:
 
 
 @pytest.mark.component
-def test_ignore_eos_goes_on_past_the_end_and_min_tokens_masks_it(tiny_export: ExportFn) -> None:
-    export = tiny_export("qwen2", 2)
+def test_ignore_eos_goes_on_past_the_end_and_min_tokens_masks_it(export: Path) -> None:
     eos = eos_of(export)
     to_eos = SamplingParams(logit_bias={eos: 100.0})  # the first greedy token is EOS
     plain, ignored, held = run(
@@ -247,12 +253,13 @@ def test_ignore_eos_goes_on_past_the_end_and_min_tokens_masks_it(tiny_export: Ex
             await engine.close()
             await ring.close()
 
-    assert asyncio.run(on_the_ring()) == [ignored, held]
+    ring_ignored, ring_held = asyncio.run(on_the_ring())
+    assert ring_ignored == [eos] * 16
+    assert len(ring_held) == 6 and eos not in ring_held[:5] and ring_held[5] == eos
 
 
 @pytest.mark.component
-def test_min_p_one_is_greedy_and_repetition_penalty_changes_greedy(tiny_export: ExportFn) -> None:
-    export = tiny_export("qwen2", 2)
+def test_min_p_one_is_greedy_and_repetition_penalty_changes_greedy(export: Path) -> None:
     greedy, top_only, penalised = run(
         export,
         [
@@ -268,14 +275,13 @@ def test_min_p_one_is_greedy_and_repetition_penalty_changes_greedy(tiny_export: 
 
 @pytest.mark.component
 def test_the_stage_gets_the_prompt_and_the_output_for_the_repetition_penalty(
-    tiny_export: ExportFn,
+    export: Path,
 ) -> None:
-    export = tiny_export("qwen2", 2)
     ring = RecordingRing(export)
     (tokens,) = run(
         export, [request("r", 10, sampling=SamplingParams(repetition_penalty=1.3))], ring=ring
     )
-    sampling_steps = [s for s in ring.sent if s.start_position + len(s.token_ids) > len(PROMPT)]
+    sampling_steps = [s for s in ring.sent if s.start_position + len(s.token_ids) >= len(PROMPT)]
     assert len(sampling_steps) == len(tokens)
     for i, step in enumerate(sampling_steps):
         assert step.prompt_ids_seen == tuple(sorted(set(PROMPT)))
@@ -290,11 +296,10 @@ CASES = [
 
 
 @pytest.mark.component
-def test_speculation_and_batching_give_the_tokens_of_a_plain_run(tiny_export: ExportFn) -> None:
+def test_speculation_and_batching_give_the_tokens_of_a_plain_run(export: Path) -> None:
     """Greedy with speculation equals greedy without; seeded sampling gives the same tokens
     alone and batched, and with speculation whatever k it proposes; min_tokens and ignore_eos
     along with them."""
-    export = tiny_export("qwen2", 2)
     eos = eos_of(export)
     reqs = [request(f"c{i}", 20, sampling=s, min_tokens=6) for i, s in enumerate(CASES)]
     biased = SamplingParams(logit_bias={eos: 3.0}, repetition_penalty=1.3)
@@ -320,8 +325,7 @@ class App:
 
 
 @pytest.fixture(scope="module")
-def app(tiny_export: ExportFn) -> Iterator[App]:
-    export = tiny_export("qwen2", 2)
+def app(export: Path) -> Iterator[App]:
     ring = LocalRing(export, EXACT)
     settings = GatewaySettings(stages=["127.0.0.1:9"], speculation="off")
     with TestClient(create_app(settings, ring)) as client:

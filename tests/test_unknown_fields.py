@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,8 @@ from fastapi.testclient import TestClient
 from server.api.app import create_app
 from server.ring.local import LocalRing
 from server.settings import GatewaySettings
-from tests.conftest import EXACT, ExportFn
+from tests.conftest import EXACT
+from tests.fleets import export_chat_model
 
 pytestmark = pytest.mark.component
 
@@ -30,21 +32,27 @@ class App:
     model: str
 
 
-def serve(tiny_export: ExportFn, **settings: Any) -> Iterator[App]:
-    ring = LocalRing(tiny_export("qwen2", 2), EXACT)
+@pytest.fixture(scope="module")
+def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 with a chat template, on 2 stages."""
+    return export_chat_model(tmp_path_factory.mktemp("unknown"))[1]
+
+
+def serve(export: Path, **settings: Any) -> Iterator[App]:
+    ring = LocalRing(export, EXACT)
     config = GatewaySettings(stages=["127.0.0.1:9"], speculation="off", **settings)
     with TestClient(create_app(config, ring)) as client:
         yield App(client, client.get("/v1/models").json()["data"][0]["id"])
 
 
 @pytest.fixture(scope="module")
-def warn(tiny_export: ExportFn) -> Iterator[App]:
-    yield from serve(tiny_export)
+def warn(export: Path) -> Iterator[App]:
+    yield from serve(export)
 
 
 @pytest.fixture(scope="module")
-def reject(tiny_export: ExportFn) -> Iterator[App]:
-    yield from serve(tiny_export, unknown_fields="reject")
+def reject(export: Path) -> Iterator[App]:
+    yield from serve(export, unknown_fields="reject")
 
 
 def body(app: App, path: str, **extra: Any) -> dict[str, Any]:
