@@ -64,7 +64,8 @@ def next_ring_step(step: StepRequest, emitted: Sequence[int], length: int) -> St
     holding ``length`` positions (``step.follow``); None where the ring stops there (no
     follow left, or a token in ``step.stop_ids``). It is the same step one position on: what
     only the step the gateway sent carries (a rollback, a draft, masks, prefix blocks) is
-    not carried over."""
+    not carried over; the min_tokens suppression (by absolute position) and the prompt's ids
+    are, and the emitted tokens join the history where a penalty needs it."""
     if not step.follow or not emitted or emitted[-1] in step.stop_ids:
         return None
     penalised = step.sampling.uses_history
