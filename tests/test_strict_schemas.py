@@ -137,3 +137,23 @@ def test_a_schema_that_is_not_strict_is_enforced_as_written(
 ) -> None:
     loose = sample_arguments(clients["closed"], strict_format(False))
     assert any(extra_keys(args) for args in loose), loose
+
+
+def test_a_schema_the_grammar_cannot_use_is_a_400_before_generation(
+    clients: dict[str, TestClient],
+) -> None:
+    client = clients["closed"]
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    messages = [{"role": "user", "content": "the fox"}]
+    tools = [{"type": "function", "function": {"name": "find", "parameters": broken}}]
+    reply = client.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": messages, "tools": tools, "tool_choice": "required"},
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools", reply.text
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": broken}}
+    reply = client.post(
+        "/v1/chat/completions", json={"model": model, "messages": messages, "response_format": fmt}
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "response_format"

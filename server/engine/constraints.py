@@ -93,6 +93,7 @@ def json_schema_constraint(
         )
     except (ValueError, TypeError) as exc:
         raise ConstraintError(f"the JSON schema cannot be enforced: {exc}") from None
+    _check_grammar(grammar, "the JSON schema")
     return Constraint(grammar, kind)
 
 
@@ -102,11 +103,14 @@ def _tool_body_schema(
     """A JSON object calling one of ``tools``: its name and arguments valid for its schema
     (``closed``: argument objects take no keys their schema does not name)."""
     options = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         function = tool.function
         parameters = function.parameters or {"type": "object", "properties": {}}
         if closed:
             parameters = close_objects(parameters)
+        # the schema's own references ("#/$defs/x", "#") point into it, not the body's root
+        where = f"/properties/{arguments_key}"
+        parameters = _rebase_refs(parameters, where if len(tools) == 1 else f"/anyOf/{i}{where}")
         options.append(
             {
                 "type": "object",
@@ -116,6 +120,29 @@ def _tool_body_schema(
             }
         )
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """``node`` (a schema placed at JSON pointer ``base`` of another) with its local
+    references (``#``, ``#/...``) pointing to the same places from the new root."""
+    if isinstance(node, list):
+        return [_rebase_refs(item, base) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rebase_refs(value, base) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + base + ref[1:]
+    return out
+
+
+def _check_grammar(grammar: str, what: str) -> None:
+    """Refuse a grammar llguidance cannot use now (a 400), not when a sequence starts."""
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ConstraintError(f"{what} cannot be enforced: {messages[0].splitlines()[0]}")
 
 
 def tool_call_constraint(
@@ -169,6 +196,7 @@ def tool_call_constraint(
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError) as exc:
         raise ConstraintError(f"the tools' schemas cannot be enforced: {exc}") from None
+    _check_grammar(grammar, "the tools' schemas")
     return Constraint(grammar, "tool_call")
 
 
