@@ -189,11 +189,11 @@ def unknown_fields(model: BaseModel, data: Any, loc: tuple[int | str, ...] = ())
             known[info.alias] = name
     found: list[str] = []
     for key, raw in data.items():
-        name = known.get(str(key))
-        if name is None:
+        field = known.get(str(key))
+        if field is None:
             found.append(param_path((*loc, str(key))) or str(key))
         else:
-            found += _unknown_within(getattr(model, name, None), raw, (*loc, str(key)))
+            found += _unknown_within(getattr(model, field, None), raw, (*loc, str(key)))
     return found
 
 
