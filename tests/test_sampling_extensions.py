@@ -315,6 +315,37 @@ def test_speculation_and_batching_give_the_tokens_of_a_plain_run(export: Path) -
     assert len(alone[3]) == len(spec[3]) == 20 and eos in alone[3]  # ignore_eos
 
 
+@pytest.mark.integration
+def test_the_extensions_cross_the_wire_to_stage_processes(export: Path, tmp_path: Path) -> None:
+    """The same tokens from a ring of stage processes as from the in-process ring: the new
+    step and sampling fields survive gRPC."""
+    from server.ring.grpc_client import PipelineClient
+    from tests.processes import start_stages
+
+    eos = eos_of(export)
+    reqs = [request(f"c{i}", 12, sampling=s, min_tokens=6) for i, s in enumerate(CASES)]
+    reqs.append(request("e", 12, sampling=SamplingParams(logit_bias={eos: 100.0}), ignore_eos=True))
+    local = run(export, reqs)
+    procs, addresses = start_stages(export, tmp_path)
+    try:
+
+        async def remote() -> list[list[int]]:
+            client = PipelineClient(addresses)
+            await client.start()
+            engine = Engine(client, frozenset({eos}), 256, SchedulerConfig(), GatewayMetrics())
+            try:
+                return [[t.token_id async for t in engine.generate(r)] for r in reqs]
+            finally:
+                await engine.close()
+                await client.close()
+
+        assert asyncio.run(remote()) == local
+    finally:
+        for proc in procs:
+            proc.stop()
+    assert local[3] == [eos] * 12
+
+
 # --- the HTTP API (component) -----------------------------------------------------------------
 
 
