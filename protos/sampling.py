@@ -13,6 +13,8 @@ import numpy as np
 DraftDistribution = tuple[Sequence[int], Sequence[float]]
 
 MAX_TOP_LOGPROBS = 20
+# repetition_penalty's range: far enough from 0 that dividing a logit by it stays finite
+MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 
 
@@ -65,10 +67,10 @@ class SamplingParams:
         check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_range("min_p", self.min_p, 0.0, 1.0)
         penalty = self.repetition_penalty
-        if not (_is_real(penalty) and 0.0 < penalty <= MAX_REPETITION_PENALTY):
+        if not (_is_real(penalty) and MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY):
             raise ValueError(
-                f"repetition_penalty must be > 0 and at most {MAX_REPETITION_PENALTY:g} "
-                f"(1 = off), got {penalty!r}"
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {penalty!r}"
             )
         for token, bias in self.logit_bias.items():
             if not (_is_int(token) and 0 <= token < vocab_size):

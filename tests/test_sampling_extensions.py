@@ -152,7 +152,13 @@ def test_speculative_sampling_keeps_the_extended_distribution(params: SamplingPa
 @pytest.mark.unit
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("min_p", -0.1), ("min_p", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0)],
+    [
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 0.001),
+        ("repetition_penalty", -1.0),
+    ],
 )
 def test_sampling_params_refuse_bad_values(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
@@ -410,6 +416,7 @@ BAD = [
     ("min_p", "0.1"),
     ("repetition_penalty", 0),
     ("repetition_penalty", -1.0),
+    ("repetition_penalty", 1e-30),  # dividing by it could overflow
     ("repetition_penalty", 101.0),
 ]
 

@@ -38,7 +38,7 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
-from protos.sampling import MAX_REPETITION_PENALTY, SamplingParams
+from protos.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 from server.api.errors import APIError, param_path, short_json, validation_error_to_api_error
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -59,6 +59,9 @@ Role = Literal["system", "user", "assistant", "developer", "tool"]
 # Strict scalars: JSON "3", 3.0 or true are not accepted where an integer is expected.
 PositiveInt32 = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[
+    StrictFloat, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+]
 # What the ``before`` validators below enforce, also said in the JSON schema (OpenAPI).
 StopSequence = Annotated[str, Field(min_length=1)]
 LogitBias = Annotated[
@@ -534,9 +537,7 @@ class _SamplingRequest(_Request):
     ignore_eos: StrictBool | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
     min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = (
-        None
-    )
+    repetition_penalty: RepetitionPenalty | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
