@@ -97,6 +97,8 @@ SEE = {
     ("gateway", "micro_batch_groups"): "scheduling.md#micro-batch-groups",
     ("gateway", "batching"): "scheduling.md#no-batching",
     ("gateway", "prefix_cache"): "scheduling.md#prefix-caching",
+    ("gateway", "json_schema_additional_properties"): "api.md#closed-objects",
+    ("gateway", "unknown_fields"): "api.md#unknown-fields",
     ("stage", "prefix_cache_blocks"): "scheduling.md#prefix-caching",
     ("gateway", "ring_decode"): "scheduling.md#the-ring-decodes-on-its-own",
     ("gateway", "ring_decode_batched"): "scheduling.md#the-ring-decodes-on-its-own",

@@ -348,6 +348,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="GiB of KV blocks the draft holds, its prefix cache included (default {default})",
     )
     p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (draft)")
+    p.add_argument(
+        "--json-schema-additional-properties",
+        choices=["closed", "open"],
+        help="tool arguments and strict JSON schemas: closed (default), objects take no keys "
+        "their schema does not name unless it sets additionalProperties; open: as written",
+    )
+    p.add_argument(
+        "--unknown-fields",
+        choices=["warn", "reject"],
+        help="request fields the gateway does not know: warn (default), ignored, named in the "
+        "log and the x-pipeshard-ignored-fields header; reject: a 400 naming the field",
+    )
     p.add_argument("--config", type=Path, help="TOML file with the same settings")
 
 

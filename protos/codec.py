@@ -56,6 +56,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         logit_bias={int(k): float(v) for k, v in params.logit_bias.items()},
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
     )
 
 
@@ -71,6 +73,8 @@ def sampling_from_pb(message: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(message.logit_bias),
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
+        min_p=message.min_p,
+        repetition_penalty=message.repetition_penalty or 1.0,  # unset: off
     )
 
 

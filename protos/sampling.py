@@ -13,6 +13,9 @@ import numpy as np
 DraftDistribution = tuple[Sequence[int], Sequence[float]]
 
 MAX_TOP_LOGPROBS = 20
+# repetition_penalty's range: far enough from 0 that dividing a logit by it stays finite
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,19 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # added before everything
     presence_penalty: float = 0.0  # subtracted once from every token in `history`
     frequency_penalty: float = 0.0  # subtracted once per occurrence in `history`
+    # Extensions (vLLM's semantics): min_p drops tokens less probable than min_p times the most
+    # probable one (after temperature, before top-k / top-p; 0 = off); repetition_penalty
+    # divides the positive logits of every token of the prompt and the output (multiplies the
+    # negative ones), 1 = off.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling needs the tokens generated so far (a penalty that looks at them)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first out-of-range parameter."""
@@ -49,6 +65,13 @@ class SamplingParams:
             raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
         check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        penalty = self.repetition_penalty
+        if not (_is_real(penalty) and MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {penalty!r}"
+            )
         for token, bias in self.logit_bias.items():
             if not (_is_int(token) and 0 <= token < vocab_size):
                 raise ValueError(

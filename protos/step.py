@@ -25,7 +25,7 @@ class StepRequest:
     rollback: int = 0
     num_logits: int = 1
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    history: tuple[int, ...] = ()  # generated tokens, for presence/frequency penalties
+    history: tuple[int, ...] = ()  # generated tokens, for the penalties
     draft_tokens: tuple[int, ...] = ()  # speculative decoding: the last stage verifies them
     draft_dists: tuple[DraftDistribution, ...] = ()
     group: int = 0  # micro-batch group
@@ -34,6 +34,9 @@ class StepRequest:
     stop_ids: tuple[int, ...] = ()  # where the ring's own decoding stops
     block_hashes: tuple[bytes, ...] = ()  # prefix cache: the KV blocks this step fills
     token_masks: tuple[bytes, ...] = ()  # constrained decoding: one per sampled row
+    suppress_ids: tuple[int, ...] = ()  # min_tokens: never sampled before suppress_before
+    suppress_before: int = 0
+    prompt_ids_seen: tuple[int, ...] = ()  # repetition_penalty: the prompt's distinct ids
     # The envelope, set by the ring client that sends the step
     step_id: int = 0
     client_id: str = ""
@@ -60,6 +63,9 @@ class StepRequest:
             stop_ids=self.stop_ids,
             block_hashes=self.block_hashes,
             token_masks=self.token_masks,
+            suppress_ids=self.suppress_ids,
+            suppress_before=self.suppress_before,
+            prompt_ids_seen=self.prompt_ids_seen,
         )
 
     @classmethod
@@ -80,6 +86,9 @@ class StepRequest:
             stop_ids=tuple(step.stop_ids),
             block_hashes=tuple(step.block_hashes),
             token_masks=tuple(step.token_masks),
+            suppress_ids=tuple(step.suppress_ids),
+            suppress_before=step.suppress_before,
+            prompt_ids_seen=tuple(step.prompt_ids_seen),
             step_id=step.step_id,
             client_id=step.client_id,
             deadline_unix_ms=step.deadline_unix_ms,

@@ -194,6 +194,20 @@ class GatewaySettings(BaseSettings):
     ov_cache_dir: Path | None = Field(
         default_factory=default_ov_cache, description="OpenVINO model cache for the draft"
     )
+    json_schema_additional_properties: Literal["closed", "open"] = Field(
+        default="closed",
+        description="tool arguments and strict JSON schemas (response_format json_schema with "
+        "strict true): closed, an object schema that names its properties and says nothing of "
+        "additionalProperties takes no other keys (additionalProperties false, as with "
+        "xgrammar's strict mode in vLLM); open: such schemas are enforced as written, extra "
+        "keys allowed",
+    )
+    unknown_fields: Literal["warn", "reject"] = Field(
+        default="warn",
+        description="request fields the gateway does not know (other servers' extensions, "
+        "typos): warn, accepted and ignored, named in a warning in the log and in the "
+        "response header x-pipeshard-ignored-fields; reject, a 400 naming the first one",
+    )
     log_level: str = Field(default="INFO")
 
     def speculation_limit(self, draft_model: bool = True) -> tuple[int, str]:

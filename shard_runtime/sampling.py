@@ -2,16 +2,20 @@
 
 Pipeline, in this order:
 
-1. ``logit_bias`` is added and OpenAI presence/frequency penalties are subtracted using the
-   counts of ``history`` (the tokens generated so far in this request). The input array is never
-   modified; a copy is made only when one of these actually changes something.
+1. ``logit_bias`` is added; ``repetition_penalty`` (vLLM / Hugging Face semantics) divides the
+   positive logits of every token in ``prompt_seen`` (the prompt's token ids) or ``history``
+   and multiplies the negative ones; then OpenAI presence/frequency penalties are subtracted
+   using the counts of ``history`` (the tokens generated so far in this request). The input
+   array is never modified; a copy is made only when one of these actually changes something.
 2. Reported logprobs (``logprobs`` / ``top_logprobs``) are the log-softmax of these adjusted
    logits, before temperature and truncation, as OpenAI reports them; they are therefore the same
    for greedy and sampled requests. They cost one extra pass and are computed only on request.
 3. ``temperature == 0`` is greedy: one ``argmax`` (ties go to the lowest token id).
-4. Otherwise the logits are scaled by ``1 / temperature``, truncated to ``top_k`` and then to the
-   nucleus ``top_p`` (the smallest set of most probable tokens whose cumulative probability is
-   ``>= top_p``, at least one token), renormalised, and one token is drawn by inverse CDF over the
+4. Otherwise the logits are scaled by ``1 / temperature``; with ``min_p`` the tokens whose
+   probability is below ``min_p`` times the most probable one's are dropped; what is left is
+   truncated to ``top_k`` and then to the nucleus ``top_p`` (the smallest set of most
+   probable tokens whose cumulative probability is ``>= top_p``, at least one token),
+   renormalised, and one token is drawn by inverse CDF over the
    kept tokens ordered by (probability desc, token id asc) - precisely by adjusted logit desc,
    then id asc, which temperature cannot reorder. :func:`probabilities` returns exactly
    that ordered distribution; :func:`sample` draws from it.
@@ -47,6 +51,7 @@ __all__ = [
     "greedy_token",
     "probabilities",
     "sample",
+    "suppress",
 ]
 
 FloatArray = npt.NDArray[np.float32]
@@ -64,15 +69,17 @@ def sample(
     params: SamplingParams,
     position: int,
     history: Sequence[int] = (),
+    prompt_seen: Sequence[int] = (),
 ) -> SampledToken:
     """Pick the token at absolute sequence ``position`` from one row of logits ``[vocab]``.
 
-    ``history`` is the tokens generated so far in this request (for the penalties). ``params``
-    is assumed to have passed :meth:`SamplingParams.validate`.
+    ``history`` is the tokens generated so far in this request (for the penalties),
+    ``prompt_seen`` the prompt's token ids (for the repetition penalty). ``params`` is assumed
+    to have passed :meth:`SamplingParams.validate`.
     """
     if position < 0:
         raise ValueError(f"position must be >= 0, got {position}")
-    adjusted = adjusted_logits(logits, params, history)
+    adjusted = adjusted_logits(logits, params, history, prompt_seen)
     if params.temperature == 0.0:
         token = greedy_token(adjusted)
     else:
@@ -105,7 +112,10 @@ def annotate(adjusted: FloatArray, params: SamplingParams, token: int) -> Sample
 
 
 def probabilities(
-    logits: npt.ArrayLike, params: SamplingParams, history: Sequence[int] = ()
+    logits: npt.ArrayLike,
+    params: SamplingParams,
+    history: Sequence[int] = (),
+    prompt_seen: Sequence[int] = (),
 ) -> tuple[IdArray, ProbArray]:
     """The final sampling distribution for ``temperature > 0`` as ``(token_ids, probs)``.
 
@@ -115,7 +125,7 @@ def probabilities(
     """
     if params.temperature <= 0.0:
         raise ValueError("probabilities() needs temperature > 0 (greedy has no distribution)")
-    return _distribution(adjusted_logits(logits, params, history), params)
+    return _distribution(adjusted_logits(logits, params, history, prompt_seen), params)
 
 
 # --- internals -------------------------------------------------------------------------------
@@ -127,7 +137,10 @@ def _seed_key(seed: int | None) -> int:
 
 
 def adjusted_logits(
-    logits: npt.ArrayLike, params: SamplingParams, history: Sequence[int]
+    logits: npt.ArrayLike,
+    params: SamplingParams,
+    history: Sequence[int],
+    prompt_seen: Sequence[int] = (),
 ) -> FloatArray:
     """float32 logits with bias and penalties applied; a copy only when something changes."""
     row: FloatArray = np.asarray(logits, dtype=np.float32)
@@ -136,7 +149,8 @@ def adjusted_logits(
     penalise = len(history) > 0 and (
         params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
     )
-    if not params.logit_bias and not penalise:
+    repeat = params.repetition_penalty != 1.0 and (len(history) > 0 or len(prompt_seen) > 0)
+    if not params.logit_bias and not penalise and not repeat:
         return row
     row = row.copy()
     if params.logit_bias:
@@ -145,6 +159,17 @@ def adjusted_logits(
             params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias)
         )
         row[ids] += bias
+    if repeat:
+        seen = np.unique(
+            np.concatenate(
+                [np.asarray(prompt_seen, dtype=np.int64), np.asarray(history, dtype=np.int64)]
+            )
+        )
+        if seen[0] < 0 or seen[-1] >= row.size:
+            raise ValueError(f"seen token ids outside the vocabulary [0, {row.size})")
+        values = row[seen]
+        factor = np.float32(params.repetition_penalty)
+        row[seen] = np.where(values > 0, values / factor, values * factor)
     if penalise:
         seen, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
         if seen[0] < 0 or seen[-1] >= row.size:
@@ -222,9 +247,16 @@ def _distribution(
     peak = _peak(adjusted)
     size = adjusted.size
     truncate_p = params.top_p < 1.0
+    # min_p keeps the tokens whose weight exp((logit - peak) / T), which is their probability
+    # over the most probable one's, is at least min_p: a prefix of the sorted order
+    min_p = np.float32(params.min_p)
     if 0 < params.top_k < size:
         ids = _top_sorted(adjusted, params.top_k)
-        weights = _weights(adjusted[ids], peak, params.temperature).astype(np.float64)
+        weights32 = _weights(adjusted[ids], peak, params.temperature)
+        if min_p > 0:
+            keep = int(np.count_nonzero(weights32 >= min_p))
+            ids, weights32 = ids[:keep], weights32[:keep]
+        weights = weights32.astype(np.float64)
         probs = weights / weights.sum()
         if truncate_p:
             keep = _nucleus(probs, params.top_p) or ids.size
@@ -235,21 +267,27 @@ def _distribution(
     # Look at the most probable NUCLEUS_CANDIDATES first, then 16x more, then everything. Every
     # prefix has the same probabilities and cumulative sums as the full sorted distribution.
     weights32 = _weights(adjusted, peak, params.temperature)
-    total = float(weights32.sum())
-    count = size if not truncate_p and reach is None else min(NUCLEUS_CANDIDATES, size)
+    limit = size  # the tokens min_p keeps (all without it)
+    if min_p > 0:
+        kept = weights32 >= min_p
+        limit = int(np.count_nonzero(kept))
+        total = float(weights32[kept].sum())
+    else:
+        total = float(weights32.sum())
+    count = limit if not truncate_p and reach is None else min(NUCLEUS_CANDIDATES, limit)
     while True:
         ids = _top_sorted(adjusted, count)
         probs = weights32[ids].astype(np.float64) / total
         if truncate_p:
             keep = _nucleus(probs, params.top_p)
-            if keep or count == size:  # rounding can leave the full sum just under top_p
-                probs = probs[: keep or size]
-                return ids[: keep or size], probs / probs.sum()
-        elif count == size or (reach is not None and np.cumsum(probs)[-1] > reach):
+            if keep or count == limit:  # rounding can leave the full sum just under top_p
+                probs = probs[: keep or limit]
+                return ids[: keep or limit], probs / probs.sum()
+        elif count == limit or (reach is not None and np.cumsum(probs)[-1] > reach):
             return ids, probs
         count = count * 16
-        if 2 * count > size:
-            count = size
+        if 2 * count > limit:
+            count = limit
 
 
 def inverse_cdf(probs: ProbArray, u: float) -> int:
@@ -264,6 +302,21 @@ def inverse_cdf(probs: ProbArray, u: float) -> int:
 def _draw(adjusted: FloatArray, params: SamplingParams, u: float) -> int:
     ids, probs = _distribution(adjusted, params, reach=u)
     return int(ids[inverse_cdf(probs, u)])
+
+
+def suppress(
+    rows: npt.ArrayLike, ids: Sequence[int], first_position: int, before: int
+) -> FloatArray:
+    """Logits ``rows`` (row i samples absolute position ``first_position + i``) with tokens
+    ``ids`` set to -inf in every row whose position is before ``before`` (``min_tokens``:
+    the end-of-sequence ids are never sampled early). A copy; ``rows`` is not changed."""
+    out = np.array(rows, dtype=np.float32)
+    early = max(0, min(len(out), before - first_position))
+    if early and len(ids):
+        index = np.asarray(ids, dtype=np.int64)
+        index = index[(index >= 0) & (index < out.shape[-1])]
+        out[:early, index] = -np.inf
+    return out
 
 
 def apply_masks(rows: npt.ArrayLike, masks: Sequence[bytes]) -> FloatArray:

@@ -13,11 +13,11 @@ from).
   token drawn from the residual ``norm(max(0, p_i - q_i))`` and stop (Leviathan et al. 2023,
   Chen et al. 2023). Each emitted token is then distributed exactly as ``p_i``.
 
-``p_i`` is the final sampling distribution of :mod:`shard_runtime.sampling` (bias, penalties with
-the tokens before position i, temperature, top-k, top-p). Random numbers come from
-``(seed, position, purpose)``, so a fixed seed gives the same output, and when the draft
-proposes every position (``n = m``) the output does not depend on how many tokens each step
-proposes.
+``p_i`` is the final sampling distribution of :mod:`shard_runtime.sampling` (bias, penalties
+with the prompt and the tokens before position i, temperature, min-p, top-k, top-p). Random
+numbers come from ``(seed, position, purpose)``, so a fixed seed gives the same output, and
+when the draft proposes every position (``n = m``) the output does not depend on how many
+tokens each step proposes.
 """
 
 from __future__ import annotations
@@ -56,11 +56,14 @@ def verify(
     params: SamplingParams,
     first_position: int,
     history: Sequence[int] = (),
+    prompt_seen: Sequence[int] = (),
 ) -> list[SampledToken]:
     """The tokens to emit (at least one): accepted draft tokens, then a correction or bonus.
 
     ``rows[i]`` is the target's logits for absolute position ``first_position + i``; ``history``
-    the tokens generated before ``first_position`` (for penalties).
+    the tokens generated before ``first_position`` (for penalties), ``prompt_seen`` the
+    prompt's token ids (for the repetition penalty): each row is adjusted as a plain
+    :func:`~shard_runtime.sampling.sample` at its position would adjust it.
     """
     logits = np.asarray(rows, dtype=np.float32)
     m = logits.shape[0]
@@ -74,9 +77,9 @@ def verify(
     for i in range(m):
         position = first_position + i
         if i == len(draft):  # the bonus position: a plain sample
-            out.append(sample(logits[i], params, position, seen))
+            out.append(sample(logits[i], params, position, seen, prompt_seen))
             break
-        adjusted = adjusted_logits(logits[i], params, seen)
+        adjusted = adjusted_logits(logits[i], params, seen, prompt_seen)
         if greedy:
             token = greedy_token(adjusted)
             accepted = token == draft[i]
@@ -99,7 +102,7 @@ def _test(
     """One speculative-sampling step: (emitted token, whether it was the accepted proposal)."""
     q_ids = np.asarray(dist[0], dtype=np.int64)
     q_probs = np.asarray(dist[1], dtype=np.float64)
-    truncated = 0 < params.top_k < adjusted.size or params.top_p < 1.0
+    truncated = 0 < params.top_k < adjusted.size or params.top_p < 1.0 or params.min_p > 0
     if truncated:
         ids, probs = _distribution(adjusted, params)
         where = np.flatnonzero(ids == proposed)

@@ -17,7 +17,7 @@ import numpy as np
 from protos.sampling import SampledToken
 from protos.step import StepRequest
 from shard_runtime.runner import InvalidStageInput
-from shard_runtime.sampling import apply_masks, sample
+from shard_runtime.sampling import apply_masks, sample, suppress
 from shard_runtime.speculative import verify
 
 
@@ -43,14 +43,20 @@ def check_fed(step: StepRequest, fed: int) -> bool:
 def last_stage_tokens(rows: np.ndarray, step: StepRequest, fed: int) -> list[SampledToken]:
     """The last stage's output for a step that fed ``fed`` positions, from its logits
     ``rows`` (the last ``len(rows)`` positions): the token masks applied, then the draft
-    tokens verified (speculative decoding) or each row sampled at its own position."""
+    tokens verified (speculative decoding) or each row sampled at its own position. Rows at
+    positions before ``suppress_before`` never sample ``suppress_ids`` (min_tokens)."""
     first = step.start_position + fed - len(rows)
     history = list(step.history)
+    seen = step.prompt_ids_seen
     if step.token_masks:
         rows = apply_masks(rows, step.token_masks)
+    if step.suppress_ids and first + 1 < step.suppress_before:
+        rows = suppress(rows, step.suppress_ids, first + 1, step.suppress_before)
     if step.draft_tokens:
-        return verify(rows, step.draft_tokens, step.draft_dists, step.sampling, first + 1, history)
-    return [sample(row, step.sampling, first + i + 1, history) for i, row in enumerate(rows)]
+        return verify(
+            rows, step.draft_tokens, step.draft_dists, step.sampling, first + 1, history, seen
+        )
+    return [sample(row, step.sampling, first + i + 1, history, seen) for i, row in enumerate(rows)]
 
 
 def next_ring_step(step: StepRequest, emitted: Sequence[int], length: int) -> StepRequest | None:
@@ -58,10 +64,11 @@ def next_ring_step(step: StepRequest, emitted: Sequence[int], length: int) -> St
     holding ``length`` positions (``step.follow``); None where the ring stops there (no
     follow left, or a token in ``step.stop_ids``). It is the same step one position on: what
     only the step the gateway sent carries (a rollback, a draft, masks, prefix blocks) is
-    not carried over."""
+    not carried over; the min_tokens suppression (by absolute position) and the prompt's ids
+    are, and the emitted tokens join the history where a penalty needs it."""
     if not step.follow or not emitted or emitted[-1] in step.stop_ids:
         return None
-    penalised = step.sampling.presence_penalty or step.sampling.frequency_penalty
+    penalised = step.sampling.uses_history
     return replace(
         step,
         step_id=step.step_id + 1,

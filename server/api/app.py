@@ -10,11 +10,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
+from urllib.parse import quote
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -29,7 +30,7 @@ from common import systemd
 from common.net import check_can_listen, split_listen
 from common.version import VERSION
 from server.api.edge import Edge
-from server.api.errors import APIError, error_response, errors_to_api_error
+from server.api.errors import APIError, error_response, errors_to_api_error, short_json
 from server.api.openapi import body_schema, document, operation_responses
 from server.api.requests import ChatCompletionRequest, CompletionRequest, parse_request
 from server.api.responses import ChatCompletion, Completion, ModelCard, ModelList
@@ -296,6 +297,7 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
         gateway.metrics,
         reasoning_parser=settings.reasoning_parser,
         architecture=manifest.model.architecture,
+        close_schemas=settings.json_schema_additional_properties == "closed",
     )
     if gateway.service.reasoning != "none":
         log.info("reasoning parser: %s", gateway.service.reasoning)
@@ -361,14 +363,17 @@ def _add_generation_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]
         _check_json_body(request)
         body = await _read_body(request, max_body)
         req = parse_request(prepared_kind, body)
+        ignored = ignored_fields_headers(gateway.settings, req.ignored_fields, request)
         prefix = "chatcmpl" if prepared_kind is ChatCompletionRequest else "cmpl"
         prep = svc.prepare(req, f"{prefix}-{request.state.request_id}")
         if prep.stream:
             # Waits for the first token (a queued request waits here): leaving frees its place.
             stream = await _until_disconnect(request, svc.open_stream(prep))
-            return StreamingResponse(stream, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+            return StreamingResponse(
+                stream, media_type=SSE_MEDIA_TYPE, headers={**SSE_HEADERS, **ignored}
+            )
         result = await _until_disconnect(request, svc.complete(prep))
-        return JSONResponse(result.model_dump(mode="json"))
+        return JSONResponse(result.model_dump(mode="json"), headers=ignored)
 
     generation_errors = (400, *auth, 404, 413, 415, 429, 503, 504)
 
@@ -387,6 +392,39 @@ def _add_generation_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]
     )
     async def completions(request: Request) -> Response:
         return await run(request, CompletionRequest)
+
+
+IGNORED_FIELDS_HEADER = "x-pipeshard-ignored-fields"
+MAX_IGNORED_NAMED = 16  # names in the header; more are counted
+
+
+def ignored_fields_headers(
+    settings: GatewaySettings, ignored: Sequence[str], request: Request
+) -> dict[str, str]:
+    """What a generation endpoint does with the request fields it does not know
+    (``ignored``, from :func:`~server.api.requests.parse_request`): with ``unknown_fields``
+    "reject", a 400 naming the first; else a warning in the log and the response header
+    ``x-pipeshard-ignored-fields`` listing them (returned, to go on the response)."""
+    if not ignored:
+        return {}
+    if settings.unknown_fields == "reject":
+        raise APIError(
+            400,
+            f"Unrecognized request argument supplied: {short_json(ignored[0])} (this gateway "
+            "refuses fields it does not know: --unknown-fields reject).",
+            param=ignored[0],
+        )
+    # a field name is any JSON string: percent-encoded to be a header value, and only so many
+    names = [quote(name, safe="_.[]-$@") for name in ignored[:MAX_IGNORED_NAMED]]
+    if len(ignored) > MAX_IGNORED_NAMED:
+        names.append(f"...{len(ignored) - MAX_IGNORED_NAMED}-more")
+    value = ",".join(names)
+    log.warning(
+        "request %s: ignored the fields this gateway does not know: %s",
+        getattr(request.state, "request_id", "?"),
+        value,
+    )
+    return {IGNORED_FIELDS_HEADER: value}
 
 
 def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible requests (:class:`ChatCompletionRequest`, :class:`CompletionRequest`),
 as docs/api.md describes them, and what the gateway reads from them:
 
-* unknown extra fields are ignored, nearly every optional field accepts ``null``;
+* unknown extra fields are ignored, and named (``ignored_fields``: the gateway warns of them
+  or refuses them); nearly every optional field accepts ``null``;
 * numbers and booleans are strict (``"3"``, ``3.0`` or ``true`` are not a valid ``max_tokens``);
 * out-of-range values are rejected; :func:`parse_request` turns any failure into an
   :class:`~server.api.errors.APIError` 400 ``invalid_request_error`` whose ``param`` is the path of
@@ -26,6 +27,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -36,7 +38,7 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
-from protos.sampling import SamplingParams
+from protos.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 from server.api.errors import APIError, param_path, short_json, validation_error_to_api_error
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -57,6 +59,9 @@ Role = Literal["system", "user", "assistant", "developer", "tool"]
 # Strict scalars: JSON "3", 3.0 or true are not accepted where an integer is expected.
 PositiveInt32 = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[
+    StrictFloat, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+]
 # What the ``before`` validators below enforce, also said in the JSON schema (OpenAPI).
 StopSequence = Annotated[str, Field(min_length=1)]
 LogitBias = Annotated[
@@ -167,16 +172,58 @@ def parse_request(cls: type[_Model], body: bytes | str | Mapping[str, Any]) -> _
         raise APIError(400, "The request body must be a JSON object.")
     _check_json_value(data)
     try:
-        return cls.model_validate(data)
+        parsed = cls.model_validate(data)
     except ValidationError as exc:
         raise validation_error_to_api_error(exc) from None
+    if isinstance(parsed, _Request):
+        parsed._ignored = tuple(unknown_fields(parsed, data))
+    return parsed
+
+
+def unknown_fields(model: BaseModel, data: Any, loc: tuple[int | str, ...] = ()) -> list[str]:
+    """The paths (``foo_bar``, ``messages[0].foo``) of the fields in ``data`` that ``model``,
+    validated from it, does not know: the ones the gateway ignores."""
+    if not isinstance(data, Mapping):
+        return []
+    known: dict[str, str] = {}
+    for name, info in type(model).model_fields.items():
+        known[name] = name
+        if info.alias:
+            known[info.alias] = name
+    found: list[str] = []
+    for key, raw in data.items():
+        field = known.get(str(key))
+        if field is None:
+            found.append(param_path((*loc, str(key))) or str(key))
+        else:
+            found += _unknown_within(getattr(model, field, None), raw, (*loc, str(key)))
+    return found
+
+
+def _unknown_within(value: Any, raw: Any, loc: tuple[int | str, ...]) -> list[str]:
+    if isinstance(value, BaseModel):
+        return unknown_fields(value, raw, loc)
+    if isinstance(value, list) and isinstance(raw, list) and len(value) == len(raw):
+        return [p for i, (v, r) in enumerate(zip(value, raw, strict=True))
+                for p in _unknown_within(v, r, (*loc, i))]  # fmt: skip
+    return []
 
 
 # --- requests ----------------------------------------------------------------------------------
 
 
 class _Request(BaseModel):
+    """A request or a part of one. Unknown fields are ignored (for compatibility: clients
+    send other servers' extensions), and :func:`parse_request` names them
+    (:attr:`ignored_fields`) so that the gateway can say so, or refuse them."""
+
     model_config = ConfigDict(extra="ignore")
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """The fields of the body it was parsed from that it does not know (top level only)."""
+        return self._ignored
 
 
 class TextContentPart(_Request):
@@ -507,6 +554,11 @@ class _SamplingRequest(_Request):
     frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
     user: str | None = None
+    # Extensions clients of vLLM and llama.cpp send (vLLM's semantics; docs/api.md)
+    ignore_eos: StrictBool | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -776,6 +828,8 @@ _PARAM_NAMES = (
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "min_p",
+    "repetition_penalty",
 )
 
 
@@ -816,6 +870,8 @@ def to_sampling_params(req: AnyRequest, vocab_size: int | None = None) -> Sampli
         logit_bias=bias,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
     )
     if vocab_size is not None:
         try:

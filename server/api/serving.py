@@ -212,8 +212,11 @@ class CompletionService:
         metrics: GatewayMetrics,
         reasoning_parser: str = "auto",
         architecture: str = "",
+        close_schemas: bool = True,
     ) -> None:
         self.engine = engine
+        # tool arguments and strict schemas: objects take only the keys they name
+        self.close_schemas = close_schemas
         self.codec = codec
         self.model = model
         self.max_context = max_context
@@ -231,7 +234,9 @@ class CompletionService:
                 self._vocab = dict(self.codec.chat.get_vocab())
             vocab = self._vocab
         try:
-            return constraint_for(req, self.tool_format if mode else None, vocab=vocab)
+            return constraint_for(
+                req, self.tool_format if mode else None, vocab=vocab, closed=self.close_schemas
+            )
         except ConstraintError as exc:
             param = "tools" if mode in ("required", "named") else "response_format"
             raise APIError(400, f"Invalid value for '{param}': {exc}", param=param) from None
@@ -334,6 +339,23 @@ class CompletionService:
                 param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
                 code="context_length_exceeded",
             )
+        limit = max_tokens if max_tokens is not None else room
+        if req.min_tokens and req.min_tokens > limit:
+            raise APIError(
+                400,
+                f"Invalid value for 'min_tokens': {req.min_tokens} is more than the "
+                f"{limit} tokens the completion may have (max_tokens, or the context left).",
+                param="min_tokens",
+            )
+        if constraint is not None:
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(req, name):
+                    raise APIError(
+                        400,
+                        f"'{name}' cannot be used with constrained output (response_format or "
+                        "a required or named tool): the grammar decides where the output ends.",
+                        param=name,
+                    )
         sampling = to_sampling_params(req, vocab_size=self.codec.vocab_size)
         if sampling.seed is None:
             sampling = replace(sampling, seed=secrets.randbits(63))
@@ -344,6 +366,8 @@ class CompletionService:
             sampling=sampling,
             n=req.n or 1,
             constraint=constraint,
+            ignore_eos=bool(req.ignore_eos),
+            min_tokens=req.min_tokens or 0,
         )
         return Prepared(
             request_id=request_id,
@@ -396,7 +420,7 @@ class CompletionService:
                         self.metrics.inter_token_latency.observe(now - last)
                     last = now
                     self.metrics.generated_tokens.inc()
-                    if token.token_id in self.engine.eos_ids:
+                    if self._ends(prep, token.token_id):
                         finish = "stop"
                         yield ChoiceEvent(index, "", token)  # counted in usage, no text
                         break
@@ -440,6 +464,10 @@ class CompletionService:
                 outcome,
             )
 
+    def _ends(self, prep: Prepared, token_id: int) -> bool:
+        """Whether ``token_id`` ends the choice (an end-of-sequence id, unless ignore_eos)."""
+        return token_id in self.engine.eos_ids and not prep.generation.ignore_eos
+
     def _token_bytes(self, token_id: int) -> bytes:
         piece = self.codec.tokenizer.id_to_token(token_id) or ""
         return _byte_level_bytes(piece)
@@ -448,7 +476,7 @@ class CompletionService:
         if event.token is None:
             return
         result.tokens += 1
-        eos = event.token.token_id in self.engine.eos_ids
+        eos = self._ends(prep, event.token.token_id)
         if eos or not prep.logprobs or event.token.logprob is None:
             return
         raw = self._token_bytes(event.token.token_id)

@@ -34,9 +34,58 @@ class Constraint:
     kind: str  # "json_object", "json_schema", "tool_call" (required / a named function)
 
 
-def json_schema_constraint(schema: dict[str, Any], kind: str = "json_schema") -> Constraint:
+# Keywords whose value is one subschema, a list of them, or a map of names to them.
+_ONE_SCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
+               "propertyNames", "unevaluatedItems", "additionalItems")  # fmt: skip
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: Any) -> Any:
+    """``schema`` with every object schema that names its ``properties`` and says nothing of
+    extra keys (no ``additionalProperties``, ``unevaluatedProperties`` or
+    ``patternProperties``) given ``"additionalProperties": false``: the keys it names are then
+    the only ones an object may have, as with xgrammar's strict mode in vLLM. It goes down
+    through properties, items, ``anyOf`` / ``oneOf`` branches, ``$defs`` and the other
+    subschemas. Left open: an object that names no properties (a free-form object, such as
+    ``{"type": "object"}``), and one composed with ``allOf`` or a sibling ``$ref`` (and the
+    ``allOf`` members themselves), whose keys come from several schemas at once. A copy; the
+    input is not changed."""
+    return _close(schema, True)
+
+
+def _close(node: Any, closable: bool) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = dict(node)
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _close(out[key], True)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(item, True) for item in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(sub, True) for name, sub in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_close(item, False) for item in out["allOf"]]
+    composed = "allOf" in out or "$ref" in out
+    open_ = any(k in out for k in ("additionalProperties", "unevaluatedProperties",
+                                   "patternProperties"))  # fmt: skip
+    if closable and not composed and not open_ and isinstance(out.get("properties"), dict):
+        out["additionalProperties"] = False
+    return out
+
+
+def json_schema_constraint(
+    schema: dict[str, Any], kind: str = "json_schema", closed: bool = False
+) -> Constraint:
+    """A grammar for JSON valid against ``schema``; ``closed``: objects that name their
+    properties take no others (:func:`close_objects`)."""
     import llguidance
 
+    if closed:
+        schema = close_objects(schema)
     try:
         # compact JSON: a model may not wander off into whitespace (OpenAI writes it compact)
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
@@ -44,15 +93,24 @@ def json_schema_constraint(schema: dict[str, Any], kind: str = "json_schema") ->
         )
     except (ValueError, TypeError) as exc:
         raise ConstraintError(f"the JSON schema cannot be enforced: {exc}") from None
+    _check_grammar(grammar, "the JSON schema")
     return Constraint(grammar, kind)
 
 
-def _tool_body_schema(tools: Sequence[Any], arguments_key: str) -> dict[str, Any]:
-    """A JSON object calling one of ``tools``: its name and arguments valid for its schema."""
+def _tool_body_schema(
+    tools: Sequence[Any], arguments_key: str, closed: bool = True
+) -> dict[str, Any]:
+    """A JSON object calling one of ``tools``: its name and arguments valid for its schema
+    (``closed``: argument objects take no keys their schema does not name)."""
     options = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         function = tool.function
-        parameters = function.parameters or {"type": "object"}
+        parameters = function.parameters or {"type": "object", "properties": {}}
+        if closed:
+            parameters = close_objects(parameters)
+        # the schema's own references ("#/$defs/x", "#") point into it, not the body's root
+        where = f"/properties/{arguments_key}"
+        parameters = _rebase_refs(parameters, where if len(tools) == 1 else f"/anyOf/{i}{where}")
         options.append(
             {
                 "type": "object",
@@ -64,14 +122,43 @@ def _tool_body_schema(tools: Sequence[Any], arguments_key: str) -> dict[str, Any
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def tool_call_constraint(
-    tools: Sequence[Any], tool_format: Any, parallel: bool, vocab: dict[str, int] | None = None
-) -> Constraint:
-    """A grammar for one call (or, with ``parallel``, one or more) of ``tools`` written as
-    ``tool_format`` writes it: its text before each call, the JSON body, its text after."""
+def _rebase_refs(node: Any, base: str) -> Any:
+    """``node`` (a schema placed at JSON pointer ``base`` of another) with its local
+    references (``#``, ``#/...``) pointing to the same places from the new root."""
+    if isinstance(node, list):
+        return [_rebase_refs(item, base) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rebase_refs(value, base) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + base + ref[1:]
+    return out
+
+
+def _check_grammar(grammar: str, what: str) -> None:
+    """Refuse a grammar llguidance cannot use now (a 400), not when a sequence starts."""
     import llguidance
 
-    body = _tool_body_schema(tools, tool_format.arguments_key)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ConstraintError(f"{what} cannot be enforced: {messages[0].splitlines()[0]}")
+
+
+def tool_call_constraint(
+    tools: Sequence[Any],
+    tool_format: Any,
+    parallel: bool,
+    vocab: dict[str, int] | None = None,
+    closed: bool = True,
+) -> Constraint:
+    """A grammar for one call (or, with ``parallel``, one or more) of ``tools`` written as
+    ``tool_format`` writes it: its text before each call, the JSON body, its text after.
+    ``closed``: argument objects take no keys their schema does not name
+    (:func:`close_objects`)."""
+    import llguidance
+
+    body = _tool_body_schema(tools, tool_format.arguments_key, closed)
 
     def literal(text: str) -> str:
         if not text:
@@ -109,6 +196,7 @@ def tool_call_constraint(
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError) as exc:
         raise ConstraintError(f"the tools' schemas cannot be enforced: {exc}") from None
+    _check_grammar(grammar, "the tools' schemas")
     return Constraint(grammar, "tool_call")
 
 
@@ -175,11 +263,15 @@ def _before_answer(lark: str, answer: Constraint) -> Constraint:
 
 
 def constraint_for(
-    req: Any, tool_format: Any, vocab: dict[str, int] | None = None
+    req: Any, tool_format: Any, vocab: dict[str, int] | None = None, closed: bool = True
 ) -> Constraint | None:
     """The constraint a chat request asks for, or None: a call of an offered tool with
     ``tool_choice`` ``"required"`` or a named function (``tool_format``: the model's, from
-    server/api/tools.py), else ``response_format`` ``json_object`` / ``json_schema``."""
+    server/api/tools.py), else ``response_format`` ``json_object`` / ``json_schema``.
+
+    ``closed`` (the gateway's ``json_schema_additional_properties`` "closed", the default):
+    tool arguments and ``strict`` JSON schemas treat a missing ``additionalProperties`` as
+    false (:func:`close_objects`); a non-strict schema is enforced as written."""
     tools = getattr(req, "tools", None) or []
     choice = getattr(req, "tool_choice", None)
     if tools and tool_format is not None and choice is not None and choice != "auto":
@@ -194,13 +286,14 @@ def constraint_for(
             parallel = getattr(req, "parallel_tool_calls", None) is not False and choice == (
                 "required"
             )
-            return tool_call_constraint(offered, tool_format, parallel, vocab)
+            return tool_call_constraint(offered, tool_format, parallel, vocab, closed)
     fmt: Any = getattr(req, "response_format", None)
     kind = getattr(fmt, "type", None)
     if kind == "json_object":
         return json_schema_constraint({"type": "object"}, "json_object")
     if kind == "json_schema":
-        return json_schema_constraint(fmt.json_schema.schema_, "json_schema")
+        strict = closed and fmt.json_schema.strict is True
+        return json_schema_constraint(fmt.json_schema.schema_, "json_schema", strict)
     return None
 
 

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from protos.sampling import SampledToken, SamplingParams
 from protos.step import StepRequest
@@ -62,6 +63,10 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1
     constraint: Constraint | None = None  # what the output must match (constrained decoding)
+    # Stop handling (vLLM's extensions): ignore_eos, the end-of-sequence ids are not an end
+    # (only max_tokens is); min_tokens, they are never sampled before that many tokens are out
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 @dataclass
@@ -79,6 +84,9 @@ class _Stream:
     sampling: SamplingParams
     queue: asyncio.Queue[SampledToken | BaseException | None] = field(default_factory=asyncio.Queue)
     matcher: Matcher | None = None  # constrained decoding: where the output is in its grammar
+    stop_ids: tuple[int, ...] = ()  # where the ring's own decoding stops (none: ignore_eos)
+    suppress_before: int = 0  # min_tokens: no end-of-sequence id before this position
+    prompt_seen: tuple[int, ...] = ()  # repetition_penalty: the prompt's distinct token ids
 
 
 class Engine:
@@ -166,8 +174,17 @@ class Engine:
         seq_id = f"{request.request_id}-{choice}"
         arrival = time.monotonic()
         seq = Sequence(seq_id, list(request.prompt_ids), request.max_tokens, arrival)
+        seq.ignore_eos = request.ignore_eos
         self.scheduler.add(seq)  # raises QueueFull
-        stream = _Stream(self.choice_sampling(request, choice))
+        sampling = self.choice_sampling(request, choice)
+        stream = _Stream(
+            sampling,
+            stop_ids=() if request.ignore_eos else tuple(self._stop_ids),
+            suppress_before=len(seq.prompt) + request.min_tokens if request.min_tokens else 0,
+            prompt_seen=(
+                tuple(sorted(set(request.prompt_ids))) if sampling.repetition_penalty != 1.0 else ()
+            ),
+        )
         if request.constraint is not None:
             if self.grammars is None:
                 raise ConstraintError("this gateway cannot constrain its output")
@@ -245,14 +262,26 @@ class Engine:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
 
+    def _sampling_extras(self, stream: _Stream | None, seq: Sequence, item: Work) -> dict[str, Any]:
+        """What a sampling step carries for min_tokens and repetition_penalty: the
+        end-of-sequence ids while the sequence is short of min_tokens, and the prompt's ids."""
+        if stream is None or not item.samples:
+            return {}
+        extras: dict[str, Any] = {"prompt_ids_seen": stream.prompt_seen}
+        # the step samples positions from len(prompt) + len(generated) on
+        if stream.suppress_before > len(seq.prompt) + len(seq.generated):
+            extras["suppress_ids"] = tuple(self._stop_ids)
+            extras["suppress_before"] = stream.suppress_before
+        return extras
+
     async def _run_step(self, item: Work) -> None:
         stream = self._streams.get(item.seq_id)
         seq = self.scheduler.sequences.get(item.seq_id)
         if seq is None or seq.phase is Phase.DONE:
             return  # ended before its step went out (_fail_all): no session to open
         sampling = stream.sampling if stream is not None else SamplingParams()
-        # The stage needs the generated tokens only for presence/frequency penalties.
-        penalised = sampling.presence_penalty or sampling.frequency_penalty
+        # The stage needs the generated tokens only for the penalties.
+        penalised = sampling.uses_history
         # the first step of a session: its lookup (prefix caching), or its first prompt chunk
         opening = item.lookup or (
             item.prefill and item.start_position == 0 and not self.config.prefix_cache
@@ -297,9 +326,10 @@ class Engine:
                 group=item.group,
                 solo=self.solo,
                 follow=follow,
-                stop_ids=tuple(self._stop_ids) if follow else (),
+                stop_ids=stream.stop_ids if follow and stream is not None else (),
                 block_hashes=tuple(self._block_hashes(seq, item)),
                 token_masks=tuple(masks),
+                **self._sampling_extras(stream, seq, item),
             )
             results = self.ring.steps(step)
             async with contextlib.aclosing(results):

@@ -497,7 +497,8 @@ class Scheduler:
         for token in tokens:
             seq.generated.append(token)
             taken += 1
-            if token in self.eos_ids or len(seq.generated) >= seq.max_tokens:
+            ended = token in self.eos_ids and not seq.ignore_eos
+            if ended or len(seq.generated) >= seq.max_tokens:
                 self._finish(seq)
                 break
         return taken

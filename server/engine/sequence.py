@@ -87,6 +87,7 @@ class Sequence:
     waits_for: int = -1  # refused: resume once more than this many sequences have finished
     looked_up: int = -1  # the incarnation whose session was opened on cached prefix blocks
     cached: int = 0  # prompt positions the first session took from the stages' prefix cache
+    ignore_eos: bool = False  # an end-of-sequence token does not end it (only max_tokens)
 
     @property
     def opened(self) -> bool:
