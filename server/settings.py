@@ -47,6 +47,11 @@ class GatewaySettings(BaseSettings):
     model_name: str | None = Field(
         default=None, description="model id served (default: the export's model id)"
     )
+    model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="other model names every endpoint accepts for the served model (the "
+        "names clients such as Claude Code send); /v1/models lists the model id only",
+    )
     tokenizer: Path | None = Field(
         default=None, description="local tokenizer folder (default: fetched from the stages)"
     )
@@ -318,7 +323,7 @@ class GatewaySettings(BaseSettings):
     def _check_speculation_max_users(cls, value: Any) -> Any:
         return speculation_users(value)
 
-    @field_validator("stages", "api_keys", mode="before")
+    @field_validator("stages", "api_keys", "model_aliases", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
