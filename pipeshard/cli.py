@@ -245,6 +245,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         help="another model name requests may give (repeat; e.g. the names Claude Code sends)",
     )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        help="/v1/responses kept for previous_response_id ({default}; 0: none)",
+    )
     p.add_argument("--tokenizer", type=Path, help="local tokenizer folder (default: from stages)")
     p.add_argument("--secret", help="the stages' shared secret")
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify the stages (TLS)")

@@ -52,6 +52,12 @@ class GatewaySettings(BaseSettings):
         description="other model names every endpoint accepts for the served model (the "
         "names clients such as Claude Code send); /v1/models lists the model id only",
     )
+    responses_store_size: int = Field(
+        default=1000,
+        ge=0,
+        description="responses of /v1/responses kept in memory for previous_response_id and "
+        "GET /v1/responses/{id} (least recently used out first); 0: none are kept",
+    )
     tokenizer: Path | None = Field(
         default=None, description="local tokenizer folder (default: fetched from the stages)"
     )

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from server.api.errors import APIError, anthropic_error, short_json
-from server.api.output import Outcome, Piece, merged, read_pieces, stop_sequence_found
+from server.api.output import Outcome, Piece, merged, named_event, read_pieces, stop_sequence_found
 from server.api.requests import (
     FUNCTION_NAME_PATTERN,
     INT32_MAX,
@@ -74,7 +74,7 @@ class ToolUseBlock(_Model):
 class ToolResultBlock(_Model):
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1)]
-    content: str | list[TextBlock] | None = None
+    content: list[TextBlock] | str | None = None
     is_error: StrictBool | None = None
     cache_control: CacheControl | None = None
 
@@ -124,7 +124,7 @@ def _check_blocks(value: Any, allowed: tuple[str, ...], what: str) -> Any:
 
 class InputMessage(_Model):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: list[ContentBlock] | str
 
     @field_validator("content", mode="before")
     @classmethod
@@ -225,7 +225,7 @@ class MessagesRequest(_Model):
     model: str
     messages: Annotated[list[InputMessage], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
-    system: str | list[TextBlock] | None = None
+    system: list[TextBlock] | str | None = None
     stop_sequences: (
         Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)]
         | None
@@ -488,11 +488,6 @@ async def create(service: CompletionService, prep: Prepared, model: str) -> Mess
     )
 
 
-def sse(kind: str, data: Mapping[str, Any]) -> bytes:
-    """One event of Anthropic's stream: its ``event:`` name and its JSON."""
-    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
 async def open_stream(
     service: CompletionService, prep: Prepared, model: str
 ) -> AsyncIterator[bytes]:
@@ -516,8 +511,8 @@ async def _stream(
         stop_reason=None,
         usage=Usage(input_tokens=outcome.prompt_tokens, output_tokens=0),
     )
-    yield sse("message_start", {"type": "message_start", "message": start.model_dump()})
-    yield sse("ping", {"type": "ping"})
+    yield named_event("message_start", {"type": "message_start", "message": start.model_dump()})
+    yield named_event("ping", {"type": "ping"})
     index = -1
     open_kind: str | None = None  # the kind of the block open at index, if any
 
@@ -526,7 +521,7 @@ async def _stream(
         if open_kind is None:
             return []
         open_kind = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": index})]
+        return [named_event("content_block_stop", {"type": "content_block_stop", "index": index})]
 
     def begin(block: dict[str, Any], kind: str | None) -> list[bytes]:
         nonlocal index, open_kind
@@ -534,7 +529,7 @@ async def _stream(
         index += 1
         open_kind = kind
         out.append(
-            sse(
+            named_event(
                 "content_block_start",
                 {"type": "content_block_start", "index": index, "content_block": block},
             )
@@ -542,7 +537,7 @@ async def _stream(
         return out
 
     def delta(body: dict[str, Any]) -> bytes:
-        return sse(
+        return named_event(
             "content_block_delta", {"type": "content_block_delta", "index": index, "delta": body}
         )
 
@@ -577,16 +572,16 @@ async def _stream(
                     yield delta({"type": "text_delta", "text": piece.text})
     except APIError as exc:
         log.warning("request %s failed while streaming: %s", prep.request_id, exc.message)
-        yield sse("error", anthropic_error(exc))
+        yield named_event("error", anthropic_error(exc))
         return
     except Exception as exc:
         log.exception("request %s failed while streaming", prep.request_id)
-        yield sse("error", anthropic_error(APIError(500, f"generation failed: {exc}")))
+        yield named_event("error", anthropic_error(APIError(500, f"generation failed: {exc}")))
         return
     for chunk in close():
         yield chunk
     stop = stop_sequence_found(service, prep, outcome)
-    yield sse(
+    yield named_event(
         "message_delta",
         {
             "type": "message_delta",
@@ -594,4 +589,4 @@ async def _stream(
             "usage": _usage(outcome).model_dump(),
         },
     )
-    yield sse("message_stop", {"type": "message_stop"})
+    yield named_event("message_stop", {"type": "message_stop"})

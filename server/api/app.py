@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from common import systemd
 from common.net import check_can_listen, split_listen
 from common.version import VERSION
-from server.api import anthropic
+from server.api import anthropic, responses_api
 from server.api.edge import Edge
 from server.api.errors import (
     AnthropicErrorResponse,
@@ -208,6 +208,7 @@ def create_app(settings: GatewaySettings, pipeline: Ring | None = None) -> FastA
     _add_error_handlers(app)
     _add_generation_routes(app, gateway, auth)
     _add_messages_routes(app, gateway, auth)
+    _add_responses_routes(app, gateway, auth)
     _add_model_routes(app, gateway, auth)
     _add_operations_routes(app, gateway)
     return app
@@ -429,6 +430,53 @@ def _add_messages_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) 
         _check_json_body(request)
         req = parse_request(anthropic.CountTokensRequest, await _read_body(request, max_body))
         return anthropic.count_tokens(svc, req)
+
+
+def _add_responses_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:
+    """The OpenAI Responses API: /v1/responses (JSON or its event stream), GET and DELETE
+    /v1/responses/{id} on the in-memory store (server/api/responses_api.py)."""
+    max_body = gateway.settings.max_body_bytes
+    store = responses_api.ResponseStore(gateway.settings.responses_store_size)
+    errors = (400, *auth, 404, 413, 415, 429, 503, 504)
+
+    @app.post(
+        "/v1/responses",
+        openapi_extra=body_schema(responses_api.ResponsesRequest),
+        responses=operation_responses(responses_api.ResponseObject, errors, stream=True),
+    )
+    async def create(request: Request) -> Response:
+        svc = _service(gateway)
+        _check_json_body(request)
+        req = parse_request(responses_api.ResponsesRequest, await _read_body(request, max_body))
+        prep, turn = responses_api.prepare(svc, store, req, f"resp-{request.state.request_id}")
+        if req.stream:
+            stream = await _until_disconnect(
+                request, responses_api.open_stream(svc, store, prep, req, turn)
+            )
+            return StreamingResponse(stream, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+        result = await _until_disconnect(request, responses_api.create(svc, store, prep, req, turn))
+        return JSONResponse(result)
+
+    @app.get(
+        "/v1/responses/{response_id}",
+        response_model=responses_api.ResponseObject,
+        responses=operation_responses(None, (*auth, 404)),
+    )
+    async def retrieve(response_id: str) -> JSONResponse:
+        found = store.get(response_id)
+        if found is None:
+            raise responses_api.not_found(response_id)
+        return JSONResponse(found[0])
+
+    @app.delete(
+        "/v1/responses/{response_id}",
+        response_model=responses_api.Deleted,
+        responses=operation_responses(None, (*auth, 404)),
+    )
+    async def delete(response_id: str) -> dict[str, Any]:
+        if not store.delete(response_id):
+            raise responses_api.not_found(response_id)
+        return responses_api.Deleted(id=response_id).model_dump()
 
 
 def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:

@@ -16,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 from server.api.anthropic import CountTokensRequest, MessagesRequest
 from server.api.errors import ErrorResponse
 from server.api.requests import ChatCompletionRequest, CompletionRequest
+from server.api.responses_api import ResponsesRequest
 
 # What each error status of the API means; the OpenAPI schema lists them per operation.
 _ERRORS = {
@@ -36,6 +37,7 @@ _REQUEST_MODELS: list[type[BaseModel]] = [
     CompletionRequest,
     MessagesRequest,
     CountTokensRequest,
+    ResponsesRequest,
 ]
 
 

@@ -10,9 +10,10 @@ does with the same tool-call parser.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from server.api.responses import FinishReason
 from server.api.serving import ChoiceEvent, CompletionService, Prepared
@@ -137,3 +138,9 @@ def stop_sequence_found(service: CompletionService, prep: Prepared, outcome: Out
     text = service.codec.tokenizer.decode(outcome.token_ids, skip_special_tokens=False)
     found = [(text.find(s), -len(s), s) for s in prep.stop if s in text]
     return min(found)[2] if found else prep.stop[0]
+
+
+def named_event(kind: str, data: Mapping[str, Any]) -> bytes:
+    """One server-sent event with its name: ``event: KIND`` and ``data: <JSON>`` (the streams of
+    the Messages and Responses APIs)."""
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
