@@ -293,6 +293,8 @@ def test_keys_aliases_and_versions(fleet: Fleet) -> None:
         ({"thinking": {"type": "enabled", "budget_tokens": 4096}}, 400, "invalid_request_error", "budget_tokens"),
         ({"model": "no-such-model"}, 404, "not_found_error", "no-such-model"),
         ({"max_tokens": 10**6}, 400, "invalid_request_error", "max_tokens"),
+        ({"messages": [*USER, {"role": "assistant", "content": "The weather is"}]}, 400, "invalid_request_error", "prefill"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{"type": "char_location"}]}]}]}, 400, "invalid_request_error", "citations"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_field_in_anthropics_envelope(

@@ -245,6 +245,16 @@ class MessagesRequest(_Model):
     output_format: Any = None
     output_config: Any = None
 
+    @field_validator("messages")
+    @classmethod
+    def _ends_with_user(cls, value: list[InputMessage]) -> list[InputMessage]:
+        if value and value[-1].role == "assistant":
+            raise ValueError(
+                "the last message must be the user's: continuing a final assistant message "
+                "(prefill) is not supported"
+            )
+        return value
+
     @field_validator("system", mode="before")
     @classmethod
     def _system_text(cls, value: Any) -> Any:

@@ -106,7 +106,7 @@ class FunctionCallItem(_Model):
     def _json_object(cls, value: str) -> str:
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValueError(
                 f"arguments must be a JSON object in a string, got {short_json(value)}"
             ) from None
