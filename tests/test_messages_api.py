@@ -25,6 +25,8 @@ from tests.fleets import KEY, TINY_HERMES_TEMPLATE, Fleet, export_chat_model, lo
 pytestmark = pytest.mark.component
 
 ALIAS = "claude-sonnet-test"
+# (the SDK no longer takes the sampling fields as arguments; the API still does)
+GREEDY = {"temperature": 0}
 USER = [{"role": "user", "content": "the weather in Paris?"}]
 SCHEMA = {
     "type": "object",
@@ -79,7 +81,7 @@ def test_a_text_answer_is_the_chat_answer_token_for_token(fleet: Fleet) -> None:
         max_tokens=12,
         system="be brief",
         messages=USER,
-        temperature=0,  # type: ignore[arg-type]
+        extra_body=GREEDY,  # type: ignore[arg-type]
     )
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg_") and message.model == fleet.model
@@ -107,7 +109,9 @@ def test_a_text_answer_is_the_chat_answer_token_for_token(fleet: Fleet) -> None:
 
 def test_the_stream_has_anthropics_event_sequence_and_the_same_answer(fleet: Fleet) -> None:
     client = _client(fleet)
-    kwargs: dict[str, Any] = dict(model=fleet.model, max_tokens=12, messages=USER, temperature=0)
+    kwargs: dict[str, Any] = dict(
+        model=fleet.model, max_tokens=12, messages=USER, extra_body=GREEDY
+    )
     whole = client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as stream:
         kinds = [event.type for event in stream]
@@ -123,7 +127,7 @@ def test_the_stream_has_anthropics_event_sequence_and_the_same_answer(fleet: Fle
     # the raw stream: named events, a ping after message_start
     raw = httpx.post(
         f"{fleet.url}/v1/messages",
-        json={**kwargs, "stream": True},
+        json={"model": fleet.model, "max_tokens": 12, "messages": USER, **GREEDY, "stream": True},
         headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
         timeout=120,
     )
@@ -144,7 +148,7 @@ def test_forced_tool_use_is_valid_against_the_input_schema(fleet: Fleet, stream:
     ]:
         kwargs: dict[str, Any] = dict(
             model=fleet.model, max_tokens=60, messages=USER, tools=TOOLS, tool_choice=choice,
-            temperature=0,
+            extra_body=GREEDY,
         )  # fmt: skip
         if stream:
             with client.messages.stream(**kwargs) as events:
@@ -187,7 +191,7 @@ def test_a_tool_result_is_fed_back_through_the_template(fleet: Fleet) -> None:
     client = _client(fleet)
     counted = client.messages.count_tokens(model=fleet.model, messages=history, tools=TOOLS)
     message = client.messages.create(
-        model=fleet.model, max_tokens=8, messages=history, tools=TOOLS, temperature=0
+        model=fleet.model, max_tokens=8, messages=history, tools=TOOLS, extra_body=GREEDY
     )
     chat_tools = [
         {"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"],
@@ -227,13 +231,15 @@ def test_a_tool_result_is_fed_back_through_the_template(fleet: Fleet) -> None:
 
 def test_a_stop_sequence_ends_the_answer_and_is_named(fleet: Fleet) -> None:
     client = _client(fleet)
-    free = client.messages.create(model=fleet.model, max_tokens=16, messages=USER, temperature=0)  # type: ignore[arg-type]
+    free = client.messages.create(
+        model=fleet.model, max_tokens=16, messages=USER, extra_body=GREEDY
+    )  # type: ignore[arg-type]
     text = "".join(b.text for b in free.content if b.type == "text")
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     if len(stop) < 2 or not stop.strip():
         pytest.skip(f"the greedy answer {text!r} has no stop sequence to cut at")
     cut = client.messages.create(
-        model=fleet.model, max_tokens=16, messages=USER, temperature=0,  # type: ignore[arg-type]
+        model=fleet.model, max_tokens=16, messages=USER, extra_body=GREEDY,  # type: ignore[arg-type]
         stop_sequences=["never written §", stop],
     )  # fmt: skip
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop

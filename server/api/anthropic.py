@@ -238,6 +238,7 @@ class MessagesRequest(_Model):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     metadata: Metadata | None = None  # an end-user id for the client's own use: no effect
+    cache_control: CacheControl | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
     mcp_servers: Any = None
     container: Any = None
