@@ -105,6 +105,9 @@ def test_a_text_answer_is_the_chat_answer_token_for_token(fleet: Fleet) -> None:
     assert prompt == chat.usage.prompt_tokens
     counted = client.messages.count_tokens(model=fleet.model, system="be brief", messages=USER)  # type: ignore[arg-type]
     assert counted.input_tokens == prompt
+    # the JSON itself validates as the SDK's Message type (the client does not validate)
+    raw = _post(fleet, {"model": fleet.model, "max_tokens": 4, "messages": USER})
+    anthropic.types.Message.model_validate(raw.json())
 
 
 def test_the_stream_has_anthropics_event_sequence_and_the_same_answer(fleet: Fleet) -> None:

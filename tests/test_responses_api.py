@@ -19,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response
 
 from tests.fleets import KEY, TINY_HERMES_TEMPLATE, Fleet, export_chat_model, local_gateway
 
@@ -108,6 +109,9 @@ def test_a_text_answer_is_the_chat_answer_token_for_token(fleet: Fleet) -> None:
         assert response.incomplete_details.reason == "max_output_tokens"
         assert response.usage.output_tokens == 12
     assert response.instructions == "be brief" and response.max_output_tokens == 12
+    # the JSON itself validates as the SDK's Response type (the client does not validate)
+    raw = _post(fleet, {"model": fleet.model, "input": QUESTION, "max_output_tokens": 4})
+    Response.model_validate(raw.json())
 
 
 def test_the_stream_has_the_documented_event_sequence(fleet: Fleet) -> None:

@@ -547,7 +547,8 @@ def _id(prefix: str) -> str:
 def _usage(outcome: Outcome) -> dict[str, Any]:
     return {
         "input_tokens": outcome.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+        # (no prompt is written to a cache on request here: the prefix cache keeps them all)
+        "input_tokens_details": {"cached_tokens": outcome.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": outcome.output_tokens,
         "output_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens},
         "total_tokens": outcome.prompt_tokens + outcome.output_tokens,
