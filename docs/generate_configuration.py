@@ -104,6 +104,7 @@ SEE = {
     ("gateway", "ring_decode_batched"): "scheduling.md#the-ring-decodes-on-its-own",
     ("gateway", "resume_grace"): "failures.md",
     ("gateway", "shutdown_grace"): "failures.md",
+    ("gateway", "reasoning_parser"): "api.md#reasoning",
     ("gateway", "draft"): "scheduling.md#speculative-decoding",
     ("gateway", "speculation"): "scheduling.md#speculative-decoding",
     ("gateway", "spec_k"): "scheduling.md#adaptive-k",

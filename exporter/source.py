@@ -63,7 +63,12 @@ class ModelSource:
         try:
             config = AutoConfig.from_pretrained(where, local_files_only=True, **extra)
         except (OSError, ValueError, KeyError) as exc:
-            raise ExportError(f"cannot read the model config of {self.path}: {exc}") from exc
+            if not self._refused(exc):
+                raise ExportError(f"cannot read the model config of {self.path}: {exc}") from exc
+            from exporter.gguf_reader import read_config
+
+            config = AutoConfig.for_model(**read_config(self.path))
+            config._name_or_path = where
         if cached is not None:
             from exporter.default_models import write_cache_file
 
@@ -73,6 +78,16 @@ class ModelSource:
             except OSError as exc:
                 log.debug("cannot cache %s: %s", cached, exc)
         return config
+
+    def _refused(self, exc: Exception) -> bool:
+        """transformers' GGUF loader has no mapping for the file's architecture (glm4moe,
+        gpt-oss, qwen35, ...): its config and tokenizer come from exporter.gguf_reader
+        instead. The architectures it reads keep its reading."""
+        return (
+            self.kind == "gguf"
+            and isinstance(exc, ValueError)
+            and "is not supported yet" in str(exc)
+        )
 
     def _cached_path(self, kind: str, suffix: str = "") -> Path | None:
         """Where something read from this GGUF is cached: keyed by its content hash (or, where
@@ -120,7 +135,11 @@ class ModelSource:
         try:
             tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ExportError(f"cannot load a tokenizer from {self.path}: {exc}") from exc
+            if not self._refused(exc):
+                raise ExportError(f"cannot load a tokenizer from {self.path}: {exc}") from exc
+            from exporter.gguf_reader import read_tokenizer
+
+            tokenizer = read_tokenizer(self.path)
         if cached is not None:
             _cache_tokenizer(tokenizer, cached)
         return tokenizer

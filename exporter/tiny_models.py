@@ -163,6 +163,19 @@ CHAT_TEMPLATE = (
 )
 
 
+# A chat template that opens a <think> block for the answer, as the templates of Qwen3's
+# thinking models, QwQ and DeepSeek-R1 distills do; with enable_thinking false it writes an
+# empty block, closed, as Qwen3's does. It offers tools as Hermes templates do (<tool_call>).
+THINK_TEMPLATE = (
+    "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') "
+    "| join(', ') }}; call one as <tool_call>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
 def make_model(
     arch: str,
     folder: Path,

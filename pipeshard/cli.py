@@ -330,6 +330,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="on SIGTERM/Ctrl-C: seconds requests in flight get to finish before they end "
         "with 503 / an error event ({default})",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["auto", "none", "think", "harmony"],
+        help="how the model's reasoning is split from its answer (reasoning_content): "
+        "<think> blocks, gpt-oss's harmony channels, none (all is content); auto, the "
+        "default: read from the chat template or the architecture",
+    )
     p.add_argument("--draft", type=Path, help="draft export folder: speculative decoding")
     p.add_argument(
         "--speculation",

@@ -168,6 +168,14 @@ class GatewaySettings(BaseSettings):
         "flight get to finish; then the rest end with 503 / an error event (code "
         "server_shutting_down), so the stop never hangs on a long generation",
     )
+    reasoning_parser: Literal["auto", "none", "think", "harmony"] = Field(
+        default="auto",
+        description="how the model's reasoning is split from its answer "
+        "(message.reasoning_content): think (<think>...</think>, opened by the model or by "
+        "the chat template), harmony (gpt-oss's analysis / final / commentary channels), "
+        "none (everything is content); auto: read from the chat template, else the "
+        "architecture",
+    )
     draft: Path | None = Field(
         default=None, description="draft export folder (export/draft) for speculative decoding"
     )

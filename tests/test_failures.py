@@ -469,7 +469,7 @@ def test_a_gateway_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> Non
 
     _, out, code = serve("--start-timeout", "2")
     assert code == 3 and "Traceback" not in out, out
-    assert re.search(r"ERROR server\.app: cannot start: stage 0 at \S+ is missing", out), out
+    assert re.search(r"ERROR server\.api\.app: cannot start: stage 0 at \S+ is missing", out), out
     not_an_export = tmp_path / "not-an-export"
     not_an_export.mkdir()
     elapsed, out, code = serve("--start-timeout", "60", "--draft", str(not_an_export))

@@ -29,6 +29,7 @@ from pydantic import (
 
 from server.api.errors import APIError, anthropic_error, short_json
 from server.api.output import Outcome, Piece, merged, named_event, read_pieces, stop_sequence_found
+from server.api.reasoning import template_reads
 from server.api.requests import (
     FUNCTION_NAME_PATTERN,
     INT32_MAX,
@@ -398,9 +399,10 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
+def to_chat(req: MessagesRequest, template: Any = None) -> ChatCompletionRequest:
     """The chat request the service prepares (stop sequences are set on the prepared request:
-    Anthropic takes more than chat's four)."""
+    Anthropic takes more than chat's four). ``thinking`` switches the ``template``'s
+    ``enable_thinking`` where it has one (Qwen3's)."""
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
     if req.max_tokens is not None:
         body["max_tokens"] = req.max_tokens
@@ -430,13 +432,13 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
                 ]
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
-    if req.thinking is not None and "chat_template_kwargs" in ChatCompletionRequest.model_fields:
+    if req.thinking is not None and template_reads(template, "enable_thinking"):
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     return parse_request(ChatCompletionRequest, body)
 
 
 def prepare(service: CompletionService, req: MessagesRequest, request_id: str) -> Prepared:
-    prep = service.prepare(to_chat(req), request_id)
+    prep = service.prepare(to_chat(req, service.codec.chat_template), request_id)
     prep.stop = list(req.stop_sequences or ())
     return prep
 
@@ -447,7 +449,7 @@ class TokenCount(BaseModel):
 
 def count_tokens(service: CompletionService, req: CountTokensRequest) -> dict[str, int]:
     """``{"input_tokens": N}``: the prompt's tokens, tools included, as generation counts them."""
-    prep = service.prepare(to_chat(req), "count")
+    prep = service.prepare(to_chat(req, service.codec.chat_template), "count")
     return TokenCount(input_tokens=len(prep.generation.prompt_ids)).model_dump()
 
 

@@ -297,8 +297,17 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
     )
     model = settings.model_name or manifest.model.model_id
     gateway.service = CompletionService(
-        engine, codec, model, context, gateway.metrics, aliases=settings.model_aliases
+        engine,
+        codec,
+        model,
+        context,
+        gateway.metrics,
+        reasoning_parser=settings.reasoning_parser,
+        architecture=manifest.model.architecture,
+        aliases=settings.model_aliases,
     )
+    if gateway.service.reasoning != "none":
+        log.info("reasoning parser: %s", gateway.service.reasoning)
     gateway.created = int(time.time())
     return engine, model, manifest.num_stages
 

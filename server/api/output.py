@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from server.api.responses import FinishReason
-from server.api.serving import ChoiceEvent, CompletionService, Prepared
+from server.api.serving import ChoiceEvent, ChoiceTally, CompletionService, Prepared
 from server.api.tools import ParsedToolCall, ToolCallParser
 
 PieceKind = Literal["reasoning", "text", "call"]
@@ -38,7 +38,7 @@ class Outcome:
     prompt_tokens: int
     finish: FinishReason = "length"
     output_tokens: int = 0
-    reasoning_tokens: int = 0  # tokens that carried reasoning (and no answer text)
+    reasoning_tokens: int = 0  # tokens of the reasoning (its tags included)
     cached_tokens: int = 0  # prompt tokens taken from the stages' prefix cache
     eos: bool = False  # the model ended its answer (not a stop sequence, not the limit)
     calls: int = 0
@@ -53,6 +53,7 @@ class OutputReader:
 
     service: CompletionService
     prep: Prepared
+    tally: ChoiceTally = field(default_factory=ChoiceTally)  # counted by the service
     outcome: Outcome = field(init=False)
     _parser: ToolCallParser | None = field(init=False, default=None)
 
@@ -69,8 +70,7 @@ class OutputReader:
             out.token_ids.append(event.token.token_id)
             if event.token.token_id in self.service.engine.eos_ids:
                 out.eos = True
-            elif event.reasoning and not event.text:
-                out.reasoning_tokens += 1
+        out.reasoning_tokens = self.tally.reasoning_tokens
         if event.reasoning:
             pieces.append(Piece("reasoning", event.reasoning))
         out.text += event.text
@@ -103,8 +103,8 @@ async def read_pieces(
     """Start the generation (errors before any output raise here, as :class:`APIError`) and
     return the reader and the pieces of each event; the reader's ``outcome`` is complete once
     the iteration ends. Leaving the iteration early ends the generation."""
-    events = await service.open_events(prep)
     reader = OutputReader(service, prep)
+    events = await service.open_events(prep, reader.tally)
     return reader, _pieces(reader, events)
 
 

@@ -338,6 +338,27 @@ class MessageToolCall(_Request):
     function: MessageFunctionCall
 
 
+# apply_chat_template's own arguments (and what the gateway renders with): not template variables
+RENDER_ARGUMENTS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
+
 ROLES_WITH_CONTENT = ("system", "user", "developer", "tool")
 
 
@@ -516,6 +537,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
+    # Variables for the chat template (e.g. {"enable_thinking": false}); each must be one the
+    # template reads (checked by the service, which has the template).
+    chat_template_kwargs: JsonSchemaObject | None = None
+    # The template's reasoning_effort variable (gpt-oss); a 400 where the template has none.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # The deprecated forms of tools: refused with a pointer to tools (not in the schema).
     functions: SkipJsonSchema[Any] = None
     function_call: SkipJsonSchema[Any] = None
@@ -558,6 +584,24 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError(
                     f"tool_choice names {value.function.name!r}, which is not among the tools"
                 )
+        return value
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"chat_template_kwargs must be a JSON object of template variables, "
+                f"got {short_json(value)}"
+            )
+        taken = sorted(set(value) & RENDER_ARGUMENTS)
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs may not set {taken[0]!r}: the request sets it "
+                "(messages, tools and the generation prompt come from the request)"
+            )
         return value
 
     @field_validator("functions", "function_call")

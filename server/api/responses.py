@@ -49,19 +49,38 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    # completion tokens of the model's reasoning (its end tag included), not of its answer
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
+    """``completion_tokens_details`` only where the model reasons (a reasoning parser runs)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=_is_none
+    )
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+        reasoning_tokens: int | None = None,
+    ) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=None
+            if reasoning_tokens is None
+            else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
         )
 
 
@@ -117,10 +136,12 @@ class ToolCall(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     """The answer; ``tool_calls`` is there only when the model called tools (then ``content``
-    is the text outside the calls, or null)."""
+    is the text outside the calls, or null); ``reasoning_content`` only where the model
+    reasons (its thinking, never in ``content``; null when it wrote none)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
     refusal: None = None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
@@ -162,6 +183,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -35,6 +35,7 @@ from pydantic import (
 
 from server.api.errors import APIError, short_json
 from server.api.output import Outcome, Piece, merged, named_event, read_pieces
+from server.api.reasoning import template_reads
 from server.api.requests import (
     FUNCTION_NAME_PATTERN,
     INT32_MAX,
@@ -426,6 +427,16 @@ def output_conversation(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [message]
 
 
+# reasoning.effort as a template's reasoning_effort (gpt-oss's: low, medium, high)
+_EFFORTS = {
+    "none": "low",
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+}
+
 # chat-completions parameters and the Responses API's names for them
 _PARAMS = {
     "max_tokens": "max_output_tokens",
@@ -508,8 +519,11 @@ def prepare(
             }
         body["response_format"] = response_format
     effort = req.reasoning.effort if req.reasoning is not None else None
-    if effort is not None and "reasoning_effort" in ChatCompletionRequest.model_fields:
-        body["reasoning_effort"] = effort
+    template = service.codec.chat_template
+    if effort is not None and template_reads(template, "reasoning_effort"):
+        body["reasoning_effort"] = _EFFORTS[effort]
+    elif effort == "none" and template_reads(template, "enable_thinking"):
+        body["chat_template_kwargs"] = {"enable_thinking": False}
     try:
         chat = parse_request(ChatCompletionRequest, body)
         return service.prepare(chat, request_id), turn

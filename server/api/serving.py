@@ -14,10 +14,18 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from protos.sampling import SampledToken
 from server.api.detokenizer import IncrementalDetokenizer
 from server.api.errors import APIError
+from server.api.reasoning import (
+    choose_reasoning,
+    closed_by_prompt,
+    make_parser,
+    opened_by_prompt,
+    template_reads,
+)
 from server.api.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +53,7 @@ from server.api.responses import (
 from server.api.sse import (
     chat_content_chunk,
     chat_final_chunk,
+    chat_reasoning_chunk,
     chat_tool_call_chunks,
     chat_usage_chunk,
     completion_final_chunk,
@@ -65,7 +74,13 @@ from server.api.tools import (
     parse_tool_calls,
     template_tools,
 )
-from server.engine.constraints import Constraint, ConstraintError, constraint_for
+from server.engine.constraints import (
+    Constraint,
+    ConstraintError,
+    after_analysis,
+    after_reasoning,
+    constraint_for,
+)
 from server.engine.loop import (
     Engine,
     GenerationRequest,
@@ -125,6 +140,8 @@ def generation_api_error(exc: BaseException) -> APIError | None:
 class ChoiceResult:
     index: int
     text: str = ""
+    reasoning: str = ""  # the model's thinking (chat with a reasoning parser)
+    reasoning_tokens: int = 0
     finish_reason: FinishReason = "length"
     tokens: int = 0
     cached_tokens: int = 0  # prompt positions taken from the stages' prefix cache
@@ -164,6 +181,8 @@ class Prepared:
     include_usage: bool
     chat: bool
     tools: ToolParsing | None = None
+    reasoning: str = "none"  # the reasoning parser (server/api/reasoning.py); none: all is text
+    thinking_open: bool = False  # the prompt ends inside a <think> the template opened
 
 
 @dataclass
@@ -176,6 +195,13 @@ class ChoiceEvent:
     reasoning: str = ""  # reasoning text in this piece (the model's thinking), never in text
 
 
+@dataclass
+class ChoiceTally:
+    """What a choice's event stream counts beside its events."""
+
+    reasoning_tokens: int = 0  # generated tokens of the reasoning (its tags included)
+
+
 class CompletionService:
     def __init__(
         self,
@@ -184,6 +210,8 @@ class CompletionService:
         model: str,
         max_context: int,
         metrics: GatewayMetrics,
+        reasoning_parser: str = "auto",
+        architecture: str = "",
         aliases: Sequence[str] = (),
     ) -> None:
         self.engine = engine
@@ -193,6 +221,8 @@ class CompletionService:
         self.max_context = max_context
         self.metrics = metrics
         self.tool_format = detect_tool_format(codec.chat_template)
+        # how chat output is split into reasoning and answer (the setting, or the template's)
+        self.reasoning = choose_reasoning(reasoning_parser, codec.chat_template, architecture)
         self._vocab: dict[str, int] | None = None
 
     def _constraint(self, req: ChatCompletionRequest, mode: str | None) -> Constraint | None:
@@ -212,6 +242,30 @@ class CompletionService:
         """Whether ``model`` names the served model (its id or one of its aliases)."""
         return model == self.model or model in self.aliases
 
+    def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """The template variables a request sets (``chat_template_kwargs``, ``reasoning_effort``),
+        each one the template reads, or a 400 naming the field."""
+        template = self.codec.chat_template
+        kwargs = dict(req.chat_template_kwargs or {})
+        unread = [key for key in kwargs if not template_reads(template, key)]
+        if unread:
+            raise APIError(
+                400,
+                f"Invalid value for 'chat_template_kwargs': the chat template of '{self.model}' "
+                f"does not use the variable {unread[0]!r}.",
+                param="chat_template_kwargs",
+            )
+        if req.reasoning_effort is not None:
+            if not template_reads(template, "reasoning_effort"):
+                raise APIError(
+                    400,
+                    f"The model '{self.model}' cannot honour 'reasoning_effort': its chat "
+                    "template takes no reasoning effort.",
+                    param="reasoning_effort",
+                )
+            kwargs["reasoning_effort"] = req.reasoning_effort
+        return kwargs
+
     # -- preparing ------------------------------------------------------------------------
     def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> Prepared:
         if not self.serves(req.model):
@@ -224,6 +278,7 @@ class CompletionService:
         chat = isinstance(req, ChatCompletionRequest)
         constraint: Constraint | None = None
         tools: ToolParsing | None = None
+        reasoning, thinking_open = "none", False
         if isinstance(req, ChatCompletionRequest):
             mode = req.tool_mode()
             if mode is not None:
@@ -239,12 +294,28 @@ class CompletionService:
             fmt = self.tool_format
             messages = template_messages(req.messages, fmt.call_id if fmt else None)
             offered = template_tools(req.tools or ()) if mode is not None else None
+            kwargs = self._template_kwargs(req)
             try:
-                prompt = self.codec.chat_prompt(messages, tools=offered)
+                text = self.codec.chat_text(messages, tools=offered, template_kwargs=kwargs)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
+            prompt = self.codec.encode_rendered(text)
+            reasoning = self.reasoning
+            thinking_open = reasoning == "think" and opened_by_prompt(text)
             logprobs = bool(req.logprobs)
             constraint = self._constraint(req, mode)
+            if constraint is not None and reasoning != "none":
+                # free inside the reasoning, constrained from its end
+                try:
+                    if reasoning == "harmony":
+                        constraint = after_analysis(constraint)
+                    elif not closed_by_prompt(text):
+                        constraint = after_reasoning(constraint, thinking_open)
+                except ConstraintError as exc:
+                    param = "tools" if constraint.kind == "tool_call" else "response_format"
+                    raise APIError(
+                        400, f"Invalid value for '{param}': {exc}", param=param
+                    ) from None
         else:
             if isinstance(req.prompt, str):
                 prompt = self.codec.encode(req.prompt)
@@ -291,13 +362,23 @@ class CompletionService:
             include_usage=include_usage(req),
             chat=chat,
             tools=tools,
+            reasoning=reasoning,
+            thinking_open=thinking_open,
         )
 
     # -- generating one choice --------------------------------------------------------------
-    async def _choice_events(self, prep: Prepared, index: int) -> AsyncGenerator[ChoiceEvent, None]:
-        """Text pieces of one choice as they become safe to emit, then its finish reason."""
-        # (a tool format whose call marker is a special token needs it in the text)
-        keep_special = prep.tools is not None and prep.tools.format.keep_special_tokens
+    async def _choice_events(
+        self, prep: Prepared, index: int, tally: ChoiceTally | None = None
+    ) -> AsyncGenerator[ChoiceEvent, None]:
+        """Text pieces of one choice as they become safe to emit (the answer in ``text``, the
+        reasoning in ``reasoning``), then its finish reason; ``tally`` counts its reasoning
+        tokens."""
+        parser = make_parser(prep.reasoning, prep.thinking_open)
+        # (a tool format whose call marker is a special token needs it in the text; so do
+        # harmony's channels)
+        keep_special = parser.keeps_special or (
+            prep.tools is not None and prep.tools.format.keep_special_tokens
+        )
         detok = IncrementalDetokenizer(
             self.codec.tokenizer,
             prep.generation.prompt_ids,
@@ -325,15 +406,25 @@ class CompletionService:
                         finish = "stop"
                         yield ChoiceEvent(index, "", token)  # counted in usage, no text
                         break
-                    piece = detok.add(token.token_id)
-                    yield ChoiceEvent(index, piece, token)
+                    thought, piece = parser.feed(detok.add(token.token_id))
+                    if tally is not None:
+                        tally.reasoning_tokens = parser.tokens
+                    yield ChoiceEvent(index, piece, token, reasoning=thought)
                     if detok.stopped:
                         finish = "stop"
                         break
                 # Inside the block: the answer goes out before the sessions are released.
-                tail = "" if detok.stopped else detok.finish()
+                thought, tail = parser.feed("" if detok.stopped else detok.finish())
+                more_thought, more_tail = parser.finish()
                 outcome = finish
-                yield ChoiceEvent(index, tail, None, finish, stats.cached_tokens)
+                yield ChoiceEvent(
+                    index,
+                    tail + more_tail,
+                    None,
+                    finish,
+                    stats.cached_tokens,
+                    reasoning=thought + more_thought,
+                )
         except (asyncio.CancelledError, GeneratorExit):
             outcome = outcome or "cancelled"  # the client left (or the request was cancelled)
             raise
@@ -379,9 +470,12 @@ class CompletionService:
 
     async def _run_choice(self, prep: Prepared, index: int) -> ChoiceResult:
         result = ChoiceResult(index)
-        async for event in self._choice_events(prep, index):
+        tally = ChoiceTally()
+        async for event in self._choice_events(prep, index, tally):
             self._record(prep, result, event)
             result.text += event.text
+            result.reasoning += event.reasoning
+            result.reasoning_tokens = tally.reasoning_tokens
             if event.finish_reason:
                 result.finish_reason = event.finish_reason
                 result.cached_tokens = event.cached_tokens
@@ -399,11 +493,7 @@ class CompletionService:
             if error is None:
                 raise
             raise error from exc
-        usage = Usage.of(
-            len(prep.generation.prompt_ids) * prep.generation.n,
-            sum(r.tokens for r in results),
-            sum(r.cached_tokens for r in results),
-        )
+        usage = self._usage(prep, results)
         if prep.chat:
             return ChatCompletion(
                 id=prep.request_id,
@@ -441,29 +531,49 @@ class CompletionService:
         )
 
     @staticmethod
+    def _usage(prep: Prepared, results: list[ChoiceResult]) -> Usage:
+        """Usage of all choices; with reasoning, ``completion_tokens_details.reasoning_tokens``."""
+        return Usage.of(
+            len(prep.generation.prompt_ids) * prep.generation.n,
+            sum(r.tokens for r in results),
+            sum(r.cached_tokens for r in results),
+            sum(r.reasoning_tokens for r in results) if prep.reasoning != "none" else None,
+        )
+
+    @staticmethod
     def _message(prep: Prepared, result: ChoiceResult) -> tuple[ChatResponseMessage, FinishReason]:
-        """A whole choice's message (its tool calls read from its text) and finish reason."""
+        """A whole choice's message (its tool calls read from its answer, never from its
+        reasoning) and finish reason."""
+        thought = result.reasoning or None
         if prep.tools is None:
-            return ChatResponseMessage(content=result.text), result.finish_reason
+            message = ChatResponseMessage(content=result.text, reasoning_content=thought)
+            return message, result.finish_reason
         content, calls = parse_tool_calls(result.text, prep.tools.format, prep.tools.parallel)
         if not calls:
-            return ChatResponseMessage(content=content), result.finish_reason
+            return ChatResponseMessage(
+                content=content, reasoning_content=thought
+            ), result.finish_reason
         message = ChatResponseMessage(
-            content=content or None, tool_calls=[_tool_call(call) for call in calls]
+            content=content or None,
+            reasoning_content=thought,
+            tool_calls=[_tool_call(call) for call in calls],
         )
         return message, _finish_with_calls(result.finish_reason, len(calls))
 
     # -- the events of one choice, for the other API dialects ---------------------------------
-    async def open_events(self, prep: Prepared) -> AsyncGenerator[ChoiceEvent, None]:
+    async def open_events(
+        self, prep: Prepared, tally: ChoiceTally | None = None
+    ) -> AsyncGenerator[ChoiceEvent, None]:
         """The events of a one-choice request (its text pieces, then its finish reason), for
         an API that shapes its own answer (server/api/anthropic.py, responses_api.py). The
         first event is awaited here, so a failure before any output (a full queue, a stage
         down) is raised as an :class:`APIError` by this call; a later one is raised as one
-        by the iteration. Close the generator to end the generation early."""
+        by the iteration. Close the generator to end the generation early; ``tally`` counts
+        its reasoning tokens."""
         if prep.generation.n != 1:
             raise ValueError("open_events serves one choice")
         self.metrics.prompt_tokens.inc(len(prep.generation.prompt_ids))
-        stream = self._choice_events(prep, 0)
+        stream = self._choice_events(prep, 0, tally)
         try:
             first = await anext(stream)
         except BaseException as exc:
@@ -495,7 +605,8 @@ class CompletionService:
         """Start every choice and wait for its first event, so that errors before any output
         are raised here (and become plain HTTP errors); then return the SSE byte stream."""
         self.metrics.prompt_tokens.inc(len(prep.generation.prompt_ids) * prep.generation.n)
-        streams = [self._choice_events(prep, i) for i in range(prep.generation.n)]
+        tallies = [ChoiceTally() for _ in range(prep.generation.n)]
+        streams = [self._choice_events(prep, i, t) for i, t in enumerate(tallies)]
         firsts: list[ChoiceEvent] = []
         try:
             for stream in streams:
@@ -507,13 +618,14 @@ class CompletionService:
             if error is not None:
                 raise error from exc
             raise
-        return self._sse(prep, streams, firsts)
+        return self._sse(prep, streams, firsts, tallies)
 
     async def _sse(
         self,
         prep: Prepared,
         streams: list[AsyncGenerator[ChoiceEvent, None]],
         firsts: list[ChoiceEvent],
+        tallies: list[ChoiceTally],
     ) -> AsyncIterator[bytes]:
         queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
@@ -559,11 +671,9 @@ class CompletionService:
                 for chunk in self._chunks(prep, results[item.index], item):
                     yield chunk
             if prep.include_usage:
-                usage = Usage.of(
-                    len(prep.generation.prompt_ids) * prep.generation.n,
-                    sum(r.tokens for r in results),
-                    sum(r.cached_tokens for r in results),
-                )
+                for result, tally in zip(results, tallies, strict=True):
+                    result.reasoning_tokens = tally.reasoning_tokens
+                usage = self._usage(prep, results)
                 make = chat_usage_chunk if prep.chat else completion_usage_chunk
                 yield sse_event(make(prep.request_id, prep.created, prep.model, usage))
             yield sse_done()
@@ -583,6 +693,10 @@ class CompletionService:
             out.extend(self._tool_chunks(prep, result, event, before))
         elif prep.chat:
             new_lp = result.chat_logprobs[before:] if prep.logprobs else None
+            if event.reasoning:  # the tokens' logprobs go with the first piece of their text
+                with_lp, new_lp = new_lp or None, None
+                chunk = chat_reasoning_chunk(*ident, event.reasoning, event.index, with_lp)
+                out.append(sse_event(chunk))
             if event.text or new_lp:
                 out.append(
                     sse_event(
@@ -618,6 +732,7 @@ class CompletionService:
             elif event.text or piece:
                 out.append(sse_event(completion_text_chunk(*ident, event.text, event.index, piece)))
         result.text += event.text
+        result.reasoning += event.reasoning
         return out
 
     def _tool_chunks(
@@ -629,11 +744,14 @@ class CompletionService:
         if result.parser is None:
             result.parser = prep.tools.parser()
         ident = (prep.request_id, prep.created, prep.model)
-        events = result.parser.feed(event.text)
+        events = result.parser.feed(event.text)  # the answer only: calls come after reasoning
         if event.finish_reason:
             events += result.parser.finish()
         new_lp = result.chat_logprobs[before:] if prep.logprobs else []
         out: list[bytes] = []
+        if event.reasoning:  # the tokens' logprobs go with the first piece of their text
+            lp, new_lp = new_lp or None, []
+            out.append(sse_event(chat_reasoning_chunk(*ident, event.reasoning, event.index, lp)))
         for item in events:
             if isinstance(item, ParsedToolCall):
                 chunks = chat_tool_call_chunks(

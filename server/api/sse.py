@@ -6,8 +6,8 @@ inside strings are escaped by JSON, so an event never spans lines.
 
 A chat stream for one choice is::
 
-    first_chat_chunk -> (chat_content_chunk | chat_tool_call_chunks)* -> chat_final_chunk
-    -> [chat_usage_chunk] -> [DONE]
+    first_chat_chunk -> (chat_reasoning_chunk | chat_content_chunk | chat_tool_call_chunks)*
+    -> chat_final_chunk -> [chat_usage_chunk] -> [DONE]
 
 (the usage chunk only with ``stream_options.include_usage``); a legacy completion stream is
 ``completion_text_chunk* -> completion_final_chunk -> [completion_usage_chunk] -> [DONE]``.
@@ -45,6 +45,7 @@ __all__ = [
     "SSE_MEDIA_TYPE",
     "chat_content_chunk",
     "chat_final_chunk",
+    "chat_reasoning_chunk",
     "chat_tool_call_chunks",
     "chat_usage_chunk",
     "completion_final_chunk",
@@ -117,6 +118,24 @@ def chat_content_chunk(
     choice = ChatChunkChoice(
         index=index,
         delta=ChatDelta(content=content),
+        logprobs=None if logprobs is None else ChatChoiceLogprobs(content=logprobs),
+    )
+    return _chat_chunk(id, created, model, [choice])
+
+
+def chat_reasoning_chunk(
+    id: str,
+    created: int,
+    model: str,
+    reasoning: str,
+    index: int = 0,
+    logprobs: list[ChatTokenLogprob] | None = None,
+) -> ChatCompletionChunk:
+    """The model's reasoning in ``delta.reasoning_content`` (never in ``content``), with the
+    logprobs of the tokens it came from if asked for."""
+    choice = ChatChunkChoice(
+        index=index,
+        delta=ChatDelta(reasoning_content=reasoning),
         logprobs=None if logprobs is None else ChatChoiceLogprobs(content=logprobs),
     )
     return _chat_chunk(id, created, model, [choice])

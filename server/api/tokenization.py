@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,23 @@ class TextCodec:
     vocab_size: int  # the model's (logits) vocabulary, read once: the tokenizer's call is slow
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt's token ids: ``messages`` (and the offered ``tools``, as
-        ``[{"type": "function", "function": {...}}]``) through the chat template.
+        """The prompt's token ids: :meth:`chat_text` encoded."""
+        return self.encode_rendered(self.chat_text(messages, tools, template_kwargs))
+
+    def chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The rendered prompt: ``messages`` (and the offered ``tools``, as
+        ``[{"type": "function", "function": {...}}]``) through the chat template, with
+        ``template_kwargs`` as template variables (``{"enable_thinking": False}``).
 
         A template that refuses the messages (its ``raise_exception``, e.g. a model that takes
         one tool call per message) or fails on them is a ValueError with its reason.
@@ -57,13 +71,21 @@ class TextCodec:
         from jinja2 import TemplateError
 
         try:
-            text = self.chat.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+            text: str = self.chat.apply_chat_template(
+                messages,
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
+                **dict(template_kwargs or {}),
             )
         except TemplateError as exc:
             raise ValueError(f"the model's chat template refused the messages: {exc}") from None
         except (TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"the model's chat template failed on the messages: {exc}") from None
+        return text
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt (its special tokens are in the text)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     @property

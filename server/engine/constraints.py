@@ -112,6 +112,68 @@ def tool_call_constraint(
     return Constraint(grammar, "tool_call")
 
 
+def after_reasoning(
+    answer: Constraint, opened: bool, think_tokens: int | None = None
+) -> Constraint:
+    """``answer``, applied once the model's reasoning has ended: ``<think>`` (unless the
+    template opened it already: then the output starts inside it), free text (no special
+    token) up to the first ``</think>``, up to 4 white-space characters, then the answer's
+    grammar. Without an opened think the model may also answer at once.
+
+    ``think_tokens``: the reasoning is exactly that many tokens, then ``</think>`` is forced
+    (for a test that needs the reasoning to end at a chosen point).
+    """
+    if think_tokens is None:
+        think = 'think[lazy]: THINK_TEXT "</think>"'  # the shortest text up to the end tag
+    else:
+        think = (
+            f'think: think_text "</think>"\nthink_text[max_tokens={int(think_tokens)}]: THINK_TEXT'
+        )
+    head = "think" if opened else '("<think>" think)?'
+    lark = "\n".join(
+        [
+            "%llguidance {}",
+            f"start: {head} SEP? @answer",
+            think,
+            r"THINK_TEXT: /(.|\n)*/",
+            r"SEP: /[ \t\r\n]{1,4}/",
+        ]
+    )
+    return _before_answer(lark, answer)
+
+
+def after_analysis(answer: Constraint) -> Constraint:
+    """``answer``, applied in the ``final`` channel of a harmony model (gpt-oss): first, if the
+    model wants, an ``analysis`` message (free text, no special token, up to ``<|end|>``),
+    then ``<|channel|>final<|message|>`` and the answer's grammar. The markup is the model's
+    special tokens, by name."""
+    lark = "\n".join(
+        [
+            "%llguidance {}",
+            'start: analysis? <|channel|> "final" <|message|> @answer',
+            'analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"',
+            r"TEXT: /(.|\n)*/",
+        ]
+    )
+    return _before_answer(lark, answer)
+
+
+def _before_answer(lark: str, answer: Constraint) -> Constraint:
+    """A grammar set: ``lark`` (which refers to ``@answer``), and ``answer``'s grammar."""
+    import llguidance
+
+    if answer.grammar.lstrip().startswith("{"):  # a grammar set (JSON schemas)
+        parts = json.loads(answer.grammar)["grammars"]
+    else:  # a Lark grammar
+        parts = [{"lark_grammar": answer.grammar}]
+    parts = [{**parts[0], "name": "answer"}, *parts[1:]]
+    grammar = json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": lark}, *parts]})
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ConstraintError(f"the grammar cannot follow the reasoning: {error}")
+    return Constraint(grammar, answer.kind)
+
+
 def constraint_for(
     req: Any, tool_format: Any, vocab: dict[str, int] | None = None
 ) -> Constraint | None:
