@@ -40,6 +40,7 @@ STAGE_FLAGS = {
 }
 GATEWAY_FLAGS = {
     "api_keys": "--api-key KEY (repeatable)",
+    "model_aliases": "--model-alias NAME (repeatable)",
     "batching": "--batching / --no-batching",
     "prefix_cache": "--prefix-cache / --no-prefix-cache",
 }
@@ -50,6 +51,7 @@ ENV_FORMS = {
     ("stage", "ov_properties"): 'a JSON object, e.g. `{"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}`',
     ("gateway", "stages"): "comma-separated",
     ("gateway", "api_keys"): "comma-separated",
+    ("gateway", "model_aliases"): "comma-separated",
 }
 # Where each setting is explained at length (page#anchor under docs/).
 SEE = {

@@ -239,6 +239,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", help="HTTP HOST:PORT (default {default})")
     p.add_argument("--api-key", dest="api_keys", action="append", help="accepted key (repeat)")
     p.add_argument("--model-name", help="model id to serve (default: the export's)")
+    p.add_argument(
+        "--model-alias",
+        dest="model_aliases",
+        action="append",
+        help="another model name requests may give (repeat; e.g. the names Claude Code sends)",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        help="/v1/responses kept for previous_response_id ({default}; 0: none)",
+    )
     p.add_argument("--tokenizer", type=Path, help="local tokenizer folder (default: from stages)")
     p.add_argument("--secret", help="the stages' shared secret")
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify the stages (TLS)")

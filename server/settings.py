@@ -47,6 +47,17 @@ class GatewaySettings(BaseSettings):
     model_name: str | None = Field(
         default=None, description="model id served (default: the export's model id)"
     )
+    model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="other model names every endpoint accepts for the served model (the "
+        "names clients such as Claude Code send); /v1/models lists the model id only",
+    )
+    responses_store_size: int = Field(
+        default=1000,
+        ge=0,
+        description="responses of /v1/responses kept in memory for previous_response_id and "
+        "GET /v1/responses/{id} (least recently used out first); 0: none are kept",
+    )
     tokenizer: Path | None = Field(
         default=None, description="local tokenizer folder (default: fetched from the stages)"
     )
@@ -340,7 +351,7 @@ class GatewaySettings(BaseSettings):
     def _check_speculation_max_users(cls, value: Any) -> Any:
         return speculation_users(value)
 
-    @field_validator("stages", "api_keys", mode="before")
+    @field_validator("stages", "api_keys", "model_aliases", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -143,3 +143,44 @@ def hermes_fleet(
         gateway.stop()
         for proc in procs:
             proc.stop()
+
+
+@contextlib.contextmanager
+def local_gateway(
+    export: Path, model: str, keys: Sequence[str] = (KEY,), **settings: object
+) -> Iterator[Fleet]:
+    """The real gateway app over the in-process ring of ``export`` (no stage processes),
+    served over HTTP by uvicorn on a free loopback port in a thread, serving ``model``."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.ring.local import LocalRing
+    from server.settings import GatewaySettings
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = GatewaySettings(
+        stages=["127.0.0.1:9"],  # unused: the in-process ring replaces them
+        listen=f"127.0.0.1:{port}",
+        speculation="off",
+        model_name=model,
+        api_keys=list(keys),  # type: ignore[arg-type]
+        **settings,  # type: ignore[arg-type]
+    )
+    app = create_app(config, LocalRing(export))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.05)
+    try:
+        yield Fleet(f"http://127.0.0.1:{port}", model)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

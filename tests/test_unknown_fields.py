@@ -137,3 +137,40 @@ def test_known_but_unsupported_fields_stay_a_400(warn: App, reject: App, mode: s
     path = "/v1/chat/completions"
     reply = app.client.post(path, json=body(app, path, functions=[{"name": "f"}]))
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "functions"
+
+
+DIALECTS = {
+    "/v1/messages": lambda app: {
+        "model": app.model,
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "the fox"}],
+    },
+    "/v1/responses": lambda app: {
+        "model": app.model,
+        "max_output_tokens": 3,
+        "input": "the fox",
+        "store": False,
+    },
+}
+
+
+@pytest.mark.parametrize("path", sorted(DIALECTS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_other_dialects_name_unknown_fields_too(warn: App, path: str, stream: bool) -> None:
+    reply = warn.client.post(path, json={**DIALECTS[path](warn), "foo_bar": 1, "stream": stream})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers[HEADER] == "foo_bar"
+    clean = warn.client.post(path, json=DIALECTS[path](warn))
+    assert clean.status_code == 200 and HEADER not in clean.headers
+
+
+@pytest.mark.parametrize("path", sorted(DIALECTS))
+def test_the_other_dialects_reject_unknown_fields_when_told(reject: App, path: str) -> None:
+    reply = reject.client.post(path, json={**DIALECTS[path](reject), "foo_bar": 1})
+    assert reply.status_code == 400
+    text = reply.text
+    assert "foo_bar" in text
+    if path == "/v1/messages":  # Anthropic's envelope
+        assert reply.json()["type"] == "error"
+    else:
+        assert reply.json()["error"]["param"] == "foo_bar"

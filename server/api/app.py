@@ -29,8 +29,15 @@ from starlette.requests import ClientDisconnect
 from common import systemd
 from common.net import check_can_listen, split_listen
 from common.version import VERSION
+from server.api import anthropic, responses_api
 from server.api.edge import Edge
-from server.api.errors import APIError, error_response, errors_to_api_error, short_json
+from server.api.errors import (
+    AnthropicErrorResponse,
+    APIError,
+    error_response_for,
+    errors_to_api_error,
+    short_json,
+)
 from server.api.openapi import body_schema, document, operation_responses
 from server.api.requests import ChatCompletionRequest, CompletionRequest, parse_request
 from server.api.responses import ChatCompletion, Completion, ModelCard, ModelList
@@ -202,6 +209,8 @@ def create_app(settings: GatewaySettings, pipeline: Ring | None = None) -> FastA
     auth = (401,) if keys else ()
     _add_error_handlers(app)
     _add_generation_routes(app, gateway, auth)
+    _add_messages_routes(app, gateway, auth)
+    _add_responses_routes(app, gateway, auth)
     _add_model_routes(app, gateway, auth)
     _add_operations_routes(app, gateway)
     return app
@@ -298,6 +307,7 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
         reasoning_parser=settings.reasoning_parser,
         architecture=manifest.model.architecture,
         close_schemas=settings.json_schema_additional_properties == "closed",
+        aliases=settings.model_aliases,
     )
     if gateway.service.reasoning != "none":
         log.info("reasoning parser: %s", gateway.service.reasoning)
@@ -322,28 +332,33 @@ def _context(ring: Ring, model_context: int) -> int:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error leaves in the OpenAI envelope; an unexpected one is a logged 500."""
+    """Every error leaves in the OpenAI envelope (Anthropic's on /v1/messages); an unexpected
+    one is a logged 500."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response_for(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(errors_to_api_error(exc.errors(), strip_body=True))
+        error = errors_to_api_error(exc.errors(), strip_body=True)
+        return error_response_for(request.url.path, error)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         # Keep the exception's headers: a 405 must say which methods are allowed (Allow).
-        return error_response(
-            APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
+        return error_response_for(
+            request.url.path,
+            APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})),
         )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in request %s", getattr(request.state, "request_id", "?"))
-        return error_response(APIError(500, "internal error", type="server_error"))
+        return error_response_for(
+            request.url.path, APIError(500, "internal error", type="server_error")
+        )
 
 
 def _service(gateway: Gateway) -> CompletionService:
@@ -427,6 +442,97 @@ def ignored_fields_headers(
     return {IGNORED_FIELDS_HEADER: value}
 
 
+def _add_messages_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:
+    """The Anthropic Messages API: /v1/messages (JSON or Anthropic's event stream) and
+    /v1/messages/count_tokens; errors in Anthropic's envelope (server/api/anthropic.py)."""
+    max_body = gateway.settings.max_body_bytes
+    errors = (400, *auth, 404, 413, 415, 429, 503, 504)
+
+    @app.post(
+        "/v1/messages",
+        openapi_extra=body_schema(anthropic.MessagesRequest),
+        responses=operation_responses(
+            anthropic.Message, errors, stream=True, envelope=AnthropicErrorResponse
+        ),
+    )
+    async def messages(request: Request) -> Response:
+        svc = _service(gateway)
+        _check_json_body(request)
+        req = parse_request(anthropic.MessagesRequest, await _read_body(request, max_body))
+        ignored = ignored_fields_headers(gateway.settings, req.ignored_fields, request)
+        prep = anthropic.prepare(svc, req, f"msg-{request.state.request_id}")
+        if req.stream:
+            stream = await _until_disconnect(request, anthropic.open_stream(svc, prep, req.model))
+            return StreamingResponse(
+                stream, media_type=SSE_MEDIA_TYPE, headers={**SSE_HEADERS, **ignored}
+            )
+        result = await _until_disconnect(request, anthropic.create(svc, prep, req.model))
+        return JSONResponse(result.model_dump(mode="json"), headers=ignored)
+
+    @app.post(
+        "/v1/messages/count_tokens",
+        openapi_extra=body_schema(anthropic.CountTokensRequest),
+        responses=operation_responses(
+            anthropic.TokenCount, (400, *auth, 404, 413, 415, 503), envelope=AnthropicErrorResponse
+        ),
+    )
+    async def count_tokens(request: Request) -> dict[str, int]:
+        svc = _service(gateway)
+        _check_json_body(request)
+        req = parse_request(anthropic.CountTokensRequest, await _read_body(request, max_body))
+        return anthropic.count_tokens(svc, req)
+
+
+def _add_responses_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:
+    """The OpenAI Responses API: /v1/responses (JSON or its event stream), GET and DELETE
+    /v1/responses/{id} on the in-memory store (server/api/responses_api.py)."""
+    max_body = gateway.settings.max_body_bytes
+    store = responses_api.ResponseStore(gateway.settings.responses_store_size)
+    errors = (400, *auth, 404, 413, 415, 429, 503, 504)
+
+    @app.post(
+        "/v1/responses",
+        openapi_extra=body_schema(responses_api.ResponsesRequest),
+        responses=operation_responses(responses_api.ResponseObject, errors, stream=True),
+    )
+    async def create(request: Request) -> Response:
+        svc = _service(gateway)
+        _check_json_body(request)
+        req = parse_request(responses_api.ResponsesRequest, await _read_body(request, max_body))
+        ignored = ignored_fields_headers(gateway.settings, req.ignored_fields, request)
+        prep, turn = responses_api.prepare(svc, store, req, f"resp-{request.state.request_id}")
+        if req.stream:
+            stream = await _until_disconnect(
+                request, responses_api.open_stream(svc, store, prep, req, turn)
+            )
+            return StreamingResponse(
+                stream, media_type=SSE_MEDIA_TYPE, headers={**SSE_HEADERS, **ignored}
+            )
+        result = await _until_disconnect(request, responses_api.create(svc, store, prep, req, turn))
+        return JSONResponse(result, headers=ignored)
+
+    @app.get(
+        "/v1/responses/{response_id}",
+        response_model=responses_api.ResponseObject,
+        responses=operation_responses(None, (*auth, 404)),
+    )
+    async def retrieve(response_id: str) -> JSONResponse:
+        found = store.get(response_id)
+        if found is None:
+            raise responses_api.not_found(response_id)
+        return JSONResponse(found[0])
+
+    @app.delete(
+        "/v1/responses/{response_id}",
+        response_model=responses_api.Deleted,
+        responses=operation_responses(None, (*auth, 404)),
+    )
+    async def delete(response_id: str) -> dict[str, Any]:
+        if not store.delete(response_id):
+            raise responses_api.not_found(response_id)
+        return responses_api.Deleted(id=response_id).model_dump()
+
+
 def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:
     """/v1/models and /v1/models/{id}."""
 
@@ -444,14 +550,14 @@ def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> 
     )
     async def model(model_id: str) -> dict[str, Any]:
         svc = _service(gateway)
-        if model_id != svc.model:
+        if not svc.serves(model_id):
             raise APIError(
                 404,
                 f"The model '{model_id}' does not exist.",
                 param="model",
                 code="model_not_found",
             )
-        return ModelCard(id=svc.model, created=gateway.created).model_dump()
+        return ModelCard(id=model_id, created=gateway.created).model_dump()
 
 
 def _add_operations_routes(app: FastAPI, gateway: Gateway) -> None:

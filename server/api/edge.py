@@ -1,5 +1,6 @@
 """The gateway's HTTP edge (a plain ASGI middleware before any route): the request id,
-API-key authentication, the body-size limit, the request counter and the access log."""
+API-key authentication (``Authorization: Bearer KEY`` or ``x-api-key: KEY``), the body-size
+limit, the request counter and the access log."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import APIError, error_response
+from server.api.errors import APIError, error_response_for
 from server.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -75,17 +76,22 @@ class Edge:
         if self.keys and path.startswith("/v1/"):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+            if not presented:  # the Anthropic SDK's (and Claude Code's) way to send the key
+                presented = headers.get("x-api-key", "").strip().encode()
             # Compare with every key, always, so the time taken says nothing about which matched.
             matched = False
             for key in self.keys:
                 matched |= hmac.compare_digest(presented, key)
             if not matched:
                 message = "Incorrect API key provided." if presented else "Missing API key."
-                return error_response(
+                return error_response_for(
+                    path,
                     APIError(401, message, type="invalid_request_error", code="invalid_api_key"),
                     headers={"WWW-Authenticate": "Bearer"},
                 )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            return error_response(APIError(413, f"request body over {self.max_body} bytes"))
+            return error_response_for(
+                path, APIError(413, f"request body over {self.max_body} bytes")
+            )
         return None

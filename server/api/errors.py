@@ -1,13 +1,14 @@
-"""The OpenAI error envelope: :class:`APIError` (status, type, ``param``, code) and the turn of
-a pydantic validation failure into one 400 ``invalid_request_error`` naming the path of the first
-failing field (``"temperature"``, ``"messages[0].role"``) with one readable message."""
+"""The error envelopes (OpenAI's; Anthropic's on /v1/messages): :class:`APIError` (status,
+type, ``param``, code) and the turn of a pydantic validation failure into one 400
+``invalid_request_error`` naming the path of the first failing field (``"temperature"``,
+``"messages[0].role"``) with one readable message."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import (
@@ -25,6 +26,18 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class AnthropicErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error envelope (the Messages API's routes)."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorBody
 
 
 class APIError(Exception):
@@ -159,3 +172,43 @@ def error_response(exc: APIError, headers: dict[str, str] | None = None) -> JSON
     return JSONResponse(
         exc.response(), status_code=exc.status, headers={**exc.headers, **(headers or {})}
     )
+
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"  # the routes that answer in Anthropic's envelope
+
+
+def anthropic_error(exc: APIError) -> dict[str, Any]:
+    """``exc`` in Anthropic's envelope: ``{"type": "error", "error": {"type", "message"}}``
+    (the failing field, OpenAI's ``param``, is named in the message)."""
+    kind = _ANTHROPIC_TYPES.get(exc.status, "api_error" if exc.status >= 500 else None)
+    if kind is None:  # another 4xx (405, 415, 499): the request's fault
+        kind = "invalid_request_error"
+    message = exc.message
+    if exc.param and f"'{exc.param}'" not in message:
+        message = f"{message} (parameter: {exc.param})"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response_for(
+    path: str, exc: APIError, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """``exc`` as the response of a request to ``path``: Anthropic's envelope on the Messages
+    API's routes, OpenAI's everywhere else."""
+    if path == ANTHROPIC_PATHS or path.startswith(f"{ANTHROPIC_PATHS}/"):
+        return JSONResponse(
+            anthropic_error(exc),
+            status_code=exc.status,
+            headers={**exc.headers, **(headers or {})},
+        )
+    return error_response(exc, headers)

@@ -13,8 +13,10 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from server.api.anthropic import CountTokensRequest, MessagesRequest
 from server.api.errors import ErrorResponse
 from server.api.requests import ChatCompletionRequest, CompletionRequest
+from server.api.responses_api import ResponsesRequest
 
 # What each error status of the API means; the OpenAPI schema lists them per operation.
 _ERRORS = {
@@ -30,7 +32,13 @@ _ERRORS = {
 _BEARER = "bearerAuth"
 _REF_TEMPLATE = "#/components/schemas/{model}"
 
-_REQUEST_MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest]
+_REQUEST_MODELS: list[type[BaseModel]] = [
+    ChatCompletionRequest,
+    CompletionRequest,
+    MessagesRequest,
+    CountTokensRequest,
+    ResponsesRequest,
+]
 
 
 @functools.cache
@@ -54,12 +62,15 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def operation_responses(
-    ok: type[BaseModel] | None, errors: tuple[int, ...], stream: bool = False
+    ok: type[BaseModel] | None,
+    errors: tuple[int, ...],
+    stream: bool = False,
+    envelope: type[BaseModel] = ErrorResponse,
 ) -> dict[int | str, dict[str, Any]]:
     """OpenAPI responses: the 200 (a model, and with ``stream`` also an SSE stream) and the
-    error statuses, each with the OpenAI error envelope."""
+    error statuses, each with the error envelope (OpenAI's unless ``envelope`` says)."""
     out: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in errors
+        status: {"model": envelope, "description": _ERRORS[status]} for status in errors
     }
     if ok is not None:
         out[200] = {"model": ok, "description": "Successful Response"}
@@ -77,7 +88,9 @@ _SSE_EVENT = {
         "data": {
             "type": "string",
             "description": "a JSON chunk (chat.completion.chunk or text_completion), an "
-            '{"error": {...}} envelope if generation fails after the 200, and last [DONE]',
+            '{"error": {...}} envelope if generation fails after the 200, and last [DONE]; '
+            "on /v1/messages Anthropic's events (message_start, content_block_delta, ...; "
+            "an error event if generation fails after the 200), named by event",
         },
         "event": {"type": "string"},
         "id": {"type": "string"},

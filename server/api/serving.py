@@ -12,7 +12,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -213,12 +213,14 @@ class CompletionService:
         reasoning_parser: str = "auto",
         architecture: str = "",
         close_schemas: bool = True,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         # tool arguments and strict schemas: objects take only the keys they name
         self.close_schemas = close_schemas
         self.codec = codec
         self.model = model
+        self.aliases = frozenset(aliases)  # other names of the model, accepted in requests
         self.max_context = max_context
         self.metrics = metrics
         self.tool_format = detect_tool_format(codec.chat_template)
@@ -240,6 +242,10 @@ class CompletionService:
         except ConstraintError as exc:
             param = "tools" if mode in ("required", "named") else "response_format"
             raise APIError(400, f"Invalid value for '{param}': {exc}", param=param) from None
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` names the served model (its id or one of its aliases)."""
+        return model == self.model or model in self.aliases
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """The template variables a request sets (``chat_template_kwargs``, ``reasoning_effort``),
@@ -267,7 +273,7 @@ class CompletionService:
 
     # -- preparing ------------------------------------------------------------------------
     def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> Prepared:
-        if req.model != self.model:
+        if not self.serves(req.model):
             raise APIError(
                 404,
                 f"The model '{req.model}' does not exist; this server serves '{self.model}'.",
@@ -581,6 +587,46 @@ class CompletionService:
             tool_calls=[_tool_call(call) for call in calls],
         )
         return message, _finish_with_calls(result.finish_reason, len(calls))
+
+    # -- the events of one choice, for the other API dialects ---------------------------------
+    async def open_events(
+        self, prep: Prepared, tally: ChoiceTally | None = None
+    ) -> AsyncGenerator[ChoiceEvent, None]:
+        """The events of a one-choice request (its text pieces, then its finish reason), for
+        an API that shapes its own answer (server/api/anthropic.py, responses_api.py). The
+        first event is awaited here, so a failure before any output (a full queue, a stage
+        down) is raised as an :class:`APIError` by this call; a later one is raised as one
+        by the iteration. Close the generator to end the generation early; ``tally`` counts
+        its reasoning tokens."""
+        if prep.generation.n != 1:
+            raise ValueError("open_events serves one choice")
+        self.metrics.prompt_tokens.inc(len(prep.generation.prompt_ids))
+        stream = self._choice_events(prep, 0, tally)
+        try:
+            first = await anext(stream)
+        except BaseException as exc:
+            await stream.aclose()
+            error = generation_api_error(exc)
+            if error is not None:
+                raise error from exc
+            raise
+        return self._events_after(first, stream)
+
+    @staticmethod
+    async def _events_after(
+        first: ChoiceEvent, stream: AsyncGenerator[ChoiceEvent, None]
+    ) -> AsyncGenerator[ChoiceEvent, None]:
+        try:
+            yield first
+            async for event in stream:
+                yield event
+        except Exception as exc:
+            error = generation_api_error(exc)
+            if error is not None:
+                raise error from exc
+            raise
+        finally:
+            await stream.aclose()
 
     # -- streaming ------------------------------------------------------------------------
     async def open_stream(self, prep: Prepared) -> AsyncIterator[bytes]:
