@@ -1,5 +1,5 @@
-"""Speed measurements of pipeshard, one tool: `pipeshard bench SUITE` (= `python -m benchmarks
-SUITE`; `--help` lists the suites, see ``suite.cli``). Each suite is a module here (or the paper
+"""Speed measurements of pipeshard, one tool: `pipeshard bench SUITE` (`pipeshard bench --help`
+lists the suites, see ``suite.cli``). Each suite is a module here (or the paper
 run, ``suite/``) with a ``main(argv)``; the others (``processes``, ``report``, ``workers``,
 ``latency_proxy``) are what the suites share.
 """

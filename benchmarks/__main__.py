@@ -1,4 +1,4 @@
-"""`python -m benchmarks [SUITE] ...`: the same as `pipeshard bench` (no suite: the paper run)."""
+"""The package run as a module: `pipeshard bench` without the command line's other commands."""
 
 from common.telemetry import keep_telemetry_off
 

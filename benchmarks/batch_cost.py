@@ -24,7 +24,7 @@ layer").
 
 Usage: pipeshard bench batch-cost [--export DIR] [--rows 1,2,4,8] [--threads 1] [--cores 0]
        [--side-by-side] [--stateful]
-Writes benchmarks/results/batch_cost-<date>.{md,json}.
+Writes batch_cost-<date>.{md,json} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -42,10 +42,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.report import machine, save  # noqa: E402
+from benchmarks.report import add_results_option, machine, save
 
 
 def stage_costs(
@@ -185,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2d")
+    p.add_argument("--export", type=Path, default=Path("exports/qwen15-int4-s2d"))
     p.add_argument("--rows", default="1,2,4,8", help="users (rows) per inference call")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cores", default="0", help="CPUs this process runs on, e.g. 0 or 0-1")
@@ -200,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the stateful backend's one-row call, in the same rounds",
     )
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    add_results_option(p)
     opts = p.parse_args(argv)
     rows = [int(r) for r in opts.rows.split(",") if r]
     first, _, last = opts.cores.partition("-")

@@ -11,7 +11,7 @@ share (applying a mask to a row of logits) is timed apart, per row, on the same 
 
   pipeshard bench constraints [--export DIR] [--users 1,8] [--tokens 64] [--rounds 2]
       [--cores 0,1] [--threads 1] [--name constraints]
-Writes benchmarks/results/<name>-<date>.{md,json}.
+Writes <name>-<date>.{md,json} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.processes import start_pinned_stages
-from benchmarks.report import reachable_eos, save
+from benchmarks.report import add_results_option, reachable_eos, save
 
 SCHEMA = {
     "type": "object",
@@ -77,10 +77,10 @@ async def run_users(
     from dataclasses import replace
 
     from protos.sampling import SamplingParams
-    from server.constraints import json_schema_constraint
-    from server.engine import Engine, GenerationRequest
-    from server.pipeline import PipelineClient
-    from server.scheduler import SchedulerConfig
+    from server.engine.constraints import json_schema_constraint
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+    from server.ring.grpc_client import PipelineClient
 
     client = PipelineClient(addresses)
     await client.start()
@@ -158,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default=None, help="stage k on the k-th core (default 0,1,..)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--name", default="constraints")
-    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    add_results_option(parser)
     opts = parser.parse_args(argv)
     from protos.manifest import load_manifest
-    from server.constraints import Grammars
-    from server.tokenization import keep_torch_out, load_codec
+    from server.api.tokenization import keep_torch_out, load_codec
+    from server.engine.constraints import Grammars
 
     keep_torch_out()
     if opts.export is None:

@@ -6,7 +6,7 @@ machine noise hits both alike. Streaming requests with max_tokens=1: the first c
 over HTTP against the first sampled token from PipelineClient.step.
 
 Usage: pipeshard bench gateway [--export DIR] [--requests 20]
-Writes benchmarks/results/gateway_overhead-<date>.{json,md}.
+Writes gateway_overhead-<date>.{json,md} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
-from benchmarks.report import save  # noqa: E402
+from benchmarks.processes import Proc, start_gateway, start_pinned_stages
+from benchmarks.report import add_results_option, save
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about pipelines."}]
 
@@ -34,7 +31,7 @@ MESSAGES = [{"role": "user", "content": "Write a haiku about pipelines."}]
 async def measure(
     url: str, model: str, stages: list[str], prompt: list[int], n: int
 ) -> dict[str, Any]:
-    from server.pipeline import PipelineClient
+    from server.ring.grpc_client import PipelineClient
 
     client = PipelineClient(stages)
     await client.start()
@@ -77,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--export", type=Path, default=ROOT / "benchmarks/out/shard_parity/s2")
+    p.add_argument("--export", type=Path, default=Path("benchmarks/out/shard_parity/s2"))
     p.add_argument("--requests", type=int, default=20)
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    add_results_option(p)
     opts = p.parse_args(argv)
 
     from protos.manifest import load_manifest
-    from server.tokenization import load_codec
+    from server.api.tokenization import load_codec
 
     manifest = load_manifest(opts.export)
     codec = load_codec(opts.export / manifest.tokenizer.directory, manifest)

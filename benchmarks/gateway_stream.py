@@ -13,7 +13,7 @@ result stream from the last stage, detokenizing, the SSE chunk, the HTTP write.
 Usage: pipeshard bench gateway-stream --export DIR [--users 4] [--tokens 200] [--rounds 3]
        [--gateway-flags="--no-batching"] [--gateway-cores 1] [--stage-cores 0] [--client-cores 0]
        pipeshard bench gateway-stream --make-tiny DIR   (needs the exporter's torch)
-Writes benchmarks/results/gateway_stream-<date>.{json,md}.
+Writes gateway_stream-<date>.{json,md} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -28,21 +28,18 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.microbatch import cpu_seconds, run_users  # noqa: E402
-from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
-from benchmarks.report import reachable_eos, save  # noqa: E402
-from benchmarks.suite.stats import fmt, spread  # noqa: E402
-from stage_node.settings import parse_cpus  # noqa: E402
+from benchmarks.microbatch import cpu_seconds, run_users
+from benchmarks.processes import Proc, start_gateway, start_pinned_stages
+from benchmarks.report import add_results_option, reachable_eos, save
+from benchmarks.suite.stats import fmt, spread
+from stage_node.settings import parse_cpus
 
 
 def make_tiny(out: Path) -> None:
     """A 2-stage fp32 export of the test suite's random 4-layer Qwen2, with a chat template."""
     from exporter.export import ExportOptions, export_model
+    from exporter.tiny_models import CHAT_TEMPLATE, make_model
     from protos.manifest import WeightSpec
-    from tests.tiny_models import CHAT_TEMPLATE, make_model
 
     with tempfile.TemporaryDirectory() as scratch:
         hf = make_model(
@@ -72,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway-cores", default="1")
     p.add_argument("--stage-cores", default="0", help="one CPU list for every stage")
     p.add_argument("--client-cores", default="0")
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    add_results_option(p)
     opts = p.parse_args(argv)
     if opts.make_tiny is not None:
         make_tiny(opts.make_tiny)

@@ -12,10 +12,10 @@ and a served ring run as they would on the real file (the text is meaningless).
   pipeshard bench gguf-export measure FILE.gguf --out DIR [--stages 4] [--serve]
       for each stage K, in a fresh process: ``/usr/bin/time -v pipeshard export FILE --stages 4
       --stage K --out DIR --quiet``; peak RSS (and an RSS timeline sampled every 0.2 s), the
-      stage's IR bytes, wall time, the bound; a markdown table + JSON in benchmarks/results/
-      (``<name>-<date>.md/.json``). --serve then starts the stages (``pipeshard stage --threads
-      1``) and a gateway (``pipeshard serve``), sends one 8-token chat completion and reports
-      that it answered and each stage's RSS.
+      stage's IR bytes, wall time, the bound; a markdown table + JSON in --results DIR
+      (``<name>-<date>.md/.json``, default: the current directory). --serve then starts the
+      stages (``pipeshard stage --threads 1``) and a gateway (``pipeshard serve``), sends one
+      8-token chat completion and reports that it answered and each stage's RSS.
   pipeshard bench gguf-export plan [--model qwen3-30b-a3b] [--node-memory 16GB,16GB]
       no file: the split a ``--stages 4`` (or ``--node-memory``) export of a Llama-3-70B-,
       Qwen3-30B-A3B- or Qwen3-235B-A22B-shaped Q4_K_M GGUF would use, each stage's GGUF and
@@ -28,7 +28,7 @@ and a served ring run as they would on the real file (the text is meaningless).
       the two-input form (beta 1.0), the same arithmetic, which OpenVINO's CPU MoE fusion
       (ConvertTiledMoeBlockToGatherMatmuls) does not match, so every expert is computed for
       every token as the tiled graph says; time it against the export with
-      benchmarks/gguf_speed.py to see what the sparse GatherMatmul form saves.
+      ``pipeshard bench gguf-speed`` to see what the sparse GatherMatmul form saves.
 
 Types follow llama-quantize's Q4_K_M: token_embd Q4_K, output Q6_K, attn_v and ffn_down Q6_K on
 the layers its ``use_more_bits`` picks (the first and last eighth, every third in between), the
@@ -45,7 +45,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,12 +55,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.processes import PIPESHARD
+from benchmarks.report import add_results_option, describe, machine, save
 
-from benchmarks.report import describe, machine, save
-
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 GIB = 2**30
 QK_K = 256
 # GGUF bytes per weight (block bytes / block length)
@@ -236,8 +232,8 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
     """Write the file, tensor data streamed chunk by chunk; its size in bytes."""
     import gguf
 
-    from tests.tiny_gguf import FILE_TYPES, _write_tokenizer
-    from tests.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
+    from exporter.tiny_gguf import FILE_TYPES, write_tokenizer
+    from exporter.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
 
     if shape.hidden % QK_K or shape.intermediate % QK_K:
         raise SystemExit("--hidden and --intermediate must be multiples of 256 (K-quants)")
@@ -268,7 +264,7 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # the tiny BPE tokenizer, padded to the model's rows with placeholders as llama.cpp does
         make_tokenizer(Path(tmp), VOCAB, CHAT_TEMPLATE)
-        _write_tokenizer(writer, Path(tmp), shape.vocab)
+        write_tokenizer(writer, Path(tmp), shape.vocab)
     for t in tensors:
         writer.add_tensor_info(
             t.name, t.shape, np.dtype(np.float32), t.gguf_bytes, gguf.GGMLQuantizationType[t.type]
@@ -374,7 +370,7 @@ def measure_stage(
     command = [
         "/usr/bin/time",
         "-v",
-        str(ROOT / ".venv" / "bin" / "pipeshard"),
+        PIPESHARD,
         "export",
         str(gguf_file),
         "--stages",
@@ -427,7 +423,7 @@ def serve_ring(out: Path, stages: int, kv_cache_gib: float, timeout: float) -> d
     """Start the stages and a gateway, send one chat completion, report it and the RSS."""
     import httpx
 
-    pipeshard = str(ROOT / ".venv" / "bin" / "pipeshard")
+    pipeshard = PIPESHARD
     logs = out.parent / f"{out.name}-serve-logs"
     logs.mkdir(parents=True, exist_ok=True)
     ports = [_free_port() for _ in range(stages)]
@@ -865,7 +861,7 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--serve", action="store_true", help="then serve the ring, send a request")
     m.add_argument("--kv-cache-gib", type=float, default=0.25, help="--serve: paged KV per stage")
     m.add_argument("--serve-timeout", type=float, default=1200.0)
-    m.add_argument("--results", type=Path, default=RESULTS)
+    add_results_option(m)
     m.add_argument("--name", default="gguf-export-8b")
 
     p = sub.add_parser("plan", help="the export plan of a big model's shape (no file)")

@@ -18,7 +18,7 @@ match all ``--steps`` tokens. The issue's bar: the exact runtime matches on at l
 
   pipeshard bench gguf-fidelity --export gguf=DIR [--export int4=DIR ...]
       [--llama-server /path/to/llama-server] [--threads 2] [--steps 64] [--name gguf-fidelity]
-Writes benchmarks/results/<name>-<date>.{json,md}.
+Writes <name>-<date>.{json,md} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="inference threads, every runtime")
     parser.add_argument("--name", default="gguf-fidelity")
-    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    report.add_results_option(parser)
     opts = parser.parse_args(argv)
 
     from exporter.verify import encode_prompts

@@ -16,7 +16,7 @@ first (per round, then the median).
   pipeshard bench gguf-speed --export gguf=DIR --export int4=DIR [--export ...]
       [--runtimes default,exact] [--llama-bench BIN] [--cores 0] [--threads 1]
       [--tokens 64] [--rounds 5] [--name gguf-speed]
-Writes benchmarks/results/<name>-<date>.{json,md}.
+Writes <name>-<date>.{json,md} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--name", default="gguf-speed")
-    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    report.add_results_option(parser)
     opts = parser.parse_args(argv)
 
     os.sched_setaffinity(0, parse_cores(opts.cores))

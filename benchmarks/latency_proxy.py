@@ -23,7 +23,7 @@ Closing semantics:
 
 Usage::
 
-    python benchmarks/latency_proxy.py --listen 127.0.0.1:7001 --target 127.0.0.1:6001 \\
+    pipeshard bench latency-proxy --listen 127.0.0.1:7001 --target 127.0.0.1:6001 \\
         --delay-ms 10
 
 or from synchronous benchmark code::
@@ -442,7 +442,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pipeshard bench latency-proxy", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--listen", type=_parse_hostport, required=True, help="HOST:PORT")
     parser.add_argument("--target", type=_parse_hostport, required=True, help="HOST:PORT")
     parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay, ms")

@@ -14,15 +14,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.microbatch import one_user
 

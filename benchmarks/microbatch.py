@@ -34,7 +34,7 @@ gateway, as before the ring decoded on its own); ``batched-stepped`` (``--ring-d
 Usage: pipeshard bench users [--export DIR] [--users 1,2,4,8] [--tokens 64]
        [--rounds 2] [--systems batched,unbatched,stepped] [--no-baseline] [--delay-ms D]
        [--gateway-cores CPUS] [--stage-cores 0,1] [--stage-flags='--kv-backend stateful']
-Writes benchmarks/results/microbatch-<date>.{json,md,png}.
+Writes microbatch-<date>.{json,md,png} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import json
 import os
 import shlex
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -56,14 +55,11 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.latency_proxy import delay_stages  # noqa: E402
-from benchmarks.processes import Proc, start_gateway, start_pinned_stages  # noqa: E402
-from benchmarks.report import reachable_eos, save  # noqa: E402
-from benchmarks.stand_in import is_stand_in, stand_in_label  # noqa: E402
-from benchmarks.suite.stats import fmt, ratios  # noqa: E402
+from benchmarks.latency_proxy import delay_stages
+from benchmarks.processes import Proc, start_gateway, start_pinned_stages
+from benchmarks.report import add_results_option, reachable_eos, save
+from benchmarks.stand_in import is_stand_in, stand_in_label
+from benchmarks.suite.stats import fmt, ratios
 
 TOPICS = [
     "Write a Python function that merges two sorted lists and explain it.",
@@ -415,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2b")
-    p.add_argument("--baseline-dir", type=Path, default=ROOT / "benchmarks/out/shard_parity")
+    p.add_argument("--export", type=Path, default=Path("exports/qwen15-int4-s2b"))
+    p.add_argument("--baseline-dir", type=Path, default=Path("benchmarks/out/shard_parity"))
     p.add_argument("--users", default="1,2,4,8")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
@@ -425,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         default="batched,unbatched,stepped",
         help="gateways to compare over the same stages: " + ", ".join(SYSTEMS),
     )
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    add_results_option(p)
     p.add_argument("--no-baseline", action="store_true", help="skip genai (e.g. tiny models)")
     p.add_argument(
         "--delay-ms",

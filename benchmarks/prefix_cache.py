@@ -33,7 +33,7 @@ The stages' ``pipeshard_stage_kv_blocks{state="cached"}`` is read after every tu
 Usage: pipeshard bench prefix [--export DIR] [--turns 8] [--context-tokens 1500]
        [--turn-tokens 150] [--system-tokens 1000] [--users 8] [--question-tokens 40]
        [--tokens 64] [--draft] [--stage-cores 0,1] [--gateway-cores CPUS] [--quick]
-Writes benchmarks/results/prefix-cache-<date>.{md,json}.
+Writes prefix-cache-<date>.{md,json} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import inspect
 import os
 import platform
 import shlex
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,11 +52,9 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.microbatch import TOPICS, one_user, percentile, stage_metrics, summarize
 from benchmarks.processes import Proc, start_gateway, start_pinned_stages
-from benchmarks.report import describe, machine, reachable_eos, save
+from benchmarks.report import add_results_option, describe, machine, reachable_eos, save
 from benchmarks.stand_in import stand_in_label
 from benchmarks.suite.stats import fmt, ratios
 
@@ -107,10 +104,10 @@ WARM_UP = "What is this module for?"
 
 
 class Texts:
-    """Text cut to token counts with the gateway's own tokenizer (server/tokenization.py)."""
+    """Text cut to token counts with the gateway's own tokenizer (server/api/tokenization.py)."""
 
     def __init__(self, export: Path, manifest: Any) -> None:
-        from server.tokenization import load_codec
+        from server.api.tokenization import load_codec
 
         self.codec = load_codec(export / manifest.tokenizer.directory, manifest)
 
@@ -534,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateway-cores", help="pin both gateways and the HTTP clients (default: unpinned)"
     )
     p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (default pipeshard's)")
-    p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_results_option(p)
     return p
 
 

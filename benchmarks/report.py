@@ -103,3 +103,17 @@ def reachable_eos(manifest: Any) -> list[int]:
     the benchmarks bias away so that every request decodes its full length."""
     vocab = manifest.model.vocab_size
     return [e for e in manifest.tokenizer.eos_token_ids if e < vocab]
+
+
+def add_results_option(parser: argparse.ArgumentParser, *aliases: str) -> None:
+    """``--results DIR``: where :func:`save` writes, the current directory unless the user names
+    another (never the benchmarks' own folder, which may be an installed package)."""
+    parser.add_argument(
+        "--results",
+        *aliases,
+        dest="results",
+        type=Path,
+        default=Path("."),
+        metavar="DIR",
+        help="folder for the report and raw data (default: the current directory)",
+    )

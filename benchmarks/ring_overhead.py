@@ -12,7 +12,8 @@ hidden states give the same greedy tokens as fp32.
 
 Usage: pipeshard bench ring [--export DIR] [--tokens 64] [--delays 10,50]
        [--kv-backend paged|stateful] [--no-pin]
-Writes benchmarks/results/ring_overhead[-stateful][-unpinned]-<date>.{json,md}.
+Writes ring_overhead[-stateful][-unpinned]-<date>.{json,md} in --results DIR (default: the
+current directory).
 """
 
 from __future__ import annotations
@@ -28,13 +29,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.latency_proxy import delay_stages  # noqa: E402
-from benchmarks.processes import free_port, run_async, start_stages  # noqa: E402
-from benchmarks.report import save  # noqa: E402
-from benchmarks.workers import PROMPT  # noqa: E402
+from benchmarks.latency_proxy import delay_stages
+from benchmarks.processes import free_port, run_async, start_stages
+from benchmarks.report import add_results_option, save
+from benchmarks.workers import PROMPT
 
 ROUNDS = 5
 PIN = True  # stage k on core k; --no-pin lets the OS place every thread
@@ -79,7 +77,7 @@ async def ring_once(
     addresses: list[str], prompt: list[int], tokens: int
 ) -> tuple[float, list[int]]:
     """One greedy run over the ring with the gateway's pipeline client: seconds per token."""
-    from server.pipeline import PipelineClient
+    from server.ring.grpc_client import PipelineClient
 
     client = PipelineClient(addresses, step_timeout=600)
     await client.start(timeout=600)
@@ -224,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--export", type=Path, default=ROOT / "benchmarks/out/shard_parity/s2")
+    p.add_argument("--export", type=Path, default=Path("benchmarks/out/shard_parity/s2"))
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--delays", default="10,50", help="added one-way ms per hop")
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    add_results_option(p)
     p.add_argument("--no-pin", action="store_true", help="do not pin stage k to core k")
     p.add_argument(
         "--kv-backend",

@@ -11,8 +11,8 @@ greedy text for every prompt (a server whose output differs is reported).
 Usage:
   pipeshard bench compare --server NAME=URL --server NAME=URL [...] [--users 1,2,4,8]
       [--rounds 4] [--tokens 64] [--model ID] [--name servers]
-Writes benchmarks/results/<name>-<date>.{json,md}. Say in --name (or beside the results) how
-each server was started: its options, cores and threads.
+Writes <name>-<date>.{json,md} in --results DIR (default: the current directory). Say in --name
+(or beside the results) how each server was started: its options, cores and threads.
 """
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ import asyncio
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.report import describe, machine, save  # noqa: E402
+from benchmarks.report import add_results_option, describe, machine, save
 
 PROMPTS = [
     "Write a Python function to check if a number is prime.",
@@ -148,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model id (default: the first server's)")
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--name", default="servers", help="results file name")
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    add_results_option(parser)
     opts = parser.parse_args(argv)
     if opts.rounds < 1 or opts.tokens < 1 or min(opts.users) < 1:
         parser.error("--rounds, --tokens and --users must be positive")

@@ -11,7 +11,8 @@ interleaved round by round so machine noise hits all of them alike:
 
 Ratios to (a) are computed round by round and reported as median [min, max].
 Usage:  pipeshard bench parity [--model default] [--weights int4] [--threads 1]
-Writes benchmarks/results/shard_parity-<date>.json and prints a markdown table.
+Writes shard_parity-<date>.{json,md} in --results DIR (default: the current directory) and prints
+the markdown table.
 """
 
 from __future__ import annotations
@@ -26,11 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import workers  # noqa: E402
-from benchmarks.report import save  # noqa: E402
+from benchmarks import workers
+from benchmarks.report import add_results_option, save
 
 # name -> (description, export folder, runtime). Runtimes: "f32" sets INFERENCE_PRECISION_HINT=f32
 # (pipeshard's default on CPU: under it a split model computes bit for bit what the unsplit one
@@ -93,7 +91,8 @@ def ensure_exports(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
         if not (hf_dir / "config.json").is_file():
             # optimum-cli takes a Hugging Face folder: write the same de-quantized fp32 weights
             # the shards were exported from.
-            run([sys.executable, __file__, "--make-hf-dir", str(hf_dir), "--model", opts.model])
+            module = [sys.executable, "-m", "benchmarks.shard_parity"]
+            run([*module, "--make-hf-dir", str(hf_dir), "--model", opts.model])
         cmd = [
             str(Path(sys.executable).parent / "optimum-cli"),
             "export",
@@ -166,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", default="0", help="taskset core list for every worker ('' = none)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per measurement")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "out" / "shard_parity")
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--work-dir", type=Path, default=Path("benchmarks/out/shard_parity"))
+    add_results_option(p)
     p.add_argument("--make-hf-dir", type=Path, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
 

@@ -20,7 +20,7 @@ speculation at the same latency and user count. Ratios compare runs of the same 
 
 Usage: pipeshard bench speculation [--export DIR] [--delays 0,10,50,100] [--ks 1,2,4,8]
                                        [--users 1,2] [--rounds N]
-Writes benchmarks/results/speculative-<date>.{json,md,png}.
+Writes speculative-<date>.{json,md,png} in --results DIR (default: the current directory).
 """
 
 from __future__ import annotations
@@ -29,22 +29,18 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.latency_proxy import delay_stages  # noqa: E402
-from benchmarks.processes import run_async, start_pinned_stages  # noqa: E402
-from benchmarks.report import reachable_eos, save  # noqa: E402
+from benchmarks.latency_proxy import delay_stages
+from benchmarks.processes import run_async, start_pinned_stages
+from benchmarks.report import add_results_option, reachable_eos, save
 
 if TYPE_CHECKING:
-    from server.engine import Engine
+    from server.engine.loop import Engine
     from server.metrics import GatewayMetrics
 
 PROMPTS = [
@@ -85,9 +81,9 @@ async def gateway_engine(
 ) -> AsyncIterator[tuple[Engine, GatewayMetrics]]:
     """The gateway's engine (scheduler, pipeline client, proposer) in this process, with the
     scheduler `pipeshard serve` would run on this ring (``batching``: its ``--batching``)."""
-    from server.engine import Engine
+    from server.engine.loop import Engine
     from server.metrics import GatewayMetrics
-    from server.pipeline import PipelineClient
+    from server.ring.grpc_client import PipelineClient
     from server.settings import GatewaySettings
 
     client = PipelineClient(addresses, step_timeout=600)
@@ -124,7 +120,7 @@ async def run_config(
 ) -> dict[str, Any]:
     """The prompts in ``users`` concurrent lanes; tok/s, acceptance, per-prompt seconds."""
     from protos.sampling import SamplingParams
-    from server.engine import GenerationRequest
+    from server.engine.loop import GenerationRequest
 
     greedy = SamplingParams(logit_bias={e: -100.0 for e in eos})
     outputs: dict[int, list[int]] = {}
@@ -201,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--export", type=Path, default=ROOT / "exports" / "qwen15-int4-s2c")
+    p.add_argument("--export", type=Path, default=Path("exports/qwen15-int4-s2c"))
     p.add_argument("--delays", default="0,10,50,100", help="added one-way ms per hop")
     p.add_argument("--ks", default="1,2,4,8", help="fixed K values (adaptive is always run)")
     p.add_argument("--users", default="1,2")
@@ -239,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the gateway's --batching (default on); --no-batching: every request alone, "
         "pipelined across the stages",
     )
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    add_results_option(p)
     opts = p.parse_args(argv)
 
     from protos.manifest import load_manifest
-    from server.speculative import DraftProposer
+    from server.engine.speculative import DraftProposer
     from shard_runtime.runner import RunnerOptions
 
     manifest = load_manifest(opts.export)

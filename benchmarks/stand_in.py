@@ -27,7 +27,6 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -66,7 +65,7 @@ def stand_in_label(folder: Path, model_id: str) -> str:
         return f"Real {model_id}"
     return (
         f"Stand-in for {model_id} (its export's graphs and small tensors, random large weights: "
-        "the same cost, meaningless text; benchmarks/stand_in.py)"
+        "the same cost, meaningless text; pipeshard bench stand-in)"
     )
 
 
@@ -195,5 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     raise SystemExit(main())

@@ -8,7 +8,7 @@ terminal unless the command has --log-dir, so the table also shows when the reus
 and when the last stage was ready (READY), where the output has them.
 
   pipeshard bench startup [--rounds 3] [--variant LABEL=COMMAND ...] [--port 8000]
-                               [--out benchmarks/results] [--name startup]
+                               [--results DIR] [--name startup]
 
 A COMMAND is split like a shell line and must serve on --port (e.g. a checkout of another
 commit: ``before=env PYTHONPATH=/tmp/before python -m server.cli up``, run from there with
@@ -31,9 +31,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.report import describe, machine, save
+from benchmarks.report import add_results_option, describe, machine, save
 
 MARKS = {
     "reuse checked": "already holds this export",
@@ -104,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=8000, help="the port the commands serve on")
     parser.add_argument("--timeout", type=float, default=600, help="seconds to serving")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    add_results_option(parser, "--out")
     parser.add_argument("--name", default="startup")
     opts = parser.parse_args(argv)
     pipeshard = str(Path(sys.executable).parent / "pipeshard")
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Commands:", *[f"- {label}: `{command}`" for label, command in variants.items()]]
     lines += ["", f"Machine: {describe(machine())}"]
     data: dict[str, Any] = {"variants": variants, "runs": runs}
-    save(opts.out, opts.name, "\n".join(lines) + "\n", data, opts)
+    save(opts.results, opts.name, "\n".join(lines) + "\n", data, opts)
     return 0
 
 

@@ -102,8 +102,6 @@ def _command(
         "--props", json.dumps(props if props is not None else PIPESHARD_CPU),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    root = str(Path(__file__).resolve().parents[1])  # benchmarks/ importable from a checkout
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return cmd, env
 
 

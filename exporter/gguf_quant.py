@@ -6,8 +6,8 @@ The reference is gguf-py's ``gguf.quants.dequantize`` (what llama.cpp and transf
 Block types are not requantized: their integer codes are kept as stored (u4/i4/u8/i8) with f32
 per-group scales and, for the scale+min types, an f32 zero point, laid out as the CPU plugin's
 compressed FullyConnected pattern ``Constant(codes) -> Convert -> [Subtract zp] -> Multiply scale
--> Reshape -> MatMul``. Why f32 and not f16 scales: ``d*sc`` needs up to 18 significant bits
-(see shared/notes/gguf.md). Types without an exact form become dense f16 with a note saying so.
+-> Reshape -> MatMul``. Why f32 and not f16 scales: ``d*sc`` needs up to 18 significant bits,
+more than f16's 11. Types without an exact form become dense f16 with a note saying so.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ class PackedWeight:
     as a second small MatMul over the group sums of x, keeping the big one zero-point free. M is
     itself a weight of [rows, groups]: for the K-quants it is compressed too (the 6- or 4-bit
     block minimums as u8 codes times the super-block's f16 ``dmin``, exact in f32: a quarter of
-    an f32 M's bytes, measured 3.8x faster), for Q4_1/Q5_1 the f16 minimums as stored.
+    an f32 M's bytes, and faster), for Q4_1/Q5_1 the f16 minimums as stored (the numbers:
+    docs/benchmarks.md, "GGUF weight forms").
     """
 
     rows: int
@@ -342,7 +343,7 @@ def _encode_affine(
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(zero_scale, np.float32(0), minimum / np.where(zero_scale, 1, scale))
     # (An integer zero point, round(M/S) as openvino.genai's GGUF reader makes, is inexact and
-    # measured no faster than the split form: 0.74x vs 0.82x of NNCF int4 at 1 thread.)
+    # no faster than the split form: docs/benchmarks.md, "GGUF weight forms".)
     zp = ratio.astype(np.float32)
     # A sub-block with scale 0 but a minimum decodes to the constant -minimum, which
     # (q - zp) * 0 cannot say: re-encode it as (0 - 1) * minimum.

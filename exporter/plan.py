@@ -126,23 +126,17 @@ def decode_balanced_split(
     A decode step reads every weight of a stage once, so its time follows the stage's weight
     bytes: decoder layers everywhere, plus the lm_head on the last stage (the first stage's
     embedding is one row per token and costs nothing). int4 bytes cost more than int8 bytes
-    (they are unpacked on the fly): measured with 1 thread on the benchmark machine, an int4
-    decoder layer of Qwen2.5 1.5B (24 MB) takes 1.74 ms and the int8 head (233 MB) 13.4 ms,
-    i.e. ``_DECODE_COST`` 1.25 per int4 byte against 1.0. On that model an even 14/14 split
-    leaves the last stage ~50% slower and idles the first half the time when users are
-    interleaved; this gives 18/10 (measured: 17/11 left the last stage 10% slower; with both
-    stages running at once on a Xeon with AMX, 18/10 leaves stage 0 4% slower). The ratio
-    depends on the machine: on another host (f32 compute without AMX) a layer took 5.2 ms and
-    the head 19-21 ms, a ratio of 2.4-2.65, where 16/12 was within 1% and 18/10 left stage 0
-    29% slower (``benchmarks/results/batch_cost-2026-12-01.md``). ``benchmarks/batch_cost.py
-    --side-by-side`` measures a machine and prints the (fractional) ``--split`` that evens its
-    stages out. Earlier stages get the extra layer when the rest does not divide evenly.
+    (they are unpacked on the fly): ``_DECODE_COST`` weighs them 1.25 against 1.0. The ratio
+    depends on the machine; `pipeshard bench batch-cost --side-by-side` measures one and
+    prints the (fractional) ``--split`` that evens its stages out (the numbers:
+    docs/benchmarks.md, "Decode-balanced split"). Earlier stages get the extra layer when the
+    rest does not divide evenly.
     """
     even = even_split(facts.num_layers, stages)
     if stages == 1 or facts.moe_layers:
         # An MoE model is split for its memory: a token reads a few of a layer's experts, so
-        # balancing decode work would pile the layers onto the first stages (measured on an
-        # 8-layer Qwen3-30B-A3B cut: 7 and 1, 3.6 and 0.9 GB). Even layers, even memory.
+        # balancing decode work would pile the layers onto the first stages. Even layers,
+        # even memory.
         return even
     per_layer = (
         layer_params(facts, intermediate_size)

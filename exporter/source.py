@@ -32,8 +32,8 @@ class ModelSource:
     model_id: str
     sha256: str | None = None
     # GGUF only: the cache folder that keeps the config and the tokenizer read from the file
-    # (transformers parses the whole metadata for each: the config took 11-14 s for the
-    # built-in pair on 2 cores, the tokenizers 36 s, at every export)
+    # (transformers parses the whole metadata for each, which takes seconds to a minute at
+    # every export otherwise: docs/benchmarks.md, "GGUF metadata cache")
     cache: Path | None = None
 
     def _location(self) -> tuple[str, dict[str, Any]]:

@@ -1,11 +1,14 @@
 """Arguments more than one part of the command line takes: the global ``--log-level`` every
-subcommand repeats, and `pipeshard export`'s, which `up` also parses for the export it makes."""
+subcommand repeats, and `pipeshard export`'s, which `up` also parses for the export it makes;
+and the help formatter that states the settings' defaults."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.options import comma_list, comma_numbers
 
@@ -25,6 +28,43 @@ def _common() -> argparse.ArgumentParser:
 
 
 COMMON = _common()
+
+
+def defaults_help(defaults: Callable[[], Mapping[str, Any]]) -> type[argparse.HelpFormatter]:
+    """A help formatter that writes ``{default}`` in a flag's help as the default of the
+    setting the flag sets (``defaults()[dest]``), and ``{NAME}`` as ``defaults()[NAME]``. The
+    flags of the services default to None (not given: the environment or config file
+    decides), so their defaults live only in the settings classes, and ``defaults`` is called
+    (the settings imported) only to show help."""
+
+    class DefaultsHelpFormatter(argparse.HelpFormatter):
+        def _get_help_string(self, action: argparse.Action) -> str | None:
+            text = super()._get_help_string(action)
+            if text is None or "{" not in text:
+                return text
+            values = defaults()
+
+            def value(match: re.Match[str]) -> str:
+                name = action.dest if match[1] == "default" else match[1]
+                return show_default(values[name])
+
+            return re.sub(r"\{(\w+)\}", value, text)
+
+    return DefaultsHelpFormatter
+
+
+def show_default(value: Any) -> str:
+    """A default as help states it: 120.0 as 120, 0.5 as 0.5."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_defaults(settings_class: Any) -> dict[str, Any]:
+    """Every field's default of a pydantic settings class (factories called)."""
+    return {
+        name: field.get_default(call_default_factory=True)
+        for name, field in settings_class.model_fields.items()
+        if not field.is_required()
+    }
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import resource
 import sys
@@ -14,7 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeshard.arguments import COMMON, add_export_parser, export_options
+from pipeshard.arguments import (
+    COMMON,
+    add_export_parser,
+    defaults_help,
+    export_options,
+    settings_defaults,
+)
 from server.options import parse_properties
 
 if TYPE_CHECKING:
@@ -23,8 +30,9 @@ if TYPE_CHECKING:
 
 def _add_runner_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("OpenVINO")
-    group.add_argument("--device", default="CPU", help="CPU (default), GPU, NPU, AUTO, ...")
-    group.add_argument("--threads", type=int, default=0, help="inference threads (0: default)")
+    # no defaults here: RunnerOptions holds them
+    group.add_argument("--device", help="CPU (default), GPU, NPU, AUTO, ...")
+    group.add_argument("--threads", type=int, help="inference threads (0: default)")
     group.add_argument(
         "--kv-cache-precision", default=None, help="KV_CACHE_PRECISION, e.g. f32, f16, u8"
     )
@@ -46,14 +54,7 @@ def _add_runner_options(parser: argparse.ArgumentParser) -> None:
 def _runner_options(args: argparse.Namespace) -> RunnerOptions:
     from shard_runtime.runner import RunnerOptions
 
-    return RunnerOptions(
-        device=args.device,
-        threads=args.threads,
-        kv_cache_precision=args.kv_cache_precision,
-        inference_precision=args.inference_precision,
-        cache_dir=args.ov_cache_dir,
-        properties=parse_properties(args.ov_property),
-    )
+    return RunnerOptions.from_settings(args, properties=parse_properties(args.ov_property))
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -116,15 +117,18 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         help="serve one stage shard over gRPC",
         description="Each flag can also be set as PIPESHARD_STAGE_<NAME>, e.g. "
         "PIPESHARD_STAGE_THREADS=2.",
+        formatter_class=defaults_help(_stage_defaults),
     )
     p.add_argument("--shards", type=Path, help="export folder (manifest.json + stage folders)")
     p.add_argument("--stage", type=int, help="stage index K")
-    p.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:50051)")
-    p.add_argument("--device", help="OpenVINO device (default CPU)")
+    p.add_argument("--listen", help="HOST:PORT (default {default})")
+    p.add_argument("--device", help="OpenVINO device (default {default})")
     p.add_argument("--threads", type=int, help="inference threads (0: default)")
     p.add_argument("--cpus", help="pin to these CPUs, e.g. 0 or 0-3")
     p.add_argument(
-        "--streams", type=int, help="stateful: sessions computed at the same time (default 1)"
+        "--streams",
+        type=int,
+        help="stateful: sessions computed at the same time (default {default})",
     )
     p.add_argument(
         "--kv-backend",
@@ -133,8 +137,12 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         "ready session in one inference call (paged); auto (default): paged unless "
         "--max-sessions 1",
     )
-    p.add_argument("--kv-cache-size", type=float, help="paged: GiB of KV blocks (default 1)")
-    p.add_argument("--max-batch", type=int, help="paged: sessions per inference call (default 64)")
+    p.add_argument(
+        "--kv-cache-size", type=float, help="paged: GiB of KV blocks (default {default})"
+    )
+    p.add_argument(
+        "--max-batch", type=int, help="paged: sessions per inference call (default {default})"
+    )
     p.add_argument(
         "--prefix-cache-blocks",
         type=int,
@@ -146,7 +154,7 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="paged, CPU: each row's result independent of its batch, so greedy output is the same "
         "alone, batched and speculative (default on; off saves padding one-row calls to two "
-        "where this CPU needs it: up to 1.4x a one-user decode step, benchmarks/batch_cost.py)",
+        "where this CPU needs it: up to 1.4x a one-user decode step, pipeshard bench batch-cost)",
     )
     p.add_argument("--kv-cache-precision", help="KV_CACHE_PRECISION, e.g. f16, f32, u8")
     p.add_argument("--inference-precision", help="INFERENCE_PRECISION_HINT, e.g. f32")
@@ -159,12 +167,13 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         help="any other OpenVINO compile property (repeatable), e.g. "
         "DYNAMIC_QUANTIZATION_GROUP_SIZE=0",
     )
-    p.add_argument("--max-sessions", type=int, help="sessions held at once (default 64)")
-    p.add_argument("--session-idle-timeout", type=float, help="seconds (default 300)")
+    p.add_argument("--max-sessions", type=int, help="sessions held at once (default {default})")
+    p.add_argument("--session-idle-timeout", type=float, help="seconds (default {default})")
     p.add_argument(
         "--compute-timeout",
         type=float,
-        help="seconds an inference call may run before the stage counts as hung (default 600)",
+        help="seconds an inference call may run before the stage counts as hung "
+        "(default {default})",
     )
     p.add_argument("--hidden-dtype", choices=["fp16", "fp32"], help="hidden states sent on")
     p.add_argument("--secret", help="shared secret required on every call")
@@ -175,6 +184,12 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify the next stage (TLS to it)")
     p.add_argument("--tls-server-name", help="name expected in the next stage's certificate")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port")
+
+
+def _stage_defaults() -> dict[str, Any]:
+    from stage_node.settings import StageSettings
+
+    return settings_defaults(StageSettings)
 
 
 def _run_stage(args: argparse.Namespace) -> int:
@@ -218,9 +233,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="run the OpenAI-compatible gateway over a ring of stages",
         description="Each flag can also be set as PIPESHARD_GATEWAY_<NAME> or in the --config "
         "TOML file (flags win over the environment, which wins over the file).",
+        formatter_class=defaults_help(_gateway_defaults),
     )
     p.add_argument("--stages", help="stage addresses in order: HOST:PORT[,HOST:PORT...]")
-    p.add_argument("--listen", help="HTTP HOST:PORT (default 127.0.0.1:8000)")
+    p.add_argument("--listen", help="HTTP HOST:PORT (default {default})")
     p.add_argument("--api-key", dest="api_keys", action="append", help="accepted key (repeat)")
     p.add_argument("--model-name", help="model id to serve (default: the export's)")
     p.add_argument("--tokenizer", type=Path, help="local tokenizer folder (default: from stages)")
@@ -232,31 +248,37 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step-timeout", type=float, help="seconds one pipeline step may take")
     p.add_argument("--start-timeout", type=float, help="seconds to wait for the stages")
     p.add_argument(
-        "--health-interval", type=float, help="seconds between health probes of the stages (0.5)"
+        "--health-interval",
+        type=float,
+        help="seconds between health probes of the stages ({default})",
     )
     p.add_argument(
-        "--health-timeout", type=float, help="seconds a stage may take to answer a probe (1)"
+        "--health-timeout",
+        type=float,
+        help="seconds a stage may take to answer a probe ({default})",
     )
     p.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
-    p.add_argument("--max-concurrent", type=int, help="choices generating at once (16)")
-    p.add_argument("--max-queued", type=int, help="choices waiting; beyond it 429 (64)")
-    p.add_argument("--queue-timeout", type=float, help="seconds a choice may wait (120)")
-    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step (256)")
+    p.add_argument("--max-concurrent", type=int, help="choices generating at once ({default})")
+    p.add_argument("--max-queued", type=int, help="choices waiting; beyond it 429 ({default})")
+    p.add_argument("--queue-timeout", type=float, help="seconds a choice may wait ({default})")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step ({default})")
     p.add_argument(
         "--max-prefill-in-flight",
         type=int,
-        help="prefill chunks in the ring at once (1; paged rings: the token budget decides)",
+        help="prefill chunks in the ring at once ({default}; paged rings: the token budget "
+        "decides)",
     )
     p.add_argument(
         "--prefill-chunk-busy",
         type=int,
-        help="paged rings: prompt tokens of a micro-batch group in the ring while it decodes (32)",
+        help="paged rings: prompt tokens of a micro-batch group in the ring while it decodes "
+        "({default})",
     )
     p.add_argument(
         "--micro-batch-groups",
         type=int,
         help="groups the running requests are spread over (default: one per stage; paged "
-        "rings: one per 2 running requests, up to one per stage)",
+        "rings: one per {paged_group_size} running requests, up to one per stage)",
     )
     p.add_argument(
         "--batching",
@@ -277,25 +299,25 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="with --no-batching and no speculation: tokens the stages decode on their own "
         "after each decode step, the last stage feeding each token straight back to stage 0 "
-        "(default 32; 0: every step through the gateway)",
+        "(default {default}; 0: every step through the gateway)",
     )
     p.add_argument(
         "--ring-decode-batched",
         type=int,
         help="with batching and no speculation: tokens a micro-batch group decodes on the "
         "ring on its own after each decode step while no request waits to join a group "
-        "(default 8; 0: every step through the gateway)",
+        "(default {default}; 0: every step through the gateway)",
     )
     p.add_argument(
         "--resume-grace",
         type=float,
-        help="seconds in-flight requests wait for a failed stage to return, then go on (30)",
+        help="seconds in-flight requests wait for a failed stage to return, then go on ({default})",
     )
     p.add_argument(
         "--shutdown-grace",
         type=float,
         help="on SIGTERM/Ctrl-C: seconds requests in flight get to finish before they end "
-        "with 503 / an error event (5)",
+        "with 503 / an error event ({default})",
     )
     p.add_argument("--draft", type=Path, help="draft export folder: speculative decoding")
     p.add_argument(
@@ -304,28 +326,44 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="proposer (auto: the draft if given, else off)",
     )
     p.add_argument("--spec-k", type=int, help="draft tokens per step (0: adaptive, default)")
-    p.add_argument("--spec-max-k", type=int, help="largest adaptive K (8)")
+    p.add_argument("--spec-max-k", type=int, help="largest adaptive K ({default})")
     p.add_argument(
         "--speculation-max-users",
         metavar="N|auto",
         help="speculate only while at most N requests decode at once, plain decoding above "
         "(0: no limit; auto, the default: 1 where a stage runs on this machine, else 0)",
     )
-    p.add_argument("--draft-device", help="OpenVINO device of the draft (CPU)")
+    p.add_argument("--draft-device", help="OpenVINO device of the draft ({default})")
     p.add_argument("--draft-threads", type=int, help="draft inference threads (0: auto)")
     p.add_argument(
         "--draft-kv-cache-size",
         type=float,
-        help="GiB of KV blocks the draft holds, its prefix cache included (default 0.5)",
+        help="GiB of KV blocks the draft holds, its prefix cache included (default {default})",
     )
     p.add_argument("--ov-cache-dir", type=Path, help="OpenVINO model cache (draft)")
     p.add_argument("--config", type=Path, help="TOML file with the same settings")
 
 
+def _gateway_defaults() -> dict[str, Any]:
+    from server.settings import (
+        PAGED_BUSY_PREFILL_CHUNK,
+        PAGED_GROUP_SIZE,
+        SCHEDULER_DEFAULTS,
+        GatewaySettings,
+    )
+
+    defaults = settings_defaults(GatewaySettings)
+    # what the settings' None means: the scheduler's default, and the paged rings' own
+    defaults["max_prefill_in_flight"] = SCHEDULER_DEFAULTS.max_prefill_in_flight
+    defaults["prefill_chunk_busy"] = PAGED_BUSY_PREFILL_CHUNK
+    defaults["paged_group_size"] = PAGED_GROUP_SIZE
+    return defaults
+
+
 def _run_serve(args: argparse.Namespace) -> int:
-    from server.app import create_app, gateway_server
+    from server.api.app import create_app, gateway_server
+    from server.api.tokenization import keep_torch_out
     from server.settings import GatewaySettings
-    from server.tokenization import keep_torch_out
 
     keep_torch_out()
     overrides = _overrides(args, GatewaySettings)
@@ -342,37 +380,34 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
         "up",
         parents=[COMMON],
         help="export (once) and run a whole local fleet: stages + gateway on 127.0.0.1",
+        formatter_class=defaults_help(_fleet_defaults),
     )
-    p.add_argument("--model", default="default", help="model to export (default: built-in)")
+    p.add_argument("--model", help="model to export (default: built-in)")
     p.add_argument("--export", type=Path, help="use this existing export instead")
     p.add_argument("--exports-dir", type=Path, help="where exports are cached")
-    p.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
+    p.add_argument("--stages", type=int, help="number of stages (default {default})")
     p.add_argument(
         "--weights",
         choices=["auto", "gguf", "fp32", "fp16", "int8", "int4"],
-        default="auto",
         help="as `pipeshard export --weights` (auto: a GGUF's own blocks, int4 for a folder)",
     )
     p.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="the gateway's address (default 127.0.0.1; 0.0.0.0: every interface, with "
+        help="the gateway's address (default {default}; 0.0.0.0: every interface, with "
         "--api-key); the stages listen on 127.0.0.1 only",
     )
-    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    p.add_argument("--stage-port", type=int, default=50051, help="first stage's port")
-    p.add_argument("--threads", type=int, default=0, help="inference threads per stage")
+    p.add_argument("--port", type=int, help="gateway port (default {default})")
+    p.add_argument("--stage-port", type=int, help="first stage's port")
+    p.add_argument("--threads", type=int, help="inference threads per stage")
     p.add_argument(
         "--kv-backend",
         choices=["auto", "stateful", "paged"],
-        default="auto",
         help="the stages' KV backend (see `pipeshard stage --help`)",
     )
-    p.add_argument("--api-key", dest="api_keys", action="append", default=[])
+    p.add_argument("--api-key", dest="api_keys", action="append")
     p.add_argument("--log-dir", type=Path, help="stage logs go here (default: this terminal)")
     p.add_argument(
         "--draft",
-        default="auto",
         help="draft model for speculative decoding, exported beside the target "
         "(default: the built-in pair's draft for the default model)",
     )
@@ -380,7 +415,6 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--speculation-max-users",
         metavar="N|auto",
-        default="auto",
         help="the gateway's --speculation-max-users: speculate only while at most N requests "
         "decode at once (auto, the default: 1, as the draft shares the cores with the stages "
         "here; 0: no limit)",
@@ -389,57 +423,53 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
         "--micro-batch-groups",
         type=int,
         metavar="N",
-        help="the gateway's --micro-batch-groups (default 1: the stages share this machine's "
-        "cores, so one batch of every request, each stage in turn on all the cores, serves "
-        "more than groups pipelined across the stages)",
+        help="the gateway's --micro-batch-groups (default {default}: the stages share this "
+        "machine's cores, so one batch of every request, each stage in turn on all the "
+        "cores, serves more than groups pipelined across the stages)",
     )
     p.add_argument(
         "--no-batching",
         dest="batching",
         action="store_false",
+        default=None,
         help="the gateway's --no-batching: each request alone, pipelined across the stages "
         "(with --no-draft, faster for a few users on CPUs where batch_cost.py shows 2 rows "
         "cost far more than 1)",
     )
 
 
+def _fleet_defaults() -> dict[str, Any]:
+    from pipeshard.fleet import FleetOptions
+
+    return dataclasses.asdict(FleetOptions())
+
+
 def _run_up(args: argparse.Namespace) -> int:
     from pipeshard.fleet import FleetOptions, run_fleet
     from server.settings import speculation_users
 
-    try:
-        limit = speculation_users(args.speculation_max_users)
-    except ValueError as exc:
-        raise ValueError(f"--speculation-max-users {exc}") from None
-    groups = args.micro_batch_groups
+    # the flags given; FleetOptions holds the defaults
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(FleetOptions)
+        if getattr(args, f.name, None) is not None
+    }
+    if args.no_draft:
+        given["draft"] = None
+    if "speculation_max_users" in given:
+        try:
+            given["speculation_max_users"] = speculation_users(given["speculation_max_users"])
+        except ValueError as exc:
+            raise ValueError(f"--speculation-max-users {exc}") from None
+    groups = given.get("micro_batch_groups")
     if groups is not None and groups < 1:
         raise ValueError(f"--micro-batch-groups must be 1 or more, not {groups}")
-    if groups is not None and not args.batching:
+    if groups is not None and given.get("batching") is False:
         raise ValueError(
             "--micro-batch-groups and --no-batching do not go together: without batching "
             "every running request is a group of its own"
         )
-    options = FleetOptions(
-        model=args.model,
-        export=args.export,
-        stages=args.stages,
-        weights=args.weights,
-        host=args.host,
-        port=args.port,
-        stage_port=args.stage_port,
-        threads=args.threads,
-        kv_backend=args.kv_backend,
-        api_keys=args.api_keys,
-        log_dir=args.log_dir,
-        draft=None if args.no_draft else args.draft,
-        speculation_max_users=limit,
-        batching=args.batching,
-    )
-    if groups is not None:
-        options.micro_batch_groups = groups
-    if args.exports_dir is not None:
-        options.exports_dir = args.exports_dir
-    return run_fleet(options)
+    return run_fleet(FleetOptions(**given))
 
 
 def _health_parser(sub: argparse._SubParsersAction) -> None:
@@ -452,6 +482,7 @@ def _health_parser(sub: argparse._SubParsersAction) -> None:
         "it serves. Without --address the service's own "
         "environment settings say where and how (PIPESHARD_STAGE_LISTEN, _SECRET, _TLS_CA or "
         "_TLS_CERT, _TLS_SERVER_NAME; PIPESHARD_GATEWAY_LISTEN, _TLS_CERT).",
+        formatter_class=defaults_help(_health_defaults),
     )
     p.add_argument(
         "role",
@@ -461,25 +492,32 @@ def _health_parser(sub: argparse._SubParsersAction) -> None:
         help="auto (default): the service PID 1 runs, as in a container",
     )
     p.add_argument("--address", help="HOST:PORT (a gateway also takes http(s)://HOST:PORT)")
-    p.add_argument("--timeout", type=float, default=4.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=float, help="seconds to wait for the answer")
     p.add_argument("--tls-ca", help="a stage over TLS: the CA (or self-signed certificate)")
     p.add_argument("--server-name", help="a stage over TLS: the name in its certificate")
     p.add_argument(
         "--max-compute-seconds",
         type=float,
         help="a stage: unhealthy while an inference call has run longer, a hung device "
-        "(default: PIPESHARD_STAGE_COMPUTE_TIMEOUT, else 600)",
+        "(default: PIPESHARD_STAGE_COMPUTE_TIMEOUT, else {default})",
     )
     p.add_argument("--cmdline", type=Path, default=Path("/proc/1/cmdline"), help=argparse.SUPPRESS)
+
+
+def _health_defaults() -> dict[str, Any]:
+    from pipeshard.health import COMPUTE_TIMEOUT
+
+    return {"max_compute_seconds": COMPUTE_TIMEOUT}
 
 
 def _run_health(args: argparse.Namespace) -> int:
     from pipeshard.health import check
 
+    given = {"timeout": args.timeout} if args.timeout is not None else {}
     verdict = check(
         args.role,
         args.address,
-        timeout=args.timeout,
+        **given,
         tls_ca=args.tls_ca,
         server_name=args.server_name,
         max_compute_s=args.max_compute_seconds,
@@ -496,7 +534,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         add_help=False,
         help="measure on this machine, one suite at a time (the paper's experiments when none "
-        "is named): report, raw data, plots (= python -m benchmarks)",
+        "is named): report, raw data, plots",
     )
 
 

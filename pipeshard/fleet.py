@@ -18,15 +18,19 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from common.net import bind_problem
-
-if TYPE_CHECKING:
-    from server.settings import GatewaySettings
+from common.net import bind_problem, split_listen
+from server.settings import GatewaySettings
+from stage_node.settings import StageSettings
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+# The gateway's and the stages' own defaults, where `up` has no reason to differ from them.
+_GATEWAY = GatewaySettings.model_fields
+_STAGE = StageSettings.model_fields
+_HOST, _PORT = split_listen(_GATEWAY["listen"].default)
+_STAGE_PORT = split_listen(_STAGE["listen"].default)[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -41,24 +45,23 @@ class FleetOptions:
     exports_dir: Path = field(default_factory=lambda: Path.home() / ".cache/pipeshard/exports")
     stages: int = 2
     weights: str = "auto"  # `pipeshard export --weights`: a GGUF's own blocks, int4 for a folder
-    host: str = "127.0.0.1"
-    port: int = 8000
-    stage_port: int = 50051
-    threads: int = 0
-    kv_backend: str = "auto"  # the stages' --kv-backend
-    batching: bool = True  # the gateway's --batching
+    host: str = _HOST  # the gateway's listen address
+    port: int = _PORT
+    stage_port: int = _STAGE_PORT  # the first stage's; the others' follow it
+    threads: int = _STAGE["threads"].default  # the stages' --threads, the draft's too
+    kv_backend: str = _STAGE["kv_backend"].default  # the stages' --kv-backend
+    batching: bool = _GATEWAY["batching"].default  # the gateway's --batching
     api_keys: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     # The draft for speculative decoding, exported beside the target; "auto": the built-in
     # pair's draft for the default model, none for other models; None: no draft.
     draft: str | None = "auto"
     # The gateway's speculation_max_users ("auto": 1 here, as every stage runs on this
-    # machine: once two requests decode, plain decoding serves more; servers-*.md results).
-    speculation_max_users: int | Literal["auto"] = "auto"
+    # machine: once two requests decode, plain decoding serves more).
+    speculation_max_users: int | Literal["auto"] = _GATEWAY["speculation_max_users"].default
     # The gateway's micro_batch_groups. 1: every stage runs on this machine's cores, so one
     # batch of every request, each stage in turn on all the cores, serves more than groups
-    # pipelined across stages that share them (4 users 1.77x, 8 users
-    # 1.34x, 16 users 1.65x on 2 cores; docs/scheduling.md).
+    # pipelined across stages that share them (docs/scheduling.md#micro-batch-groups).
     # None: the gateway's default (one group per stage, for stages on PCs of their own).
     micro_batch_groups: int | None = 1
 
@@ -192,8 +195,6 @@ def gateway_settings(
 ) -> GatewaySettings:
     """The gateway's settings for a local fleet (the rest, e.g. HTTPS with
     PIPESHARD_GATEWAY_TLS_CERT/_KEY, from the environment)."""
-    from server.settings import GatewaySettings
-
     host = f"[{options.host}]" if ":" in options.host else options.host  # IPv6
     return GatewaySettings(
         stages=addresses,
@@ -213,7 +214,7 @@ async def _serve(
     procs: list[subprocess.Popen[bytes]],
     draft: Path | None = None,
 ) -> None:
-    from server.app import create_app, gateway_server
+    from server.api.app import create_app, gateway_server
 
     settings = gateway_settings(options, addresses, draft)
     server = gateway_server(create_app(settings), "warning")
@@ -277,7 +278,7 @@ async def _serve(
 
 def run_fleet(options: FleetOptions) -> int:
     from protos.manifest import load_manifest
-    from server.tokenization import keep_torch_out
+    from server.api.tokenization import keep_torch_out
 
     keep_torch_out()  # this process is the gateway: no torch (exports run in a child)
     # before an export of minutes and the stages' compiles: a port in use fails at once

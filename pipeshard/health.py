@@ -38,6 +38,7 @@ GATEWAY_ENV = "PIPESHARD_GATEWAY_"
 STAGE_LISTEN: str = StageSettings.model_fields["listen"].default
 GATEWAY_LISTEN: str = GatewaySettings.model_fields["listen"].default
 COMPUTE_TIMEOUT: float = StageSettings.model_fields["compute_timeout"].default
+TIMEOUT = 4.0  # seconds a check waits for the answer
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def check_stage(
     secret: str | None = None,
     tls_ca: Path | None = None,
     server_name: str | None = None,
-    timeout: float = 4.0,
+    timeout: float = TIMEOUT,
     max_compute_s: float = COMPUTE_TIMEOUT,
 ) -> Verdict:
     """The stage's Health call answers ``serving`` within ``timeout``, with no inference call
@@ -98,7 +99,7 @@ def check_stage(
     )
 
 
-def check_gateway(url: str, *, timeout: float = 4.0) -> Verdict:
+def check_gateway(url: str, *, timeout: float = TIMEOUT) -> Verdict:
     """``GET {url}/health`` answers 200. Over HTTPS the certificate is not verified: the check
     is about the service, not its certificate (run it where the gateway runs)."""
     context = ssl._create_unverified_context() if url.startswith("https:") else None
@@ -117,7 +118,7 @@ def check(
     role: str,
     address: str | None = None,
     *,
-    timeout: float = 4.0,
+    timeout: float = TIMEOUT,
     tls_ca: str | None = None,
     server_name: str | None = None,
     max_compute_s: float | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -17,16 +17,20 @@ from pydantic_settings import (
 )
 
 from common.net import check_listen, check_tls_pair, default_ov_cache, local_address, split_listen
+from server.engine.scheduler import SchedulerConfig
 from server.hosts import stages_here
-from server.scheduler import SchedulerConfig
 
-# Prompt tokens per chunk while a paged ring's group decodes: a step of 4 decode tokens and a
-# 32-token chunk costs about twice a plain decode step of the 1.5B model on one core.
+if TYPE_CHECKING:
+    from shard_runtime.runner import RunnerOptions
+
+# Prompt tokens per chunk while a paged ring's group decodes: small enough that the group's
+# decode steps stay short (docs/benchmarks.md, "Micro-batch groups on paged rings").
 PAGED_BUSY_PREFILL_CHUNK = 32
 # Running requests per micro-batch group on a paged ring before another group opens (up to one
-# per stage): two requests decode faster batched together than pipelined one per group
-# (benchmarks/results/paged-lockstep-2026-11-30.md).
+# per stage): two requests decode faster batched together than pipelined one per group.
 PAGED_GROUP_SIZE = 2
+# The scheduler's defaults, which the settings below that configure it take as theirs.
+SCHEDULER_DEFAULTS = SchedulerConfig()
 
 
 class GatewaySettings(BaseSettings):
@@ -70,36 +74,44 @@ class GatewaySettings(BaseSettings):
     )
     max_body_bytes: int = Field(default=4 * 2**20, gt=0, description="larger requests get 413")
     max_concurrent: int = Field(
-        default=16,
+        default=SCHEDULER_DEFAULTS.max_running,
         ge=1,
         description="choices generating at once, each with a KV session on every stage",
     )
     max_queued: int = Field(
-        default=64, ge=0, description="choices waiting for a slot; beyond it requests get 429"
+        default=SCHEDULER_DEFAULTS.max_queued,
+        ge=0,
+        description="choices waiting for a slot; beyond it requests get 429",
     )
     queue_timeout: float = Field(
-        default=120.0, gt=0, description="seconds a choice may wait in the queue (then 503)"
+        default=SCHEDULER_DEFAULTS.queue_timeout,
+        gt=0,
+        description="seconds a choice may wait in the queue (then 503)",
     )
     prefill_chunk: int = Field(
-        default=256, ge=1, description="prompt tokens per prefill step (long prompts in chunks)"
+        default=SCHEDULER_DEFAULTS.prefill_chunk,
+        ge=1,
+        description="prompt tokens per prefill step (long prompts in chunks)",
     )
     max_prefill_in_flight: int | None = Field(
         default=None,
         ge=1,
-        description="prefill chunks in the stage ring at once (default 1; paged rings: no "
+        description="prefill chunks in the stage ring at once (default "
+        f"{SCHEDULER_DEFAULTS.max_prefill_in_flight}; paged rings: no "
         "limit but the token budget, see prefill_chunk_busy)",
     )
     prefill_chunk_busy: int | None = Field(
         default=None,
         ge=1,
         description="prompt tokens a micro-batch group may have in the ring while it decodes "
-        "(default: off, chunks of prefill_chunk; paged rings: 32)",
+        f"(default: off, chunks of prefill_chunk; paged rings: {PAGED_BUSY_PREFILL_CHUNK})",
     )
     micro_batch_groups: int | None = Field(
         default=None,
         ge=1,
         description="micro-batch groups the running requests are spread over (default: one "
-        "per stage; paged rings: one per 2 running requests, up to one per stage); 1 where the "
+        f"per stage; paged rings: one per {PAGED_GROUP_SIZE} running requests, up to one per "
+        "stage); 1 where the "
         "stages share one machine's cores (pipeshard up does)",
     )
     batching: bool = Field(
@@ -107,7 +119,7 @@ class GatewaySettings(BaseSettings):
         description="several requests' rows in one inference call (paged stages); off: each "
         "running request a micro-batch group of its own, pipelined across the stages, its "
         "one-row steps not padded where no speculation runs (faster for a few users where a "
-        "two-row call costs much more than a one-row one: benchmarks/batch_cost.py)",
+        "two-row call costs much more than a one-row one: `pipeshard bench batch-cost`)",
     )
     prefix_cache: bool = Field(
         default=True,
@@ -133,7 +145,7 @@ class GatewaySettings(BaseSettings):
         "starts decoding at most this many tokens later (0: every step through the gateway)",
     )
     resume_grace: float = Field(
-        default=30.0,
+        default=SCHEDULER_DEFAULTS.resume_grace,
         ge=0,
         description="seconds in-flight requests wait for a failed stage to come back, then "
         "re-prefill and go on (0: fail them at once)",
@@ -191,13 +203,26 @@ class GatewaySettings(BaseSettings):
             "draft takes its cores; --speculation-max-users 0 lifts the limit"
         )
 
+    def draft_runner_options(self) -> RunnerOptions:
+        """How the draft model is compiled: its device and threads, the OpenVINO cache, and
+        sessions for every running request's draft with room to spare."""
+        from shard_runtime.runner import RunnerOptions
+
+        return RunnerOptions.from_settings(
+            self,
+            device=self.draft_device,
+            threads=self.draft_threads,
+            max_sessions=4 * self.max_concurrent,
+        )
+
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
             max_running=self.max_concurrent,
             max_queued=self.max_queued,
             queue_timeout=self.queue_timeout,
             prefill_chunk=self.prefill_chunk,
-            max_prefill_in_flight=self.max_prefill_in_flight or 1,
+            max_prefill_in_flight=self.max_prefill_in_flight
+            or SCHEDULER_DEFAULTS.max_prefill_in_flight,
             resume_grace=self.resume_grace,
             busy_prefill_chunk=self.prefill_chunk_busy,
         )

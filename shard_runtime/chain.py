@@ -12,8 +12,11 @@ import numpy as np
 import openvino as ov
 
 from protos.manifest import ShardManifest, load_manifest
+from protos.sampling import SampledToken
+from protos.step import StepRequest
 from shard_runtime.paged import PagedRunner, PagedStep
 from shard_runtime.runner import RunnerOptions, ShardRunner
+from shard_runtime.step import check_deadline, check_fed, last_stage_tokens
 
 
 class LocalChain:
@@ -48,6 +51,44 @@ class LocalChain:
             else:
                 data = runner.forward(session_id, data, positions, num_logits)
         return data
+
+    def step(self, step: StepRequest, hidden_dtype: np.dtype | None = None) -> list[SampledToken]:
+        """One ring step as the stages compute it (shard_runtime.step): the rollback, every
+        stage in turn, and the last stage's tokens (none for a pure rollback). Hidden states
+        pass between stages in ``hidden_dtype`` (None: as computed), as the stages send them.
+        Raises the runners' errors (InvalidStageInput, SessionNotFound, CapacityExceeded,
+        StepExpired)."""
+        data: np.ndarray = np.asarray(step.token_ids, dtype=np.int64)
+        for runner in self.runners:
+            if hidden_dtype is not None and not runner.is_first:
+                data = data.astype(hidden_dtype)
+            check_deadline(step, runner.stage.index)
+            if step.rollback:
+                runner.rollback(step.session_id, step.rollback)
+            if not check_fed(step, len(data)):
+                return []
+            num_logits = max(1, step.num_logits)
+            if isinstance(runner, PagedRunner):
+                item = PagedStep(
+                    step.session_id,
+                    runner.check_chunk(data),
+                    step.start_position,
+                    num_logits,
+                    solo=step.solo,
+                    hashes=step.block_hashes,
+                )
+                runner.place(item)
+                data = runner.forward([item])[0]
+            else:
+                start = step.start_position
+                positions = np.arange(start, start + len(data), dtype=np.int64)
+                data = runner.forward(step.session_id, data, positions, num_logits)
+        return last_stage_tokens(data, step, len(step.token_ids))
+
+    def session_length(self, session_id: str) -> int:
+        """Positions the last stage holds of a session (0: none)."""
+        last = self.runners[-1]
+        return last.session_length(session_id) if last.has_session(session_id) else 0
 
     def rollback(self, session_id: str, count: int) -> None:
         for runner in self.runners:

@@ -1,6 +1,6 @@
 """How a stage computes steps: the interface between the gRPC service and the model.
 
-``StepInput (session, tokens or hidden states, positions, rollback, sampling) -> backend ->
+``StepInput (the StepRequest, and its token ids or hidden states) -> backend ->
 hidden states (next stage) or sampled tokens (last stage)``
 
 The service hands a backend a *batch* of steps of different sessions and runs up to
@@ -18,40 +18,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from protos.sampling import DraftDistribution, SampledToken, SamplingParams
+from protos.sampling import SampledToken
+from protos.step import StepRequest
 from shard_runtime.paged import PagedRunner, PagedStep
-from shard_runtime.runner import InvalidStageInput, ShardBase, ShardRunner
-from shard_runtime.sampling import apply_masks, sample
-from shard_runtime.speculative import verify
+from shard_runtime.runner import ShardBase, ShardRunner
+from shard_runtime.step import check_deadline, check_fed, last_stage_tokens
 from stage_node.metrics import StageMetrics
-
-
-class StepExpired(Exception):
-    """The step's deadline passed before this stage got to it."""
 
 
 @dataclass(frozen=True)
 class StepInput:
-    session_id: str
-    step_id: int
+    request: StepRequest
     data: np.ndarray  # token ids [T] on stage 0, hidden states [T, H] after it
-    start_position: int
-    rollback: int = 0
-    num_logits: int = 1
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    history: Sequence[int] = ()
-    deadline_unix_ms: int = 0
-    draft_tokens: Sequence[int] = ()  # speculative decoding: verify these (last stage)
-    draft_dists: Sequence[DraftDistribution] = ()
-    group: int = 0  # micro-batch group: steps of one group are computed together
-    solo: bool = False  # computed in a call of its own, one-row calls not padded (pb.Step.solo)
-    block_hashes: tuple[bytes, ...] = ()  # prefix cache: blocks this step fills (pb.Step)
-    token_masks: tuple[bytes, ...] = ()  # constrained decoding: one per sampled row (pb.Step)
 
 
 # Hidden states for the next stage, sampled tokens on the last stage, None for a pure
@@ -75,40 +58,27 @@ class _Backend:
         self.runner = runner
         self.metrics = metrics
 
-    def _prepare(self, step: StepInput) -> bool:
+    def _prepare(self, item: StepInput) -> bool:
         """Check the deadline and apply the rollback; False for a pure rollback (no tokens)."""
-        if step.deadline_unix_ms and time.time() * 1000 > step.deadline_unix_ms:
-            raise StepExpired(
-                f"step {step.step_id} arrived at stage {self.runner.stage.index} after its deadline"
-            )
+        step = item.request
+        check_deadline(step, self.runner.stage.index)
         if step.rollback:
             started = time.perf_counter()
             self.runner.rollback(step.session_id, step.rollback)
             self.metrics.rollback_seconds.observe(time.perf_counter() - started)
-        if len(step.data) == 0:
-            if step.rollback:
-                return False
-            raise InvalidStageInput("a step must carry tokens or a rollback")
-        return True
+        return check_fed(step, len(item.data))
 
     @staticmethod
-    def phase(step: StepInput) -> str:
-        return "verify" if step.draft_tokens else "prefill" if len(step.data) > 1 else "decode"
+    def phase(item: StepInput) -> str:
+        if item.request.draft_tokens:
+            return "verify"
+        return "prefill" if len(item.data) > 1 else "decode"
 
-    def _emit(self, step: StepInput, out: np.ndarray) -> np.ndarray | list[SampledToken]:
+    def _emit(self, item: StepInput, out: np.ndarray) -> np.ndarray | list[SampledToken]:
         """Hidden states pass on; the last stage samples (or verifies draft tokens)."""
         if not self.runner.is_last:
             return out
-        num_logits = len(out)
-        first = step.start_position + len(step.data) - num_logits
-        history = list(step.history)
-        if step.token_masks:
-            out = apply_masks(out, step.token_masks)
-        if step.draft_tokens:
-            return verify(
-                out, step.draft_tokens, step.draft_dists, step.sampling, first + 1, history
-            )
-        return [sample(row, step.sampling, first + i + 1, history) for i, row in enumerate(out)]
+        return last_stage_tokens(out, item.request, len(item.data))
 
 
 class StatefulBackend(_Backend):
@@ -133,11 +103,14 @@ class StatefulBackend(_Backend):
     def _one(self, step: StepInput) -> np.ndarray | list[SampledToken] | None:
         if not self._prepare(step):
             return None
-        count = len(step.data)
-        positions = np.arange(step.start_position, step.start_position + count, dtype=np.int64)
+        count, request = len(step.data), step.request
+        start = request.start_position
+        positions = np.arange(start, start + count, dtype=np.int64)
         phase = self.phase(step)
         started = time.perf_counter()
-        out = self.runner.forward(step.session_id, step.data, positions, max(1, step.num_logits))
+        out = self.runner.forward(
+            request.session_id, step.data, positions, max(1, request.num_logits)
+        )
         self.metrics.forward_seconds.labels(phase).observe(time.perf_counter() - started)
         self.metrics.tokens.labels(phase).inc(count)
         self.metrics.batch_size.observe(1)
@@ -177,13 +150,14 @@ class PagedBackend(_Backend):
                 if not self._prepare(step):
                     continue
                 data = self.runner.check_chunk(step.data)
+                request = step.request
                 item = PagedStep(
-                    step.session_id,
+                    request.session_id,
                     data,
-                    step.start_position,
-                    max(1, step.num_logits),
-                    solo=step.solo,
-                    hashes=step.block_hashes,
+                    request.start_position,
+                    max(1, request.num_logits),
+                    solo=request.solo,
+                    hashes=request.block_hashes,
                 )
                 self.runner.place(item)
                 placed.append((i, item))

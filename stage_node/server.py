@@ -86,8 +86,8 @@ def _server_credentials(settings: StageSettings) -> grpc.ServerCredentials | Non
 
 def warm_up(runner: ShardRunner | PagedRunner) -> None:
     """One throwaway prompt and decode step before serving: OpenVINO's first inference of a
-    shape takes seconds (measured 4.5 s for the 1.5B model's stage 0), which the first user
-    would otherwise wait for."""
+    shape takes seconds (docs/benchmarks.md, "Start-up costs"), which the first user would
+    otherwise wait for."""
     started = time.perf_counter()
     session = "__warm-up__"
     length = max(1, min(16, runner.max_context - 1))
@@ -118,17 +118,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
     cpus = settings.cpu_list()
     if cpus:
         pin_process(cpus)
-    options = RunnerOptions(
-        device=settings.device,
-        threads=settings.threads,
-        kv_cache_precision=settings.kv_cache_precision,
-        inference_precision=settings.inference_precision,
-        cache_dir=settings.ov_cache_dir,
-        properties=dict(settings.ov_properties),
-        max_sessions=settings.max_sessions,
-        streams=settings.streams,
-        batch_invariant=settings.batch_invariant,
-    )
+    options = RunnerOptions.from_settings(settings)
     if settings.ov_cache_dir is not None:
         settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)
     runner: ShardRunner | PagedRunner

@@ -27,13 +27,11 @@ from typing import Any
 import grpc
 import numpy as np
 
+from common.version import VERSION
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
-from protos.codec import (
-    HIDDEN_DTYPES,
-    sampled_to_pb,
-    sampling_from_pb,
-)
+from protos.codec import HIDDEN_DTYPES, sampled_to_pb
+from protos.step import StepRequest
 from shard_runtime.paged import PagedRunner
 from shard_runtime.runner import (
     CapacityExceeded,
@@ -41,11 +39,11 @@ from shard_runtime.runner import (
     SessionNotFound,
     ShardRunner,
 )
+from shard_runtime.step import StepExpired, next_ring_step
 from stage_node.backend import (
     PagedBackend,
     StageBackend,
     StatefulBackend,
-    StepExpired,
     StepInput,
     StepOutcome,
 )
@@ -54,7 +52,6 @@ from stage_node.metrics import StageMetrics
 from stage_node.settings import StageSettings
 
 log = logging.getLogger(__name__)
-VERSION = "0.1.0"
 _RELEASED_KEPT = 4096  # freed session ids remembered (late steps of theirs fail uncounted)
 
 
@@ -79,6 +76,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 # Steps computed together, and their outcomes
 Computed = tuple[list[tuple[StepInput, pb.Step]], list[StepOutcome]]
+
+
 class StageService(pb_grpc.StageServicer):
     def __init__(
         self,
@@ -350,23 +349,7 @@ class StageService(pb_grpc.StageServicer):
 
     def _step_input(self, step: pb.Step, data: np.ndarray) -> StepInput | Exception:
         try:
-            return StepInput(
-                session_id=step.session_id,
-                step_id=step.step_id,
-                data=data,
-                start_position=step.start_position,
-                rollback=step.rollback,
-                num_logits=step.num_logits,
-                sampling=sampling_from_pb(step.sampling),
-                history=step.history,
-                deadline_unix_ms=step.deadline_unix_ms,
-                draft_tokens=step.draft_tokens,
-                draft_dists=[(d.ids, d.probs) for d in step.draft_dists],
-                group=step.group,
-                solo=step.solo,
-                block_hashes=tuple(step.block_hashes),
-                token_masks=tuple(step.token_masks),
-            )
+            return StepInput(StepRequest.from_pb(step), data)
         except Exception as exc:
             return exc
 
@@ -434,14 +417,14 @@ class StageService(pb_grpc.StageServicer):
         solo step (pb.Step.solo) is computed alone and joins no other step's call. Called
         holding _cond."""
         first = self._ready.popleft()
-        if first[0].solo:
+        if first[0].request.solo:
             return [first]
-        group = first[0].group
+        group = first[0].request.group
         batch: list[tuple[StepInput, pb.Step]] = [first]
         rest: deque[tuple[StepInput, pb.Step]] = deque()
         while self._ready:
             entry = self._ready.popleft()
-            joins = entry[0].group == group and not entry[0].solo
+            joins = entry[0].request.group == group and not entry[0].request.solo
             if joins and len(batch) < self.backend.max_batch:
                 batch.append(entry)
             else:
@@ -503,26 +486,12 @@ class StageService(pb_grpc.StageServicer):
     def _follow(self, step: pb.Step, emitted: list[int], length: int) -> None:
         """The ring decodes on its own: feed the token just sampled back to stage 0 as the
         session's next step (Step.follow), unless it ends the sequence."""
-        if emitted[-1] in step.stop_ids or step.session_id in self._released:
+        if step.session_id in self._released:
             return
-        sampling = step.sampling
-        penalised = sampling.presence_penalty or sampling.frequency_penalty
-        nxt = pb.Step(
-            session_id=step.session_id,
-            step_id=step.step_id + 1,
-            client_id=step.client_id,
-            token_ids=emitted[-1:],
-            num_tokens=1,
-            start_position=length,
-            num_logits=1,
-            sampling=sampling,
-            history=[*step.history, *emitted] if penalised else [],
-            deadline_unix_ms=step.deadline_unix_ms,
-            group=step.group,
-            solo=step.solo,
-            follow=step.follow - 1,
-            stop_ids=step.stop_ids,
-        )
+        ring_step = next_ring_step(StepRequest.from_pb(step), emitted, length)
+        if ring_step is None:
+            return
+        nxt = ring_step.to_pb()
         if self.runner.is_first:  # a ring of one stage
             self.metrics.loop_steps.inc()
             self._admit(nxt, np.asarray(nxt.token_ids, dtype=np.int64))

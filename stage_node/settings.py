@@ -110,8 +110,8 @@ class StageSettings(BaseSettings):
         return self
 
     def resolved_kv_backend(self) -> Literal["stateful", "paged"]:
-        """``auto``: paged, which the benchmark shows faster from 2 concurrent users on
-        (benchmarks/results/paged-*.md), unless the stage serves one session at a time."""
+        """``auto``: paged, faster from 2 concurrent users on (docs/benchmarks.md, "Retired
+        measurements"), unless the stage serves one session at a time."""
         if self.kv_backend != "auto":
             return self.kv_backend
         return "paged" if self.max_sessions > 1 else "stateful"

@@ -20,10 +20,27 @@ EXACT = RunnerOptions(kv_cache_precision="f32", inference_precision="f32")
 
 ExportFn = Callable[..., Path]
 
+TIERS = ("unit", "component", "integration")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test is in exactly one tier (a ``pytestmark`` of its module, or a mark of its own):
+    ``pytest -m unit`` is then the quick loop and no test falls outside every tier."""
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {', '.join(tiers) or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"tests need exactly one of the marks {', '.join(TIERS)}:\n" + "\n".join(wrong)
+        )
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from tests.tiny_models import make_model
+    from exporter.tiny_models import make_model
 
     made: dict[tuple[str, int, int], Path] = {}
 

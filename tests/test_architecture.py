@@ -12,7 +12,12 @@ lazy ones inside functions, read from the source with ast):
 - no module imports a private name (``_name``) from another package;
 - only the command line (``pipeshard``, which wires every role together) and the benchmarks
   themselves import ``benchmarks``;
-- no module imports itself back through others (no import circles).
+- no module imports itself back through others (no import circles);
+- in the gateway only the ring transport (``server.ring.grpc_client``) speaks gRPC: the engine
+  and the HTTP layer see the ring's typed errors (``server.ring``), never gRPC status codes;
+- the gateway's three layers are folders: ``server.api`` (HTTP) may use the engine and the ring,
+  ``server.engine`` only the ring (never HTTP), ``server.ring`` neither; what they share
+  (settings, metrics, small parsers) sits beside them in ``server``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (
@@ -92,7 +99,7 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     targets = {name: {t for t, _ in found} for name, found in GRAPH.items()}
     assert "common.net" in targets["pipeshard.fleet"]  # top level
     assert "benchmarks.suite.cli" in targets["pipeshard.cli"]  # inside _run_bench
-    assert "common.systemd" in targets["server.app"]  # from common import systemd
+    assert "common.systemd" in targets["server.api.app"]  # from common import systemd
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -174,3 +181,59 @@ def circles() -> list[list[str]]:
 
 def test_no_import_circles() -> None:
     assert circles() == []
+
+
+# the gateway modules that may use gRPC (grpc itself, the generated stubs, channel set-up)
+GRPC_TRANSPORT = {"server.ring.grpc_client"}
+GRPC_MODULES = ("grpc", "protos.pipeshard_v1_pb2_grpc", "protos.transport")
+
+
+def grpc_imports(name: str, path: Path) -> Iterator[str]:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for target in targets:
+            if any(target == m or target.startswith(f"{m}.") for m in GRPC_MODULES):
+                yield f"{path.relative_to(ROOT)}:{node.lineno} imports {target}"
+                break
+
+
+def test_only_the_ring_transport_speaks_grpc_in_the_gateway() -> None:
+    broken = [
+        found
+        for name, path in MODULES.items()
+        if name.split(".")[0] == "server" and name not in GRPC_TRANSPORT
+        for found in grpc_imports(name, path)
+    ]
+    assert broken == []
+    assert all(list(grpc_imports(n, MODULES[n])) for n in GRPC_TRANSPORT)  # the rule sees them
+
+
+# gateway layer -> gateway layers it must not import
+LAYERS = {
+    "server.api": set(),
+    "server.engine": {"server.api"},
+    "server.ring": {"server.api", "server.engine"},
+}
+
+
+def layer(name: str) -> str | None:
+    return next((lay for lay in LAYERS if name == lay or name.startswith(f"{lay}.")), None)
+
+
+def test_the_gateways_layers_import_only_downwards() -> None:
+    broken = [
+        f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}"
+        for name, targets in GRAPH.items()
+        if (own := layer(name)) is not None
+        for target, line in targets
+        if layer(target) in LAYERS[own]
+    ]
+    assert broken == []
+    # every gateway module is in a layer or one of the shared ones beside them
+    shared = {"server", "server.settings", "server.metrics", "server.options", "server.hosts"}
+    assert {n for n in MODULES if n.split(".")[0] == "server" and layer(n) is None} == shared

@@ -19,8 +19,10 @@ import pytest
 from benchmarks.processes import PIPESHARD
 from benchmarks.suite import latency, parity, speculation, ttft, users
 from exporter.export import ExportOptions, export_model
+from exporter.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 from protos.manifest import WeightSpec
-from tests.tiny_models import CHAT_TEMPLATE, make_draft, make_model
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ["parity", "microbatch", "speculative", "latency", "ttft"]
@@ -63,16 +65,17 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def run(exports: tuple[Path, Path]) -> tuple[Path, subprocess.CompletedProcess[str]]:
     export, variants = exports
     base = export.parent
-    out = base / "results"
+    out = base / "results"  # no --results: the report lands in the current directory
+    out.mkdir(exist_ok=True)
     cmd = [
         PIPESHARD,
         "bench",
         "--quick",
-        *("--export", str(export), "--variants", str(variants), "--out", str(out)),
+        *("--export", str(export), "--variants", str(variants)),
         *("--ov-cache-dir", str(base / "ov-cache")),
         *("--delays", "0,20"),  # the quick default goes to 100 ms per hop: slow on any model
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=base)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out)
     return out, done
 
 

@@ -13,34 +13,25 @@ import jsonschema
 import numpy as np
 import pytest
 
+from exporter.tiny_models import CORPUS, JSON_CORPUS
 from protos.sampling import SamplingParams
-from server.constraints import (
+from server.api.tools import HERMES
+from server.engine.constraints import (
     Constraint,
     Grammars,
     json_schema_constraint,
     tool_call_constraint,
 )
-from server.engine import Engine, GenerationRequest
+from server.engine.loop import Engine, GenerationRequest
+from server.engine.scheduler import SchedulerConfig
+from server.engine.speculative import DraftProposer, Proposer
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineClient
-from server.scheduler import SchedulerConfig
-from server.speculative import DraftProposer, Proposer
-from server.tools import HERMES
+from server.ring.grpc_client import PipelineClient
+from tests.clients import SCHEMA
 from tests.conftest import EXACT
+from tests.fleets import export_chat_model
 from tests.processes import start_stages
-from tests.test_gateway import export_chat_model
-from tests.tiny_models import CORPUS, JSON_CORPUS
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["city", "days", "ok"],
-    "additionalProperties": False,
-}
 PROMPTS = [[5, 17, 33, 99, 100, 7, 42, 8], [60, 61, 62], [9, 9, 9, 9, 9, 9], [18, 180, 81]]
 
 
@@ -124,6 +115,7 @@ def text(ring: Ring, tokens: list[int]) -> str:
     return str(ring.grammars._hf.decode([t for t in tokens if t not in eos]))
 
 
+@pytest.mark.integration
 def test_json_schema_output_validates_every_time_when_sampling(ring: Ring) -> None:
     """20 seeded requests at temperature 1, 4 at a time: every output parses and validates
     against the schema, and ends with the end-of-sequence token; unconstrained, they do not."""
@@ -147,6 +139,7 @@ def _valid(output: str) -> bool:
     return True
 
 
+@pytest.mark.integration
 def test_a_constraint_admitting_everything_changes_no_greedy_token(ring: Ring) -> None:
     """Greedy output under a grammar that admits any text (every token but the special ones)
     equals the output without a constraint."""
@@ -160,6 +153,7 @@ def test_a_constraint_admitting_everything_changes_no_greedy_token(ring: Ring) -
     assert generate(ring, everything, greedy, PROMPTS, max_tokens=24) == free
 
 
+@pytest.mark.integration
 def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring) -> None:
     """Four constrained requests (greedy and seeded sampling) together equal each alone, and
     so do 16 at once under preemption; with
@@ -194,6 +188,7 @@ def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring
     assert all(_valid(text(ring, t)) for t in speculative)
 
 
+@pytest.mark.component  # trains a tokenizer and builds its grammar: seconds
 def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) -> None:
     """Random walks: masks(draft) walks draft tokens (the end-of-sequence token among them)
     and forgets them; the matcher then gives the mask a fresh one gives at the same place, and
@@ -202,8 +197,8 @@ def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) ->
 
     from transformers import PreTrainedTokenizerFast
 
-    from server.constraints import _allows
-    from tests.tiny_models import make_tokenizer
+    from exporter.tiny_models import make_tokenizer
+    from server.engine.constraints import _allows
 
     make_tokenizer(tmp_path, corpus=CORPUS + JSON_CORPUS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))

@@ -21,6 +21,8 @@ from exporter.default_models import (
 )
 from exporter.errors import ExportError
 
+pytestmark = pytest.mark.unit
+
 NUM_PARTS = 12
 PREFIX = "fake-model-part"
 

@@ -219,12 +219,14 @@ def stage_chain(stages: list[dict[str, Any]], name: str) -> list[dict[str, Any]]
 # --- (a) systemd units ----------------------------------------------------------------------
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("role", sorted(UNITS))
 def test_unit_passes_systemd_analyze_verify(role: str, tmp_path: Path) -> None:
     unit, name, env_file, example = UNITS[role]
     assert verify_problems(unit_for_tests(unit, name, env_file, example, tmp_path)) == []
 
 
+@pytest.mark.component
 @pytest.mark.parametrize(
     ("old", "new"),
     [
@@ -241,6 +243,7 @@ def test_verify_catches_a_broken_unit(old: str, new: str, tmp_path: Path) -> Non
     assert verify_problems(good), f"systemd-analyze verify did not notice {old!r} -> {new!r}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("role", sorted(UNITS))
 def test_unit_settings(role: str) -> None:
     unit, _, env_file, _ = UNITS[role]
@@ -266,6 +269,7 @@ def test_unit_settings(role: str) -> None:
     assert s["LimitNOFILE"] and s["TasksMax"]
 
 
+@pytest.mark.unit
 def test_stage_unit_points_the_openvino_cache_at_var_cache() -> None:
     service = parse_unit(STAGE_UNIT.read_text())["Service"]
     env = dict(v.partition("=")[::2] for v in service["Environment"])
@@ -276,6 +280,7 @@ def test_stage_unit_points_the_openvino_cache_at_var_cache() -> None:
 # --- (e) env examples -----------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("example", "names", "prefix"),
     [
@@ -298,6 +303,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, values: dict[str, str]) -> None:
         monkeypatch.setenv(key, value)
 
 
+@pytest.mark.unit
 def test_stage_unit_environment_makes_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the stage unit hands `pipeshard stage` (its Environment= for instance 1, then the
     example env file) validates, and the instance name is the stage index."""
@@ -311,12 +317,14 @@ def test_stage_unit_environment_makes_valid_settings(monkeypatch: pytest.MonkeyP
     assert settings.listen.startswith("0.0.0.0:")
 
 
+@pytest.mark.unit
 def test_gateway_env_example_makes_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     _clean_env(monkeypatch, env_file_values(GATEWAY_ENV))
     settings = GatewaySettings.load()
     assert len(settings.stages) >= 2
 
 
+@pytest.mark.unit
 def test_commands_without_flags_parse() -> None:
     from pipeshard.cli import build_parser
 
@@ -327,6 +335,7 @@ def test_commands_without_flags_parse() -> None:
 # --- (b) compose and (c) Prometheus ---------------------------------------------------------
 
 
+@pytest.mark.component
 def test_compose_file_passes_docker_compose_config(tmp_path: Path) -> None:
     binary = shutil.which("docker-compose")
     if binary is None:
@@ -355,6 +364,7 @@ def test_compose_file_passes_docker_compose_config(tmp_path: Path) -> None:
     assert config(broken).returncode != 0
 
 
+@pytest.mark.unit
 def test_compose_services() -> None:
     services = load_compose()["services"]
     assert set(services) == {"stage0", "stage1", "gateway", "prometheus"}
@@ -392,6 +402,7 @@ def test_compose_services() -> None:
     assert (DEPLOY / "prometheus.yml").is_file()
 
 
+@pytest.mark.unit
 def test_prometheus_scrapes_the_gateway_and_both_stages() -> None:
     config = load_prometheus()
     services = load_compose()["services"]
@@ -416,6 +427,7 @@ def _exprs(node: Any) -> list[str]:
     return []
 
 
+@pytest.mark.unit
 def test_grafana_dashboard_uses_only_registered_metrics() -> None:
     dashboard = json.loads((DEPLOY / "grafana" / "pipeshard-dashboard.json").read_text())
     assert dashboard["schemaVersion"] >= 36
@@ -444,6 +456,7 @@ def test_grafana_dashboard_uses_only_registered_metrics() -> None:
 # --- (f) Dockerfile -------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_dockerfile_runtime_target() -> None:
     stages = dockerfile_stages()
     assert stages[-1]["name"] == "runtime", "runtime must be the last (default) target"
@@ -463,6 +476,7 @@ def test_dockerfile_runtime_target() -> None:
     assert "pip wheel" in builder_runs and "--no-deps" in builder_runs
 
 
+@pytest.mark.unit
 def test_dockerfile_builds_every_runtime_package() -> None:
     """The wheel the image installs holds every package pyproject ships but the benchmarks
     (the command line `pipeshard` is one of them)."""
@@ -477,6 +491,7 @@ def test_dockerfile_builds_every_runtime_package() -> None:
     assert packages and packages <= copied, f"the image's wheel lacks {packages - copied}"
 
 
+@pytest.mark.unit
 def test_dockerfile_export_target() -> None:
     stages = dockerfile_stages()
     chain = stage_chain(stages, "export")
@@ -485,6 +500,7 @@ def test_dockerfile_export_target() -> None:
     assert chain[-1]["base"].startswith("python:3.11-slim")
 
 
+@pytest.mark.unit
 def test_dockerignore() -> None:
     entries = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", "exports", "benchmarks/out"} <= entries
@@ -500,6 +516,7 @@ class _Health(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.integration
 def test_dockerfile_healthcheck_works_for_both_roles(tmp_path: Path) -> None:
     """Run the HEALTHCHECK command (`pipeshard health`), with PID 1's command line taken from a
     file. A stage must answer its gRPC Health call: a bare TCP listener on its port is not

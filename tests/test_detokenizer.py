@@ -10,7 +10,9 @@ from typing import cast
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from server.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from server.api.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+
+pytestmark = pytest.mark.unit
 
 QWEN_TOKENIZER = Path(__file__).resolve().parents[1] / (
     "exports/qwen15-int4-s2/tokenizer/tokenizer.json"

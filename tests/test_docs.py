@@ -15,12 +15,15 @@ import re
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from server.metrics import GatewayMetrics
 from server.settings import GatewaySettings
 from stage_node.metrics import StageMetrics
 from stage_node.settings import StageSettings
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

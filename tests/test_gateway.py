@@ -4,90 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from exporter.export import ExportOptions, export_model
 from exporter.verify import reference_greedy
-from protos.manifest import WeightSpec
-from server.pipeline import PipelineClient
+from server.ring.grpc_client import PipelineClient
 from shard_runtime.chain import LocalChain
+from tests.clients import ring_greedy
 from tests.conftest import EXACT, make_certificates
+from tests.fleets import KEY, MESSAGES, Fleet, export_chat_model
 from tests.processes import free_port, start_gateway, start_stages
-from tests.test_stage_ring import ring_greedy
-from tests.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 
-KEY = "test-key"
-MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
-
-
-@dataclass
-class Fleet:
-    url: str
-    model: str
-    source: Path
-    export: Path
-    stages: list[str]
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120.0)
-
-    def choices(self, finish: str) -> float:
-        """``pipeshard_gateway_choices_total`` for one way of ending (0 before the first)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        pattern = rf'^pipeshard_gateway_choices_total{{finish="{finish}"}} (\S+)$'
-        match = re.search(pattern, text, re.MULTILINE)
-        return float(match.group(1)) if match else 0.0
-
-    def stage_sessions(self) -> list[int]:
-        async def infos() -> list[int]:
-            client = PipelineClient(self.stages)
-            await client.start()
-            found = [i.sessions_in_use for i in await client.stage_infos() if i]
-            await client.close()
-            return found
-
-        return asyncio.run(infos())
-
-
-@dataclass
-class ProcessFleet(Fleet):
-    pids: list[int] = field(default_factory=list)  # the gateway's, then every stage's
-
-
-def export_chat_model(
-    base: Path,
-    stages: int = 2,
-    *,
-    name: str = "chat-model",
-    chat_template: str | None = CHAT_TEMPLATE,
-    json: bool = False,
-    draft: bool = False,
-    max_context: int | None = None,
-) -> tuple[Path, Path]:
-    """A tiny Qwen2 with a chat template, exported to fp32 stages: (source, export). ``json``:
-    its tokenizer can write JSON and tool calls; ``draft``: a draft (its weights plus noise)
-    exported beside it."""
-    corpus = CORPUS + JSON_CORPUS if json else CORPUS
-    source = make_model("qwen2", base / name, chat_template=chat_template, corpus=corpus)
-    drafted = make_draft(source, base / f"{name}-draft", noise=0.3) if draft else None
-    export = base / "export"
-    export_model(
-        ExportOptions(
-            model=str(source), out=export, stages=stages, weights=WeightSpec(format="fp32"),
-            draft=str(drafted) if drafted else None, max_context=max_context, quiet=True,
-        )
-    )  # fmt: skip
-    return source, export
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +36,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         ["--api-key", KEY, "--api-key", "second-key", "--max-body-bytes", "65536"],
     )
     try:
-        pids = [p.popen.pid for p in (gateway, *procs) if p.popen is not None]
-        yield ProcessFleet(url, "chat-model", source, export, addresses, pids)
+        yield Fleet(url, "chat-model", source, export, addresses, gateway, procs)
     finally:
         gateway.stop()
         for proc in procs:
@@ -149,7 +83,7 @@ def test_the_gateway_and_the_stages_run_without_torch(fleet: Fleet) -> None:
     """Only the exporter needs torch. It is installed here (the export extra), and
     transformers imports it wherever it finds it, unless the gateway keeps it out."""
     fleet.client().chat.completions.create(model=fleet.model, messages=MESSAGES, max_tokens=2)
-    assert isinstance(fleet, ProcessFleet) and len(fleet.pids) == 3
+    assert len(fleet.pids) == 3
     for pid in fleet.pids:
         maps = Path(f"/proc/{pid}/maps").read_text()
         assert "libtorch" not in maps and "libopenvino" in maps, pid

@@ -1,26 +1,31 @@
-"""benchmarks/gateway_stream.py end to end: it makes its tiny export, streams over a real
+"""`pipeshard bench gateway-stream` end to end: it makes its tiny export, streams over a real
 gateway and stages, and reports the gateway's CPU per streamed token."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gateway_stream.py"
+import pytest
+
+from tests.processes import PIPESHARD
+
+pytestmark = pytest.mark.integration
+
+SUITE = [PIPESHARD, "bench", "gateway-stream"]
 
 
 def test_gateway_stream_benchmark_reports_cpu_per_token(tmp_path: Path) -> None:
     export = tmp_path / "tiny"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--make-tiny", str(export)],
+        [*SUITE, "--make-tiny", str(export)],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     assert (export / "manifest.json").is_file()
     results = tmp_path / "results"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--export", str(export), "--users", "2", "--tokens", "12",
+        [*SUITE, "--export", str(export), "--users", "2", "--tokens", "12",
          "--rounds", "2", "--gateway-flags=--no-batching", "--gateway-cores", "0",
          "--results", str(results)],
         check=True, capture_output=True, timeout=600,

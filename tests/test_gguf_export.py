@@ -1,6 +1,6 @@
 """Exports straight from GGUF files: the file's own blocks, token for token with transformers.
 
-Tiny random models written as llama.cpp would (tests/tiny_gguf.py: Q4_K_M mixes of Q4_K, Q6_K
+Tiny random models written as llama.cpp would (exporter/tiny_gguf.py: Q4_K_M mixes of Q4_K, Q6_K
 and F32) are exported with ``--weights gguf`` and compared with transformers loading the same
 file (its de-quantization is gguf's, the reference): with f32 compute, an f32 KV cache and the
 CPU's dynamic activation quantization off, the chained stages give the same greedy tokens and
@@ -29,6 +29,8 @@ from protos.manifest import ShardManifest, load_manifest, manifest_hash
 from shard_runtime.chain import LocalChain
 from shard_runtime.runner import RunnerOptions
 
+pytestmark = pytest.mark.component
+
 # f32 compute, f32 KV cache, no dynamic int8 activations: what transformers computes
 EXACT_GGUF = RunnerOptions(
     kv_cache_precision="f32",
@@ -40,7 +42,7 @@ PROMPTS = [[1, 17, 42, 99, 7, 130, 64, 5, 200], [1, 3, 250, 11, 11, 90, 31, 140]
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from tests.tiny_gguf import make_gguf_model
+    from exporter.tiny_gguf import make_gguf_model
 
     made: dict[tuple[str, str], Path] = {}
 
@@ -201,7 +203,7 @@ def test_gguf_experts_stay_compressed_and_sparse(gguf_export: Callable[..., Path
 def test_a_gguf_whose_experts_transformers_cannot_read_is_refused(tmp_path: Path) -> None:
     """A file holding experts that transformers reads as a dense model (here a qwen2 file with
     an expert count): the export says so instead of failing on a missing tensor."""
-    from tests.tiny_gguf import make_hf_model, write_gguf
+    from exporter.tiny_gguf import make_hf_model, write_gguf
 
     gguf = write_gguf(
         make_hf_model("qwen2", tmp_path / "hf", layers=2),
@@ -221,8 +223,8 @@ def test_a_mixtral_gguf_is_read_as_mixtral(tmp_path: Path) -> None:
     F32 from a Mixtral folder, its 2 stages give that model's greedy tokens."""
     from transformers import AutoModelForCausalLM
 
+    from exporter.tiny_gguf import make_hf_model, write_gguf
     from exporter.verify import reference_greedy
-    from tests.tiny_gguf import make_hf_model, write_gguf
 
     hf = make_hf_model("mixtral", tmp_path / "hf", layers=3)
     gguf = write_gguf(hf, tmp_path / "mixtral.gguf", "F32")

@@ -30,6 +30,8 @@ from exporter.gguf_quant import (
     weight_node,
 )
 
+pytestmark = pytest.mark.unit
+
 ROWS, COLS = 16, 512  # two K-quant super-blocks per row
 # Strict f32 with no dynamic activation quantization: the only way a matmul by the identity
 # returns the decompressed weight bit for bit.

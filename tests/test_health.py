@@ -17,8 +17,10 @@ import pytest
 
 from pipeshard.health import check_stage
 from tests.conftest import make_certificates
+from tests.fleets import MESSAGES, export_chat_model
 from tests.processes import PIPESHARD, start_gateway, start_stages
-from tests.test_gateway import MESSAGES, export_chat_model
+
+pytestmark = pytest.mark.integration
 
 SECRET = "health-check-secret"
 LOAD = {  # one request of real load: as long as the tiny model's context (256) allows

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import latency_proxy as lp
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.component, pytest.mark.timeout(30)]
 
 ROOT = Path(__file__).resolve().parents[1]
 DELAY_S = 0.050

@@ -27,8 +27,10 @@ from typing import Any, Literal
 import httpx
 import pytest
 
+from tests.fleets import Fleet, export_chat_model
 from tests.processes import Proc, start_gateway, start_stages
-from tests.test_gateway import Fleet, export_chat_model
+
+pytestmark = pytest.mark.integration
 
 KEY = "load-key"
 CONCURRENCY = 32
@@ -299,7 +301,7 @@ async def run_one(client: httpx.AsyncClient, spec: Spec, model: str) -> Outcome:
     elif spec.leave == "cancel":
         try:
             out = await asyncio.wait_for(run(client, spec, model), spec.leave_after)
-        except asyncio.TimeoutError:  # the client went away: its connection is closed
+        except TimeoutError:  # the client went away: its connection is closed
             out = Outcome(spec, cancelled=True)
     else:
         out = await run(client, spec, model)
@@ -385,10 +387,6 @@ def first_traceback(log: str) -> str:
 
 @dataclass
 class LoadFleet(Fleet):
-    gateway: Proc | None = None
-    stage_procs: list[Proc] = field(default_factory=list)
-    logs: list[Path] = field(default_factory=list)
-
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics").text
 

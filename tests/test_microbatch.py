@@ -10,54 +10,26 @@ every step itself (`--ring-decode 0`).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from benchmarks.latency_proxy import start_in_thread
-from tests.processes import free_port, start_gateway, start_stages
-from tests.test_gateway import export_chat_model
+from tests.clients import request, stream_text
+from tests.fleets import Fleet, export_chat_model, scrape
+from tests.processes import PIPESHARD, free_port, start_gateway, start_stages
+
+pytestmark = pytest.mark.integration
 
 EOS = 2
 MAX_RUNNING = 8
-
-
-@dataclass
-class Fleet:
-    url: str
-    stages: list[str]
-    solo_url: str = ""  # a gateway with --no-batching over the same stages
-    stage_metrics: tuple[int, ...] = ()  # the stages' Prometheus ports
-    export: Path | None = None
-    stepped_url: str = ""  # --no-batching --ring-decode 0: every step through the gateway
-    batched_stepped_url: str = ""  # --ring-decode-batched 0: batching, every step through it
-    uncached_url: str = ""  # --no-prefix-cache --prefill-chunk 48: every prompt prefilled whole
-
-    def client(self, url: str = "") -> openai.OpenAI:
-        """A client of the batching gateway, or of the one at ``url``."""
-        return openai.OpenAI(
-            base_url=f"{url or self.url}/v1", api_key="none", max_retries=0, timeout=120.0
-        )
-
-    def metric(self, name: str) -> float:
-        return scrape(self.url, name)
-
-    def wait_metric(self, name: str, value: float, timeout: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.metric(name) != value:
-            assert time.monotonic() < deadline, f"{name} stayed {self.metric(name)}, not {value}"
-            time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +64,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         yield Fleet(
             url,
-            addresses,
-            solo_url,
-            tuple(ports),
-            export,
-            stepped_url,
-            batched_stepped_url,
-            uncached_url,
+            export=export,
+            stages=addresses,
+            stage_metrics=tuple(ports),
+            gateways={
+                "solo": solo_url,  # --no-batching: the ring decodes on its own
+                "stepped": stepped_url,  # --no-batching --ring-decode 0: every step sent
+                "batched-stepped": batched_stepped_url,  # batching, every step sent
+                "uncached": uncached_url,  # no prefix cache, prompts prefilled whole
+            },
         )
     finally:
         uncached.stop()
@@ -111,28 +85,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             proc.stop()
 
 
-def request(i: int) -> dict[str, Any]:
-    """Eight different requests: greedy and seeded sampling, short and chunked prompts."""
-    words = " ".join(["fox", "dog", "cat", "owl"][j % 4] for j in range(3 + 5 * i))
-    body: dict[str, Any] = {
-        "model": "chat-model",
-        "messages": [{"role": "user", "content": f"{i} {words}"}],
-        "max_tokens": 24,
-        "temperature": 0.0,
-    }
-    if i % 2:
-        body.update(temperature=0.9, top_p=0.9, seed=1000 + i)
-    return body
-
-
-def stream_text(fleet: Fleet, body: dict[str, Any], url: str = "") -> str:
-    pieces = []
-    for chunk in fleet.client(url).chat.completions.create(stream=True, **body):
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-    return "".join(pieces)
-
-
 def test_concurrent_streams_equal_the_same_requests_one_by_one(fleet: Fleet) -> None:
     bodies = [request(i) for i in range(8)]
     alone = [stream_text(fleet, body) for body in bodies]
@@ -143,14 +95,6 @@ def test_concurrent_streams_equal_the_same_requests_one_by_one(fleet: Fleet) -> 
     # the prompts of 8+ tokens went through the ring in chunks of 8, and nothing is left
     fleet.wait_metric("pipeshard_gateway_requests_running", 0)
     assert fleet.metric("pipeshard_gateway_queue_seconds_count") >= 16
-
-
-def scrape(url: str, name: str) -> float:
-    """A metric without labels, from the Prometheus endpoint at ``url``."""
-    text = httpx.get(f"{url}/metrics").text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert match, name
-    return float(match.group(1))
 
 
 def stage_metric(port: int, name: str) -> float:
@@ -172,11 +116,11 @@ def test_without_batching_concurrent_streams_equal_them_one_by_one_each_call_alo
     fleet: Fleet,
 ) -> None:
     bodies = [request(i) for i in range(8)]
-    alone = [stream_text(fleet, body, fleet.solo_url) for body in bodies]
+    alone = [stream_text(fleet, body, fleet.gateways["solo"]) for body in bodies]
     assert len(set(alone)) > 4 and all(alone)
     before = stage_calls(fleet)
     with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda b: stream_text(fleet, b, fleet.solo_url), bodies))
+        together = list(pool.map(lambda b: stream_text(fleet, b, fleet.gateways["solo"]), bodies))
     assert together == alone
     # every inference call on both stages held one request's step, under load too
     for (calls, sessions), (calls0, sessions0) in zip(stage_calls(fleet), before, strict=True):
@@ -264,9 +208,8 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     """The benchmark script end to end on the tiny export (no genai baseline): every system
     at each user count, in its table, JSON and plot."""
     assert fleet.export is not None
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "microbatch.py"
     subprocess.run(
-        [sys.executable, str(script), "--export", str(fleet.export), "--no-baseline",
+        [PIPESHARD, "bench", "users", "--export", str(fleet.export), "--no-baseline",
          "--users", "1,2", "--tokens", "6", "--rounds", "1", "--results", str(tmp_path),
          "--gateway-cores", "0"],
         check=True, capture_output=True, timeout=600,
@@ -275,7 +218,7 @@ def test_microbatch_benchmark_compares_batched_and_unbatched_side_by_side(
     (data,) = tmp_path.glob("microbatch-*.json")
     assert list(tmp_path.glob("microbatch-*.png"))
     text = report.read_text()
-    assert text.startswith("Command: `python ") and "--no-batching" in text
+    assert text.startswith("Command: `pipeshard bench users ") and "--no-batching" in text
     rows = json.loads(data.read_text())["rows"]
     assert "the stages' defaults (paged KV, batch invariance on" in text
     padding = json.loads(data.read_text())["stage_padding"]
@@ -312,9 +255,8 @@ def test_microbatch_benchmark_passes_stage_flags_and_states_them(
     """``--stage-flags`` reaches both stage processes (their logs show the stateful backend,
     without the paged block pool) and the report says which flags the stages ran with."""
     assert fleet.export is not None
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "microbatch.py"
     subprocess.run(
-        [sys.executable, str(script), "--export", str(fleet.export), "--no-baseline",
+        [PIPESHARD, "bench", "users", "--export", str(fleet.export), "--no-baseline",
          "--users", "1", "--tokens", "4", "--rounds", "1", "--results", str(tmp_path),
          "--systems", "unbatched", "--stage-flags=--kv-backend stateful"],
         check=True, capture_output=True, timeout=600,
@@ -353,11 +295,11 @@ def test_the_ring_decoding_on_its_own_equals_every_step_through_the_gateway(flee
     bodies = [*(request(i) for i in range(7)), penalised, long]  # 8 running, 1 queued
     last = fleet.stage_metrics[-1]
     loops = stage_metric(last, "pipeshard_stage_loop_steps_total")
-    stepped = [completion(fleet.stepped_url, body) for body in bodies]
+    stepped = [completion(fleet.gateways["stepped"], body) for body in bodies]
     assert stage_metric(last, "pipeshard_stage_loop_steps_total") == loops  # none without it
     assert len({text for text, _, _ in stepped}) > 5 and stepped[-1][2] == 80
     with ThreadPoolExecutor(len(bodies)) as pool:
-        looped = list(pool.map(lambda b: completion(fleet.solo_url, b), bodies))
+        looped = list(pool.map(lambda b: completion(fleet.gateways["solo"], b), bodies))
     assert looped == stepped
     # the gateway sent the step of a request's first token and of every 33rd after it (once
     # a run of --ring-decode 32 tokens ended); the ring made the others itself
@@ -380,7 +322,7 @@ def test_batched_groups_decoding_on_the_ring_equal_every_step_through_the_gatewa
     bodies = [*(request(i) for i in range(7)), {**request(7), "max_tokens": 40}, long]
     last = fleet.stage_metrics[-1]
     loops = stage_metric(last, "pipeshard_stage_loop_steps_total")
-    stepped = [completion(fleet.batched_stepped_url, body) for body in bodies]
+    stepped = [completion(fleet.gateways["batched-stepped"], body) for body in bodies]
     assert stage_metric(last, "pipeshard_stage_loop_steps_total") == loops  # none without it
     assert len({text for text, _, _ in stepped}) > 5 and stepped[-1][2] == 80
     assert completion(fleet.url, long) == stepped[-1]
@@ -397,7 +339,7 @@ def test_a_client_leaving_while_the_ring_decodes_frees_its_sessions(fleet: Fleet
     last = fleet.stage_metrics[-1]
     loops = stage_metric(last, "pipeshard_stage_loop_steps_total")
     with httpx.stream(
-        "POST", f"{fleet.solo_url}/v1/chat/completions", json=body, timeout=60
+        "POST", f"{fleet.gateways['solo']}/v1/chat/completions", json=body, timeout=60
     ) as reply:
         seen = 0
         for line in reply.iter_lines():
@@ -417,7 +359,8 @@ def test_a_client_leaving_while_the_ring_decodes_frees_its_sessions(fleet: Fleet
     for port in fleet.stage_metrics:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert 'pipeshard_stage_errors_total{code="NOT_FOUND"}' not in text
-    assert completion(fleet.solo_url, request(2)) == completion(fleet.stepped_url, request(2))
+    solo, stepped = fleet.gateways["solo"], fleet.gateways["stepped"]
+    assert completion(solo, request(2)) == completion(stepped, request(2))
 
 
 def test_a_ring_of_one_stage_decodes_on_its_own(tmp_path: Path) -> None:
@@ -467,7 +410,7 @@ def test_prefix_cache_reuses_earlier_turns_and_shared_prompts_without_changing_a
         history: list[dict[str, str]] = [system]
         for turn in range(3):
             history.append({"role": "user", "content": f"turn {turn} {i} fox owl"})
-            expected, uncached = _chat(fleet, fleet.uncached_url, history, i)
+            expected, uncached = _chat(fleet, fleet.gateways["uncached"], history, i)
             text, cached = _chat(fleet, fleet.url, history, i)
             assert text == expected, (i, turn)
             assert uncached == 0
@@ -478,7 +421,7 @@ def test_prefix_cache_reuses_earlier_turns_and_shared_prompts_without_changing_a
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda m: _chat(fleet, fleet.url, m, 2), questions))
     assert [t for t, _ in together] == [
-        _chat(fleet, fleet.uncached_url, m, 2)[0] for m in questions
+        _chat(fleet, fleet.gateways["uncached"], m, 2)[0] for m in questions
     ]
     assert all(cached >= 32 for _, cached in together)
     assert fleet.metric("pipeshard_gateway_prompt_cached_tokens_total") > before

@@ -15,7 +15,8 @@ import pytest
 from exporter.verify import reference_greedy
 from protos import pipeshard_v1_pb2 as pb
 from protos.sampling import SampledToken
-from server.pipeline import PipelineClient
+from protos.step import StepRequest
+from server.ring.grpc_client import PipelineClient
 from shard_runtime.chain import LocalChain
 from shard_runtime.paged import BlockManager, BlocksExhausted, PagedRunner, PagedStep
 from shard_runtime.runner import CapacityExceeded, RunnerOptions, ShardRunner
@@ -23,13 +24,14 @@ from stage_node.backend import PagedBackend, StatefulBackend, StepInput
 from stage_node.downstream import pack, unpack
 from stage_node.metrics import StageMetrics
 from tests.conftest import EXACT, ExportFn
-from tests.processes import start_stages
-from tests.test_microbatch import Fleet
+from tests.fleets import Fleet
+from tests.processes import PIPESHARD, start_stages
 
 PROMPTS = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(8)]
 
 
 # -- the block manager -------------------------------------------------------------------------
+@pytest.mark.unit
 def test_blocks_grow_with_the_session_and_rollback_frees_trailing_blocks() -> None:
     blocks = BlockManager(num_blocks=6, block_size=4)
     blocks.open("a")
@@ -50,6 +52,7 @@ def test_blocks_grow_with_the_session_and_rollback_frees_trailing_blocks() -> No
         blocks.truncate("a", 1)  # cannot grow by truncating
 
 
+@pytest.mark.unit
 def test_exhaustion_is_all_or_nothing_and_release_frees_at_once() -> None:
     blocks = BlockManager(num_blocks=4, block_size=2)
     blocks.open("a")
@@ -66,6 +69,7 @@ def test_exhaustion_is_all_or_nothing_and_release_frees_at_once() -> None:
     assert sorted(blocks.tables["b"].blocks) == [0, 1, 2, 3]  # a's blocks were reused
 
 
+@pytest.mark.unit
 def test_blocks_of_sessions_never_overlap() -> None:
     rng = np.random.default_rng(0)
     blocks = BlockManager(num_blocks=32, block_size=3)
@@ -95,6 +99,7 @@ def test_blocks_of_sessions_never_overlap() -> None:
             assert len(table.blocks) == blocks.blocks_for(lengths[s])
 
 
+@pytest.mark.unit
 def test_prefix_blocks_are_shared_then_cached_then_evicted_oldest_first() -> None:
     blocks = BlockManager(num_blocks=6, block_size=4)
     h = [bytes([i]) * 16 for i in range(4)]
@@ -135,6 +140,7 @@ def test_prefix_blocks_are_shared_then_cached_then_evicted_oldest_first() -> Non
     assert blocks.acquire("f", h[:1]) == 0
 
 
+@pytest.mark.unit
 def test_the_prefix_cache_keeps_at_most_its_size() -> None:
     h = [bytes([i]) * 16 for i in range(3)]
     for size, kept in ((None, 3), (1, 1), (0, 0)):
@@ -149,6 +155,7 @@ def test_the_prefix_cache_keeps_at_most_its_size() -> None:
 
 
 # -- packing steps on the wire -------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_batch_packs_hidden_states_row_after_row() -> None:
     rows = [np.full((n, 4), i, dtype=np.float32) for i, n in enumerate([3, 1, 2])]
     steps = [pb.Step(session_id=f"s{i}", step_id=i) for i in range(4)]
@@ -170,9 +177,10 @@ def test_a_batch_packs_hidden_states_row_after_row() -> None:
 
 # -- one inference call for many sessions == each session alone ----------------------------------
 def _steps(session: str, data: np.ndarray, start: int, **kw: object) -> StepInput:
-    return StepInput(session_id=session, step_id=0, data=data, start_position=start, **kw)  # type: ignore[arg-type]
+    return StepInput(StepRequest(session, start_position=start, **kw), data)  # type: ignore[arg-type]
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_batched_call_equals_each_session_alone(tiny_export: ExportFn, stage: int) -> None:
     export = tiny_export("qwen2", 2)
@@ -225,6 +233,7 @@ def test_a_batched_call_equals_each_session_alone(tiny_export: ExportFn, stage: 
     assert paged.blocks.free == paged.blocks.num_blocks
 
 
+@pytest.mark.component
 def test_a_step_that_does_not_fit_fails_alone(tiny_export: ExportFn) -> None:
     export = tiny_export("qwen2", 2)
     paged = PagedRunner(export, 0, EXACT, kv_cache_bytes=1)  # the smallest pool: one block
@@ -240,6 +249,7 @@ def test_a_step_that_does_not_fit_fails_alone(tiny_export: ExportFn) -> None:
 
 
 # -- batch invariance: a row's numbers do not depend on the rest of its call ---------------------
+@pytest.mark.component
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_are_bit_identical_whatever_else_shares_the_call(
     tiny_export: ExportFn, threads: int
@@ -284,6 +294,7 @@ def test_rows_are_bit_identical_whatever_else_shares_the_call(
         assert runner.blocks.free == runner.blocks.num_blocks
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_solo_step_is_not_padded_and_equals_the_raw_one_row_call(
     tiny_export: ExportFn, threads: int
@@ -323,6 +334,7 @@ def test_a_solo_step_is_not_padded_and_equals_the_raw_one_row_call(
         assert np.array_equal(logits["pad"], logits["raw"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "mode", [[], ["--side-by-side", "--stateful"]], ids=["one-process", "side-by-side-stateful"]
 )
@@ -331,18 +343,16 @@ def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
 ) -> None:
     import json
     import subprocess
-    import sys
 
     export = tiny_export("qwen2", 2, "int4")
-    root = Path(__file__).resolve().parents[1]
     subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "batch_cost.py"), "--export", str(export),
+        [PIPESHARD, "bench", "batch-cost", "--export", str(export),
          "--rows", "1,2", "--steps", "2", "--rounds", "1", "--results", str(tmp_path), *mode],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     (report,) = tmp_path.glob("batch_cost-*.md")
     (data,) = tmp_path.glob("batch_cost-*.json")
-    assert report.read_text().startswith("Command: `python ")
+    assert report.read_text().startswith("Command: `pipeshard bench batch-cost ")
     assert "the split that evens them out: `--split " in report.read_text()
     result = json.loads(data.read_text())
     assert sum(result["suggested_split"]) == pytest.approx(6)
@@ -362,6 +372,7 @@ def test_batch_cost_benchmark_times_each_stage_and_says_whether_it_pads(
     )
 
 
+@pytest.mark.integration
 def test_batch_cost_side_by_side_reports_a_failing_stage_instead_of_waiting(
     tiny_export: ExportFn, tmp_path: Path
 ) -> None:
@@ -369,15 +380,13 @@ def test_batch_cost_side_by_side_reports_a_failing_stage_instead_of_waiting(
     with that stage's error, while the other stage waits at the barrier: no hang."""
     import shutil
     import subprocess
-    import sys
 
     export = tmp_path / "export"
     shutil.copytree(tiny_export("qwen2", 2, "int4"), export)
     weights = export / "stage-1" / "model.bin"
     weights.write_bytes(weights.read_bytes()[:100])
-    root = Path(__file__).resolve().parents[1]
     run = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "batch_cost.py"), "--export", str(export),
+        [PIPESHARD, "bench", "batch-cost", "--export", str(export),
          "--rows", "1", "--steps", "1", "--rounds", "1", "--results", str(tmp_path),
          "--side-by-side", "--stateful"],
         capture_output=True, text=True, timeout=300,
@@ -387,6 +396,7 @@ def test_batch_cost_side_by_side_reports_a_failing_stage_instead_of_waiting(
     assert not list(tmp_path.glob("batch_cost-*"))
 
 
+@pytest.mark.unit
 def test_the_suggested_split_evens_out_the_measured_stage_times() -> None:
     from benchmarks.batch_cost import suggested_split
 
@@ -398,6 +408,7 @@ def test_the_suggested_split_evens_out_the_measured_stage_times() -> None:
 
 
 # -- real stage processes ---------------------------------------------------------------------
+@pytest.mark.integration
 @pytest.mark.parametrize("stages", [2, 3])
 def test_eight_concurrent_sessions_on_paged_stages_equal_transformers(
     tiny_model: object, tiny_export: ExportFn, stages: int, tmp_path: Path
@@ -451,8 +462,8 @@ def _small_pool_fleet(
 ) -> Iterator[Fleet]:
     """The chat model on two paged stages whose pools hold ``blocks`` blocks of 32 positions
     each, behind a gateway started with ``gateway_flags``."""
+    from tests.fleets import export_chat_model
     from tests.processes import start_gateway
-    from tests.test_gateway import export_chat_model
 
     _, export = export_chat_model(tmp_path)
     # half a block more, so that rounding the GiB figure cannot cost a block
@@ -462,13 +473,14 @@ def _small_pool_fleet(
     )
     gateway, url = start_gateway(addresses, tmp_path / "gateway.log", list(gateway_flags))
     try:
-        yield Fleet(url, addresses)
+        yield Fleet(url, stages=addresses)
     finally:
         gateway.stop()
         for proc in procs:
             proc.stop()
 
 
+@pytest.mark.integration
 def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
     tmp_path: Path,
 ) -> None:
@@ -480,7 +492,7 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
     pool fills up at admission (any two prompts fit), so decoding must preempt."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.test_microbatch import request, stream_text
+    from tests.clients import request, stream_text
 
     with _small_pool_fleet(tmp_path, 8, ["--prefill-chunk", "16"]) as fleet:
         bodies = [{**request(i), "max_tokens": 64} for i in range(8)]
@@ -510,11 +522,12 @@ def test_gateway_over_small_paged_pools_preempts_and_every_stream_is_unchanged(
         assert all(used == 0 and free == total == 8 for used, free, total in state), state
 
 
+@pytest.mark.integration
 def test_pools_smaller_than_the_models_context_bound_every_request(tmp_path: Path) -> None:
     """Stages whose pools hold 128 positions under a model context of 256: the gateway says
     so at start, a request that could not fit gets the context-length 400 at once (not a
     refusal per step), and one without max_tokens generates up to the pool, not beyond it."""
-    from tests.test_microbatch import request
+    from tests.clients import request
 
     with _small_pool_fleet(tmp_path, 4) as fleet:
         client = fleet.client()
@@ -531,15 +544,16 @@ def test_pools_smaller_than_the_models_context_bound_every_request(tmp_path: Pat
         assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 128
 
 
+@pytest.mark.integration
 def test_a_gateway_unaware_of_the_pools_retries_refused_steps(
     tiny_export: ExportFn, tmp_path: Path
 ) -> None:
     """Without pool accounting (as with a second gateway on the same stages) the stages
     refuse steps that do not fit; each refused sequence is preempted and resumed, and every
     output equals the same request alone on stateful stages."""
-    from server.engine import Engine, GenerationRequest
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
     from server.metrics import GatewayMetrics
-    from server.scheduler import SchedulerConfig
 
     export = tiny_export("qwen2", 2)
     chain = LocalChain(export, EXACT)

@@ -20,6 +20,8 @@ from exporter.plan import (
     split_for_memory,
 )
 
+pytestmark = pytest.mark.unit
+
 # The shape of Qwen2.5-Coder-1.5B.
 QWEN15 = ArchitectureFacts(
     model_type="qwen2",
@@ -193,7 +195,7 @@ def test_moe_layers_count_every_expert_and_decode_reads_the_active_ones() -> Non
 
 
 def test_big_model_plans_print_per_stage_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    """benchmarks/gguf_export.py plan: Qwen3-30B-A3B fits two 16 GB PCs; Qwen3-235B-A22B does
+    """pipeshard bench gguf-export plan: Qwen3-30B-A3B fits two 16 GB PCs; Qwen3-235B-A22B does
     not fit four 32 GB ones and says so."""
     from benchmarks.gguf_export import main as gguf_export_main
 

@@ -8,31 +8,33 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from server.engine import Engine, GenerationRequest, GenerationStats
-from server.pipeline import PipelineClient
+import pytest
+
+from server.engine.loop import Engine, GenerationRequest, GenerationStats
+from server.ring.local import LocalRing
 from server.settings import GatewaySettings
-from tests.processes import start_stages
-from tests.test_gateway import export_chat_model
+from tests.conftest import EXACT
+from tests.fleets import export_chat_model
+
+pytestmark = pytest.mark.component
 
 PROMPT = [(7 * i) % 200 + 3 for i in range(40)]  # block 0 and 8 positions of block 1
 
 
 def _run(
-    addresses: list[str], prompt: list[int], max_tokens: int, prefix_cache: bool
+    ring: LocalRing, prompt: list[int], max_tokens: int, prefix_cache: bool
 ) -> tuple[list[int], int]:
     """One greedy request (no end-of-sequence stop), every decode step through the gateway
     (no ring decoding): its tokens and cached prompt positions."""
 
     async def run() -> tuple[list[int], int]:
-        client = PipelineClient(addresses)
-        await client.start()
         settings = GatewaySettings(
-            stages=addresses, ring_decode_batched=0, prefix_cache=prefix_cache
+            stages=["127.0.0.1:9"], ring_decode_batched=0, prefix_cache=prefix_cache
         )
         config = settings.ring_scheduler_config(
-            len(addresses), True, client.kv_pools, client.prefix_block_size
+            len(ring.stages), True, ring.kv_pools, ring.prefix_block_size
         )
-        engine = Engine(client, frozenset(), 1024, config)
+        engine = Engine(ring, frozenset(), 1024, config)
         try:
             stats = GenerationStats()
             request = GenerationRequest(f"r{len(prompt)}{prefix_cache}", prompt, max_tokens)
@@ -41,7 +43,6 @@ def _run(
             return tokens, stats.cached_tokens
         finally:
             await engine.close()
-            await client.close()
 
     return asyncio.run(run())
 
@@ -52,15 +53,14 @@ def test_a_next_turn_reuses_the_prompt_blocks_but_not_the_decoded_ones(tmp_path:
     reply's decode steps completed two more; its reply equals a gateway's without the prefix
     cache, token for token."""
     _, export = export_chat_model(tmp_path)
-    procs, addresses = start_stages(export, tmp_path)
+    ring = LocalRing(export, EXACT)  # the stages' prefix caches live as long as it does
     try:
-        reply, cached = _run(addresses, PROMPT, 70, prefix_cache=True)
+        reply, cached = _run(ring, PROMPT, 70, prefix_cache=True)
         assert cached == 0 and len(reply) == 70
         turn = [*PROMPT, *reply, 5, 6, 7]
-        second, cached = _run(addresses, turn, 24, prefix_cache=True)
+        second, cached = _run(ring, turn, 24, prefix_cache=True)
         assert cached == 32
-        plain, uncached = _run(addresses, turn, 24, prefix_cache=False)
+        plain, uncached = _run(ring, turn, 24, prefix_cache=False)
         assert uncached == 0 and second == plain
     finally:
-        for proc in procs:
-            proc.stop()
+        asyncio.run(ring.close())

@@ -17,8 +17,10 @@ import httpx
 import pytest
 import yaml
 
+from tests.fleets import export_chat_model
 from tests.processes import Proc, free_port, start_gateway, start_stages
-from tests.test_gateway import export_chat_model
+
+pytestmark = pytest.mark.integration
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 

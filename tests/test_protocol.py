@@ -15,13 +15,13 @@ from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from pydantic import BaseModel, ValidationError
 
 from protos.sampling import SamplingParams
-from server.errors import (
+from server.api.errors import (
     APIError,
     errors_to_api_error,
     model_not_found,
     validation_error_to_api_error,
 )
-from server.requests import (
+from server.api.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     effective_max_tokens,
@@ -32,7 +32,7 @@ from server.requests import (
     template_messages,
     to_sampling_params,
 )
-from server.responses import (
+from server.api.responses import (
     ChatChoiceLogprobs,
     ChatCompletion,
     ChatCompletionChoice,
@@ -47,7 +47,7 @@ from server.responses import (
     chat_token_logprob,
     new_id,
 )
-from server.sse import (
+from server.api.sse import (
     chat_content_chunk,
     chat_final_chunk,
     chat_usage_chunk,
@@ -59,6 +59,8 @@ from server.sse import (
     sse_error,
     sse_event,
 )
+
+pytestmark = pytest.mark.unit
 
 try:  # the HTTP library the installed openai client is built on
     import httpx2 as httpx

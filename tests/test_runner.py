@@ -15,6 +15,8 @@ from shard_runtime.runner import (
 )
 from tests.conftest import EXACT, ExportFn
 
+pytestmark = pytest.mark.component
+
 PROMPT = [5, 17, 33, 99, 100, 7, 42, 8, 61, 3]
 
 

@@ -10,6 +10,8 @@ from scipy.stats import chisquare
 from protos.sampling import SamplingParams
 from shard_runtime.sampling import probabilities, sample
 
+pytestmark = pytest.mark.unit
+
 DRAWS = 4000
 SMALL = np.array([0.3, 0.2, 0.1, 0.0, -0.1, -0.2], dtype=np.float32)
 

@@ -6,8 +6,10 @@ import random
 
 import pytest
 
-from server.scheduler import MAX_SESSION_LOSSES, Scheduler, SchedulerConfig, chunk_end
-from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
+from server.engine.scheduler import MAX_SESSION_LOSSES, Scheduler, SchedulerConfig, chunk_end
+from server.engine.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
+
+pytestmark = pytest.mark.unit
 
 EOS = 0
 

@@ -13,6 +13,7 @@ from stage_node.settings import StageSettings
 from tests.conftest import ExportFn, make_certificates
 
 
+@pytest.mark.unit
 def test_gateway_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "gateway.toml"
     config.write_text(
@@ -34,6 +35,7 @@ def test_gateway_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyP
         GatewaySettings.load(tmp_path / "missing.toml")
 
 
+@pytest.mark.unit
 def test_stage_settings_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIPESHARD_STAGE_THREADS", "3")
     monkeypatch.setenv("PIPESHARD_STAGE_CPUS", "0,2-3")
@@ -42,6 +44,7 @@ def test_stage_settings_from_environment(tmp_path: Path, monkeypatch: pytest.Mon
     assert settings.hidden_dtype == "fp16" and settings.listen == "127.0.0.1:50051"
 
 
+@pytest.mark.unit
 def test_bad_settings_are_one_line_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -73,6 +76,7 @@ def test_bad_settings_are_one_line_errors(
     )
 
 
+@pytest.mark.unit
 def test_the_gateway_says_where_it_is_and_whether_it_is_open() -> None:
     """settings.url is where a client here reaches the gateway; open_to_the_network is a
     listen address beyond loopback with no API key (serve and up warn about it)."""
@@ -92,6 +96,7 @@ def test_the_gateway_says_where_it_is_and_whether_it_is_open() -> None:
         assert not keyed.open_to_the_network
 
 
+@pytest.mark.unit
 def test_no_batching_gives_every_running_request_a_group_of_its_own() -> None:
     plain = GatewaySettings(stages=["h:1", "h:2"], max_concurrent=6)
     batched = plain.ring_scheduler_config(2, paged=True)
@@ -103,8 +108,9 @@ def test_no_batching_gives_every_running_request_a_group_of_its_own() -> None:
         assert config.busy_prefill_chunk == 32 and config.max_prefill_in_flight == 6
 
 
+@pytest.mark.component
 def test_health_probes_follow_the_settings(capsys: pytest.CaptureFixture[str]) -> None:
-    from server.app import create_app
+    from server.api.app import create_app
 
     app = create_app(GatewaySettings(stages=["h:1"], health_interval=3, health_timeout=0.25))
     pipeline = app.state.gateway.pipeline
@@ -113,6 +119,7 @@ def test_health_probes_follow_the_settings(capsys: pytest.CaptureFixture[str]) -
     assert "health_interval: Input should be greater than 0" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_cpus_pins_every_thread_of_the_stage_process(tiny_export: ExportFn, tmp_path: Path) -> None:
     """`--cpus` pins the whole stage process: inference, gRPC and event-loop threads, and the
     ones a library started at import, before the stage pinned itself."""
@@ -133,6 +140,7 @@ def test_cpus_pins_every_thread_of_the_stage_process(tiny_export: ExportFn, tmp_
             proc.stop()
 
 
+@pytest.mark.unit
 def test_speculation_pauses_under_load_where_a_stage_shares_the_machine(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -167,6 +175,7 @@ def test_speculation_pauses_under_load_where_a_stage_shares_the_machine(
         assert "--speculation-max-users must be auto or a number" in capsys.readouterr().err
 
 
+@pytest.mark.component
 def test_a_bad_tls_pair_is_one_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,9 +7,11 @@ import pytest
 from scipy.stats import chisquare
 
 from protos.sampling import SamplingParams
-from server.speculative import Acceptance, AdaptiveK, NgramProposer, SharedK, StepCost
+from server.engine.speculative import Acceptance, AdaptiveK, KByConcurrency, NgramProposer, StepCost
 from shard_runtime.sampling import probabilities, sample
 from shard_runtime.speculative import verify
+
+pytestmark = pytest.mark.unit
 
 GREEDY = SamplingParams()
 
@@ -266,7 +268,9 @@ def test_adaptive_k_doubles_its_way_up_when_a_pass_is_dear() -> None:
     assert cheap.choose(greedy=True, acceptance=0.9) <= 2
 
 
-def _simulate(shared: SharedK, level: int, seconds: dict[int, float], steps: int) -> list[int]:
+def _simulate(
+    shared: KByConcurrency, level: int, seconds: dict[int, float], steps: int
+) -> list[int]:
     """Steps of ``level`` concurrent greedy requests whose step with k proposals takes
     ``seconds[k]``; per-position acceptance 0.8 (seeded); returns the k chosen each step."""
     rng = np.random.default_rng(level)
@@ -289,7 +293,7 @@ def test_concurrent_requests_share_one_k_per_epoch_and_find_the_servers_best() -
     """Alone, a request takes its own k; with others, every request takes one k for an epoch,
     learnt from steps at that concurrency only: it starts from the k of one request alone and
     climbs to the best k for the server (here plain steps), without touching the k alone."""
-    shared = SharedK(max_k=8)
+    shared = KByConcurrency(max_k=8)
     # alone: a step costs 0.1 s plus 0.01 s per proposal (k = 5 or 6 is the best)
     alone = {k: 0.1 + 0.01 * k for k in range(9)}
 
@@ -310,7 +314,7 @@ def test_concurrent_requests_share_one_k_per_epoch_and_find_the_servers_best() -
     assert [e[0] for e in epochs[-6:]].count(0) >= 4  # mostly plain, a neighbour now and then
     # the level alone kept its own measurements and k
     assert rate(shared.choose(1, greedy=True, acceptance=0.8)) > 0.95 * best
-    assert SharedK(fixed=2).choose(3, greedy=True) == 2
+    assert KByConcurrency(fixed=2).choose(3, greedy=True) == 2
 
 
 def test_prompt_lookup_continues_the_latest_match() -> None:

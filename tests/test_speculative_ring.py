@@ -15,18 +15,20 @@ import openai
 import pytest
 
 from exporter.export import ExportOptions, export_model
+from exporter.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 from protos.manifest import WeightSpec, load_manifest
 from protos.sampling import SamplingParams
-from server.engine import Engine, GenerationRequest
+from server.engine.loop import Engine, GenerationRequest
+from server.engine.scheduler import SchedulerConfig
+from server.engine.sequence import Phase
+from server.engine.speculative import DRAFT_CHUNK, DraftProposer, NgramProposer, Proposal, Proposer
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineClient
-from server.scheduler import SchedulerConfig
-from server.sequence import Phase
-from server.speculative import DRAFT_CHUNK, DraftProposer, NgramProposer, Proposal, Proposer
+from server.ring.grpc_client import PipelineClient
 from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT
 from tests.processes import start_gateway, start_stages
-from tests.tiny_models import CHAT_TEMPLATE, make_draft, make_model
+
+pytestmark = pytest.mark.integration
 
 PROMPTS = [[5, 9, 13, 2 + i, 40, 41, 42, 7 * i + 3, 12, 13, 14] for i in range(4)]
 TOKENS = 40

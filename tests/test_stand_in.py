@@ -7,10 +7,13 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from benchmarks.stand_in import MARK, SCALE_RANGE, fill, is_stand_in, make, stand_in_label
 from shard_runtime.chain import LocalChain
 from tests.conftest import EXACT, ExportFn
+
+pytestmark = pytest.mark.component
 
 PROMPT = [5, 17, 33, 99, 100, 7, 42, 8]
 MIN_BYTES = 512  # the tiny model's weight tensors are a few KiB

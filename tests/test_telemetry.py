@@ -8,7 +8,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.processes import PIPESHARD
+
+pytestmark = pytest.mark.integration
 
 
 def _env(home: Path) -> dict[str, str]:

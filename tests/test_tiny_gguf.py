@@ -1,4 +1,4 @@
-"""The tiny GGUF writer (tests/tiny_gguf.py) against transformers' own GGUF loader.
+"""The tiny GGUF writer (exporter/tiny_gguf.py) against transformers' own GGUF loader.
 
 F32 files must give the HF model's logits (names, llama's q/k permutation and gemma's +1 norms
 right), Q4_K_M files must hold the intended type per tensor in blocks gguf-py decodes, and the
@@ -13,14 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.tiny_gguf import (
+from exporter.tiny_gguf import (
     dequantize,
     make_gguf_model,
     make_hf_model,
     quantize,
     write_gguf,
 )
-from tests.tiny_models import CHAT_TEMPLATE, CORPUS, make_model
+from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, make_model
+
+pytestmark = pytest.mark.component
 
 ARCHES = ["llama", "qwen2", "qwen3", "gemma3"]
 # gemma3: five sliding-window layers then a global one (its default pattern, what GGUF implies).

@@ -1,22 +1,21 @@
-"""Tools and structured output (#37) on the API side: the model's tool-call format from its chat
+"""Tools and structured output on the API side: the model's tool-call format from its chat
 template, tools and tool history through the template, generated calls into OpenAI
 ``tool_calls`` (whole and streamed, read by the ``openai`` client), and the validation of
 ``tools`` / ``tool_choice`` / ``response_format`` over HTTP against the real gateway.
 
 The tiny random models never write a valid call by themselves: the end-to-end calls from a
 real fleet (``tool_choice`` ``"required"`` or a named function) rely on constrained decoding
-(``server/constraints.py``) and are marked so below; everything else uses fabricated outputs.
+(``server/engine/constraints.py``) and are marked so below; everything else uses fabricated outputs.
 """
 
 # ruff: noqa: E501  (the chat templates are quoted as they are)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,15 +26,14 @@ import pytest
 from tokenizers import Tokenizer
 
 from benchmarks.agent_loop import turn
+from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_tokenizer
 from protos.sampling import SampledToken
-from server.engine import GenerationRequest, GenerationStats
-from server.errors import APIError
-from server.metrics import GatewayMetrics
-from server.requests import ChatCompletionRequest, parse_request, template_messages
-from server.responses import ChatCompletion
-from server.serving import CompletionService
-from server.tokenization import TextCodec
-from server.tools import (
+from server.api.errors import APIError
+from server.api.requests import ChatCompletionRequest, parse_request, template_messages
+from server.api.responses import ChatCompletion
+from server.api.serving import CompletionService
+from server.api.tokenization import TextCodec
+from server.api.tools import (
     FORMATS,
     ParsedToolCall,
     ToolCallParser,
@@ -44,10 +42,10 @@ from server.tools import (
     parse_tool_calls,
     template_tools,
 )
-from tests.processes import Proc, start_gateway, start_stages
-from tests.test_constraints import SCHEMA
-from tests.test_gateway import Fleet, export_chat_model
-from tests.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_tokenizer
+from server.engine.loop import GenerationRequest, GenerationStats
+from server.metrics import GatewayMetrics
+from tests.clients import SCHEMA
+from tests.fleets import TINY_HERMES_TEMPLATE, Fleet, hermes_fleet
 
 # --- chat templates, representative of the real ones ------------------------------------------
 
@@ -203,16 +201,6 @@ MISTRAL_TEMPLATE = """{%- if messages[0]["role"] == "system" %}
 {%- endfor %}
 """
 
-# A Hermes-style template short enough for the tiny model's 256-token context: the tools by
-# name, calls and their answers as Qwen writes them.
-TINY_HERMES_TEMPLATE = (
-    "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') "
-    "| join(', ') }}; call one as <tool_call>\n{% endif %}"
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, "
-    "'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 
 WEATHER = {
     "type": "function",
@@ -256,6 +244,7 @@ HISTORY = [
 # --- the format, from the template ---------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_formats_are_detected_from_the_templates() -> None:
     assert detect_tool_format(QWEN25_TEMPLATE) is FORMATS["hermes"]
     assert detect_tool_format(TINY_HERMES_TEMPLATE) is FORMATS["hermes"]
@@ -273,6 +262,7 @@ def test_formats_are_detected_from_the_templates() -> None:
     )
 
 
+@pytest.mark.unit
 def test_the_formats_say_what_the_grammar_needs() -> None:
     hermes, llama, mistral = FORMATS["hermes"], FORMATS["llama3_json"], FORMATS["mistral"]
     assert (hermes.call_start, hermes.call_end, hermes.arguments_key) == (
@@ -294,6 +284,7 @@ def _written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
     return fmt.calls_start + fmt.call_separator.join(bodies) + fmt.calls_end
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_calls_written_in_the_format_parse_back(name: str) -> None:
     fmt = FORMATS[name]
@@ -377,6 +368,7 @@ CALL = ParsedToolCall("get_weather", '{"city": "Paris"}')
         (M, "[TOOL_CALLS][{oops}]", "[TOOL_CALLS][{oops}]", []),
     ],
 )
+@pytest.mark.unit
 def test_outputs_parse_whole_and_streamed_alike(
     fmt: ToolFormat, text: str, content: str, calls: list[ParsedToolCall]
 ) -> None:
@@ -395,6 +387,7 @@ def test_outputs_parse_whole_and_streamed_alike(
         assert [e for e in events if isinstance(e, ParsedToolCall)] == calls
 
 
+@pytest.mark.unit
 def test_text_before_a_call_streams_before_the_call_completes() -> None:
     parser = ToolCallParser(H)
     assert parser.feed("Checking the weather") == ["Checking the weather"]
@@ -432,6 +425,7 @@ def _rendered(codec: TextCodec, messages: list[dict[str, Any]], tools: list[Any]
     return text
 
 
+@pytest.mark.unit
 def test_the_templates_render_tools_and_the_call_history(tmp_path: Path) -> None:
     qwen = _codec(tmp_path / "qwen", QWEN25_TEMPLATE)
     text = _rendered(qwen, HISTORY, TOOLS)
@@ -518,6 +512,7 @@ TWO_CALLS = (
 )
 
 
+@pytest.mark.unit
 def test_calls_become_tool_calls_for_the_openai_client(tmp_path: Path) -> None:
     service = _service(_codec(tmp_path / "qwen", QWEN25_TEMPLATE), [TWO_CALLS])
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
@@ -545,6 +540,7 @@ def test_calls_become_tool_calls_for_the_openai_client(tmp_path: Path) -> None:
     assert wire["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.unit
 def test_streamed_calls_accumulate_in_the_openai_client(tmp_path: Path) -> None:
     service = _service(_codec(tmp_path / "qwen", QWEN25_TEMPLATE), [TWO_CALLS])
     body = {
@@ -583,6 +579,7 @@ def test_streamed_calls_accumulate_in_the_openai_client(tmp_path: Path) -> None:
         assert all(CALL_ID.match(c.id) for c in calls)
 
 
+@pytest.mark.unit
 def test_text_answers_with_tools_offered_are_plain_content(tmp_path: Path) -> None:
     service = _service(_codec(tmp_path / "qwen", QWEN25_TEMPLATE), ["It is sunny in Paris."])
     body = {"messages": HISTORY, "tools": TOOLS}
@@ -597,6 +594,7 @@ def test_text_answers_with_tools_offered_are_plain_content(tmp_path: Path) -> No
     assert b"tool_calls" not in raw and b'"finish_reason":"stop"' in raw
 
 
+@pytest.mark.unit
 def test_a_template_without_tools_refuses_them(tmp_path: Path) -> None:
     service = _service(_codec(tmp_path / "plain", CHAT_TEMPLATE), ["hi"])
     with pytest.raises(APIError) as info:
@@ -616,35 +614,8 @@ def test_a_template_without_tools_refuses_them(tmp_path: Path) -> None:
 # --- the real gateway over HTTP ------------------------------------------------------------------
 
 
-@dataclass
-class ToolFleet(Fleet):
-    gateway: Proc
-
-
-@contextlib.contextmanager
-def hermes_fleet(
-    base: Path,
-    gateway_flags: Sequence[str] = (),
-    name: str = "tool-model",
-    max_context: int | None = None,
-) -> Iterator[ToolFleet]:
-    """The tiny chat model with a Hermes-style template (Qwen's calls), which can write JSON,
-    on 2 stages behind a gateway started with ``gateway_flags``."""
-    source, export = export_chat_model(
-        base, name=name, chat_template=TINY_HERMES_TEMPLATE, json=True, max_context=max_context
-    )
-    procs, addresses = start_stages(export, base)
-    gateway, url = start_gateway(addresses, base / "gateway.log", list(gateway_flags))
-    try:
-        yield ToolFleet(url, name, source, export, addresses, gateway)
-    finally:
-        gateway.stop()
-        for proc in procs:
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ToolFleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     with hermes_fleet(tmp_path_factory.mktemp("tools")) as made:
         yield made
 
@@ -669,8 +640,9 @@ def _error(response: httpx.Response, status: int, param: str | None) -> str:
 USER = [{"role": "user", "content": "the weather in Paris?"}]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
-def test_tools_and_formats_are_validated_over_http(fleet: ToolFleet, stream: bool) -> None:
+def test_tools_and_formats_are_validated_over_http(fleet: Fleet, stream: bool) -> None:
     good: dict[str, Any] = {"model": fleet.model, "messages": USER, "max_tokens": 2}
     if stream:
         good["stream"] = True
@@ -732,7 +704,8 @@ def test_tools_and_formats_are_validated_over_http(fleet: ToolFleet, stream: boo
         assert response.status_code == 200, response.text
 
 
-def test_tools_reach_the_prompt_and_history_round_trips(fleet: ToolFleet) -> None:
+@pytest.mark.integration
+def test_tools_reach_the_prompt_and_history_round_trips(fleet: Fleet) -> None:
     client = fleet.client()
     plain = client.chat.completions.create(model=fleet.model, messages=USER, max_tokens=2)
     offered = client.chat.completions.create(
@@ -793,10 +766,11 @@ FINITE_TOOLS = [
 ]
 
 
-# Constrained decoding (server/constraints.py): the tiny random model writes a valid call only
+# Constrained decoding (server/engine/constraints.py): the tiny random model writes a valid call only
 # because the grammar makes it.
+@pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_and_named_tool_choice_make_a_call(fleet: ToolFleet, stream: bool) -> None:
+def test_required_and_named_tool_choice_make_a_call(fleet: Fleet, stream: bool) -> None:
     client = fleet.client()
     for choice, names in [
         ("required", {"get_weather", "lookup"}),
@@ -824,7 +798,8 @@ def test_required_and_named_tool_choice_make_a_call(fleet: ToolFleet, stream: bo
         assert reply.choices[0].finish_reason == "tool_calls"
 
 
-def test_the_openapi_schema_documents_the_new_fields(fleet: ToolFleet) -> None:
+@pytest.mark.integration
+def test_the_openapi_schema_documents_the_new_fields(fleet: Fleet) -> None:
     schema = httpx.get(f"{fleet.url}/openapi.json").json()
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"tools", "tool_choice", "parallel_tool_calls", "response_format"} <= set(chat)
@@ -834,7 +809,8 @@ def test_the_openapi_schema_documents_the_new_fields(fleet: ToolFleet) -> None:
     assert ChatCompletion.model_json_schema()  # (the response model builds its schema)
 
 
-def test_json_schema_output_validates_on_every_sampled_request(fleet: ToolFleet) -> None:
+@pytest.mark.integration
+def test_json_schema_output_validates_on_every_sampled_request(fleet: Fleet) -> None:
     """20 seeded requests at temperature 1 with response_format json_schema: every answer
     parses and validates (json_object: every answer is a JSON object); without it, none of
     them is a valid answer."""
@@ -876,8 +852,9 @@ def test_json_schema_output_validates_on_every_sampled_request(fleet: ToolFleet)
     assert stopped >= 2
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_tool_round_trip_call_result_answer(fleet: ToolFleet, stream: bool) -> None:
+def test_a_tool_round_trip_call_result_answer(fleet: Fleet, stream: bool) -> None:
     """A required call (arguments valid for its schema), the tool's result sent back with
     its tool_call_id, and a final answer as text, streamed and not."""
     client = fleet.client()

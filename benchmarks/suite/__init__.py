@@ -1,4 +1,4 @@
-"""`pipeshard bench` (= `python -m benchmarks`): the suites, and the paper's five experiments
+"""`pipeshard bench`: the suites, and the paper's five experiments
 in one run (`pipeshard bench paper`, the default).
 
 ``cli`` picks the suite (the table of suites is there); ``experiments`` parses the paper run's

@@ -1,9 +1,10 @@
-"""`pipeshard bench SUITE [OPTIONS]` (= `python -m benchmarks SUITE ...`): pipeshard's benchmarks.
+"""`pipeshard bench SUITE [OPTIONS]`: pipeshard's benchmarks.
 
 Each suite measures one thing and writes a markdown report and its raw JSON (and plots where
-there are any) to benchmarks/results/<name>-<date>.*; `pipeshard bench SUITE --help` gives its
-options. Without a suite (`pipeshard bench [OPTIONS]`) the paper run starts, as before there
-were suites. docs/benchmarks.md says what each one measures and the current figures.
+there are any) to <name>-<date>.* in --results DIR (default: the current directory);
+`pipeshard bench SUITE --help` gives its options. Without a suite (`pipeshard bench [OPTIONS]`)
+the paper run starts, as before there were suites. docs/benchmarks.md says what each one
+measures and the current figures.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ SUITES: dict[str, tuple[str, str]] = {
     "constraints": (
         "benchmarks.constraints",
         "constrained decoding (a JSON schema) vs free at 1 and 8 users: tok/s, mask cost a step",
+    ),
+    "latency-proxy": (
+        "benchmarks.latency_proxy",
+        "a TCP proxy that delays every chunk (what the suites put in front of each stage)",
     ),
     "agent": (
         "benchmarks.agent_loop",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from benchmarks.processes import Proc
     from protos.manifest import ShardManifest
-    from server.speculative import DraftProposer
+    from server.engine.speculative import DraftProposer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -192,7 +192,7 @@ class Bench:
     def proposer(self) -> DraftProposer:
         """The draft model, loaded once, in this process (as the gateway runs it)."""
         if self._proposer is None:
-            from server.speculative import DraftProposer
+            from server.engine.speculative import DraftProposer
             from shard_runtime.runner import RunnerOptions
 
             assert self.draft_dir is not None

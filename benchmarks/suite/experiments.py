@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from benchmarks.report import machine, save
+from benchmarks.report import add_results_option, machine, save
 from benchmarks.suite import latency, parity, render, speculation, ttft, users
 from benchmarks.suite.context import Bench, Pinning, knobs, pin_this_process
 from benchmarks.suite.exports import default_variants, find_variants, resolve_export
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiments", default="1,2,3,4,5", help="which to run (default all)")
     p.add_argument("--quick", action="store_true", help="a reduced version in a few minutes")
     p.add_argument("--rounds", type=int, help="rounds per figure (default 3; --quick 2)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="report folder")
+    add_results_option(p, "--out")
     group = p.add_argument_group("cores and threads (every process is pinned)")
     group.add_argument(
         "--stage-cores", default=cores, help=f"stage k on the k-th (cyclically) (default {cores})"
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures,
         "experiments": results,
     }
-    stem = save(opts.out, "bench", report, data, opts)
+    stem = save(opts.results, "bench", report, data, opts)
     plots = draw(stem, results, manifest.num_stages)
     print(f"wrote {stem}.md, {stem}.json" + "".join(f", {p}" for p in plots), file=sys.stderr)
     if failures:

@@ -57,7 +57,7 @@ def prompts_of(bench: Bench, lengths: list[int]) -> list[list[int]]:
 async def ring_ttft(bench: Bench, prompts: list[list[int]]) -> list[float]:
     """Milliseconds to the first token of each prompt through the stages, one at a time."""
     from protos.sampling import SamplingParams
-    from server.engine import GenerationRequest
+    from server.engine.loop import GenerationRequest
 
     async with gateway_engine(bench.addresses, None, 0, bench.max_context) as (engine, _):
 
@@ -102,7 +102,7 @@ def run(bench: Bench) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any], bench: Bench) -> list[str]:
-    from server.scheduler import SchedulerConfig
+    from server.engine.scheduler import SchedulerConfig
 
     stages = bench.manifest.num_stages
     lines = [

@@ -15,24 +15,10 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
-import grpc
-
 from protos.sampling import SampledToken
-from server.constraints import Constraint, ConstraintError, constraint_for
-from server.detokenizer import IncrementalDetokenizer
-from server.engine import (
-    Engine,
-    GenerationRequest,
-    GenerationStats,
-    QueueFull,
-    QueueTimeout,
-    SchedulingFailed,
-    ShuttingDown,
-)
-from server.errors import APIError
-from server.metrics import GatewayMetrics
-from server.pipeline import PipelineError
-from server.requests import (
+from server.api.detokenizer import IncrementalDetokenizer
+from server.api.errors import APIError
+from server.api.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     effective_max_tokens,
@@ -41,7 +27,7 @@ from server.requests import (
     template_messages,
     to_sampling_params,
 )
-from server.responses import (
+from server.api.responses import (
     ChatChoiceLogprobs,
     ChatCompletion,
     ChatCompletionChoice,
@@ -56,7 +42,7 @@ from server.responses import (
     Usage,
     chat_token_logprob,
 )
-from server.sse import (
+from server.api.sse import (
     chat_content_chunk,
     chat_final_chunk,
     chat_tool_call_chunks,
@@ -69,8 +55,8 @@ from server.sse import (
     sse_error,
     sse_event,
 )
-from server.tokenization import TextCodec
-from server.tools import (
+from server.api.tokenization import TextCodec
+from server.api.tools import (
     ParsedToolCall,
     ToolCallParser,
     ToolFormat,
@@ -79,26 +65,41 @@ from server.tools import (
     parse_tool_calls,
     template_tools,
 )
+from server.engine.constraints import Constraint, ConstraintError, constraint_for
+from server.engine.loop import (
+    Engine,
+    GenerationRequest,
+    GenerationStats,
+    QueueFull,
+    QueueTimeout,
+    SchedulingFailed,
+    ShuttingDown,
+)
+from server.metrics import GatewayMetrics
+from server.ring import BadStep, NoCapacity, RingError, StageUnavailable, StepTimeout
 
 log = logging.getLogger(__name__)
 
-_STATUS = {
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "stage_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "stage_timeout"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded", "capacity"),
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+# the HTTP status, OpenAI error type and code of each kind of ring failure (others: 500)
+_STATUS: dict[type[RingError], tuple[int, str, str | None]] = {
+    StageUnavailable: (503, "service_unavailable", "stage_unavailable"),
+    StepTimeout: (504, "timeout", "stage_timeout"),
+    NoCapacity: (429, "rate_limit_exceeded", "capacity"),
+    BadStep: (400, "invalid_request_error", None),
 }
 
 
-def pipeline_api_error(exc: PipelineError) -> APIError:
-    status, kind, code = _STATUS.get(exc.code, (500, "server_error", None))
+def ring_api_error(exc: RingError) -> APIError:
+    status, kind, code = next(
+        (v for t, v in _STATUS.items() if isinstance(exc, t)), (500, "server_error", None)
+    )
     return APIError(status, str(exc), type=kind, code=code)
 
 
 def generation_api_error(exc: BaseException) -> APIError | None:
     """The HTTP error for a failure of the generation below, or None if it is not one."""
-    if isinstance(exc, PipelineError):
-        return pipeline_api_error(exc)
+    if isinstance(exc, RingError):
+        return ring_api_error(exc)
     if isinstance(exc, QueueFull):
         return APIError(
             429,
@@ -192,7 +193,7 @@ class CompletionService:
         self._vocab: dict[str, int] | None = None
 
     def _constraint(self, req: ChatCompletionRequest, mode: str | None) -> Constraint | None:
-        """What the output must match (server/constraints.py), or a 400 naming the field."""
+        """What the output must match (server/engine/constraints.py), or a 400 naming the field."""
         vocab = None
         if mode in ("required", "named"):
             if self._vocab is None:  # tags that are single tokens (built once, on first use)

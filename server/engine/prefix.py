@@ -55,3 +55,36 @@ class HashChain:
         blocks, leaving at least two tokens to compute (the last one's logits are sampled, and
         a one-token chunk would take another kernel path than the rest of a prompt)."""
         return self.extend(tokens, max(0, len(tokens) - 2) // self.block_size)
+
+
+class PrefixLookup:
+    """Each sequence's block hashes: what its session may open on (its lookup) and which
+    blocks its steps fill. Only prompt chunks name blocks (a prompt's, or a resumed
+    sequence's prompt and generated tokens): decode-time K/V is close to a prefill's, not
+    equal, and a later prompt that took it could get other tokens than one that prefills it
+    (measured on the default model: a chat's next turn did)."""
+
+    def __init__(self, salt: str, block_size: int) -> None:
+        self.salt = salt
+        self.block_size = block_size
+        self._chains: dict[str, HashChain] = {}
+
+    def _chain(self, seq_id: str) -> HashChain:
+        chain = self._chains.get(seq_id)
+        if chain is None:
+            chain = self._chains[seq_id] = HashChain(self.salt, self.block_size)
+        return chain
+
+    def reusable(self, seq_id: str, prefix: Sequence[int]) -> list[bytes]:
+        """The hashes of the cached blocks a new session of ``prefix`` may open on."""
+        return self._chain(seq_id).reusable(prefix)
+
+    def filled(
+        self, seq_id: str, prefix: Sequence[int], start: int, end: int, prefill: bool
+    ) -> list[bytes]:
+        """The hashes of the blocks a step feeding ``[start, end)`` of ``prefix`` fills and
+        the stages keep (none for a decode step)."""
+        return self._chain(seq_id).filled(prefix, start, end) if prefill else []
+
+    def forget(self, seq_id: str) -> None:
+        self._chains.pop(seq_id, None)

@@ -1,5 +1,5 @@
-"""A generation as the scheduler (server/scheduler.py) tracks it: its phase, the step it has in
-the ring (:class:`Work`), what it frees on the stages (:class:`Release`), and the two ways
+"""A generation as the scheduler (server/engine/scheduler.py) tracks it: its phase, the step it
+has in the ring (:class:`Work`), what it frees on the stages (:class:`Release`), and the two ways
 admission turns one away (:class:`QueueFull`, :class:`QueueTimeout`)."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The OpenAI-compatible requests (:class:`ChatCompletionRequest`, :class:`CompletionRequest`),
-as described in ``/work/shared/notes/openai-api.md``, and what the gateway reads from them:
+as docs/api.md describes them, and what the gateway reads from them:
 
 * unknown extra fields are ignored, nearly every optional field accepts ``null``;
 * numbers and booleans are strict (``"3"``, ``3.0`` or ``true`` are not a valid ``max_tokens``);
 * out-of-range values are rejected; :func:`parse_request` turns any failure into an
-  :class:`~server.errors.APIError` 400 ``invalid_request_error`` whose ``param`` is the path of
+  :class:`~server.api.errors.APIError` 400 ``invalid_request_error`` whose ``param`` is the path of
   the first failing field;
 * so is a body nested deeper than ``MAX_JSON_DEPTH`` or holding a string that is not Unicode
   (a lone surrogate such as ``"\\ud800"``, which JSON can carry).
@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 
 from protos.sampling import SamplingParams
-from server.errors import APIError, param_path, short_json, validation_error_to_api_error
+from server.api.errors import APIError, param_path, short_json, validation_error_to_api_error
 
 _Model = TypeVar("_Model", bound=BaseModel)
 

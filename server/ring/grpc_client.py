@@ -1,7 +1,7 @@
-"""The gateway's client of the stage ring.
+"""The gateway's client of the stage ring over gRPC: the :class:`server.ring.Ring` the engine
+uses in production, and the only gateway module that knows gRPC.
 
-``engine step (token ids, positions, sampling) -> pb.Step -> stage 0 -> ... -> last stage ->
-pb.StepResult -> SampledToken list``
+``StepRequest -> pb.Step -> stage 0 -> ... -> last stage -> pb.StepResult -> StepOutput``
 
 It checks that the stages form one export's ring before use (same manifest hash, stage indices
 in order, layer ranges without gap or overlap), links each stage to the next, pushes steps to
@@ -9,6 +9,8 @@ stage 0 on one long-lived stream and receives results from the last stage on a s
 A health monitor marks stages up or down: a stage that refuses connections fails the steps in
 flight with UNAVAILABLE at once (and frees their sessions on the stages still up); a stalled one
 is caught by the step deadline. When a stage comes back, the ring is re-checked and re-linked.
+Every failure leaves this module as a :class:`server.ring.RingError` of the kind its status
+code says (:func:`ring_error`).
 """
 
 from __future__ import annotations
@@ -20,40 +22,47 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
-from protos.codec import sampled_from_pb, sampling_to_pb
+from protos.codec import sampled_from_pb
 from protos.manifest import ShardManifest
-from protos.sampling import DraftDistribution, SampledToken, SamplingParams
+from protos.step import StepRequest
 from protos.transport import call_metadata, open_channel
+from server.ring import (
+    BadStep,
+    NoCapacity,
+    RingError,
+    RingRefused,
+    SessionLost,
+    StageUnavailable,
+    StepOutput,
+    StepTimeout,
+    run_step,
+)
 
 log = logging.getLogger(__name__)
-GREEDY = SamplingParams()
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_ERRORS: dict[grpc.StatusCode, type[RingError]] = {
+    grpc.StatusCode.UNAVAILABLE: StageUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: StepTimeout,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: NoCapacity,
+    grpc.StatusCode.NOT_FOUND: SessionLost,
+    grpc.StatusCode.INVALID_ARGUMENT: BadStep,
+    grpc.StatusCode.FAILED_PRECONDITION: RingRefused,
+    grpc.StatusCode.UNAUTHENTICATED: RingRefused,
+}
 
 
-class PipelineError(Exception):
-    """A step or ring failure, with the gRPC status code that says what kind."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, stage: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.stage = stage
-
-    @property
-    def retryable(self) -> bool:
-        return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    tokens: list[SampledToken]
-    session_length: int
+def ring_error(code: grpc.StatusCode, message: str, stage: int | None = None) -> RingError:
+    """The engine's error for a step or call that failed with ``code`` (the stages' codes:
+    stage_node.service.status_for)."""
+    return _ERRORS.get(code, RingError)(message, stage)
 
 
 @dataclass
@@ -138,7 +147,7 @@ class PipelineClient:
                 return [r for r in results if isinstance(r, pb.StageInfo)]
             for state, error in missing:
                 if isinstance(error, grpc.aio.AioRpcError) and error.code() not in _TRANSIENT:
-                    raise PipelineError(
+                    raise ring_error(
                         error.code(),
                         f"stage {state.index} at {state.address} refused: {error.details()}",
                         state.index,
@@ -146,8 +155,7 @@ class PipelineClient:
             if time.monotonic() > deadline:
                 state, error = missing[0]
                 detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else error
-                raise PipelineError(
-                    grpc.StatusCode.UNAVAILABLE,
+                raise StageUnavailable(
                     f"stage {state.index} at {state.address} is missing: {detail}",
                     state.index,
                 )
@@ -166,21 +174,18 @@ class PipelineClient:
         for state, info in zip(self.stages, infos, strict=True):
             where = f"stage at {state.address}"
             if info.manifest_sha256 != first.manifest_sha256:
-                raise PipelineError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise RingRefused(
                     f"{where} serves export {info.manifest_sha256}, but {self.stages[0].address} "
                     f"serves {first.manifest_sha256}: the stages come from different exports",
                     state.index,
                 )
             if info.stage_index != state.index:
-                raise PipelineError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise RingRefused(
                     f"{where} serves stage {info.stage_index} but is listed as stage {state.index}",
                     state.index,
                 )
         if first.num_stages != len(infos):
-            raise PipelineError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise RingRefused(
                 f"the export has {first.num_stages} stages but {len(infos)} addresses were given: "
                 f"stage {len(infos) if len(infos) < first.num_stages else first.num_stages} "
                 "is missing"
@@ -191,16 +196,14 @@ class PipelineClient:
         for state, info in zip(self.stages, infos, strict=True):
             if info.layer_start != expected:
                 kind = "gap" if info.layer_start > expected else "overlap"
-                raise PipelineError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise RingRefused(
                     f"layer {kind}: stage {state.index} starts at layer {info.layer_start}, "
                     f"expected {expected}",
                     state.index,
                 )
             expected = info.layer_end
         if expected != first.num_layers:
-            raise PipelineError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise RingRefused(
                 f"the stages cover {expected} of {first.num_layers} layers",
             )
         self.manifest_hash = first.manifest_sha256
@@ -247,9 +250,7 @@ class PipelineClient:
                 future = entry[0]
                 if result.HasField("error"):
                     code = _status_code(result.error.code)
-                    future.set_exception(
-                        PipelineError(code, result.error.message, result.error.stage)
-                    )
+                    future.set_exception(ring_error(code, result.error.message, result.error.stage))
                 else:
                     future.set_result(
                         StepOutput(
@@ -305,14 +306,13 @@ class PipelineClient:
         if was_up:
             log.warning("stage %d at %s is down: %s", state.index, state.address, detail)
         self._fail_pending(
-            PipelineError(
-                grpc.StatusCode.UNAVAILABLE,
+            StageUnavailable(
                 f"stage {state.index} at {state.address} is unavailable",
                 state.index,
             )
         )
 
-    def _fail_pending(self, error: PipelineError) -> None:
+    def _fail_pending(self, error: RingError) -> None:
         sessions = set()
         for future, session_id in self._pending.values():
             if not future.done():
@@ -390,15 +390,13 @@ class PipelineClient:
             raise RuntimeError("call start() first")
         for state in self.stages:
             if not state.up:
-                raise PipelineError(
-                    grpc.StatusCode.UNAVAILABLE,
+                raise StageUnavailable(
                     f"stage {state.index} at {state.address} is {state.detail}",
                     state.index,
                 )
             if not state.link_ok:
                 nxt = self.stages[state.index + 1]
-                raise PipelineError(
-                    grpc.StatusCode.UNAVAILABLE,
+                raise StageUnavailable(
                     f"stage {state.index} cannot reach stage {nxt.index} at {nxt.address}",
                     nxt.index,
                 )
@@ -454,83 +452,42 @@ class PipelineClient:
         tokens: Sequence[int],
         start_position: int,
         *,
-        rollback: int = 0,
-        num_logits: int = 1,
-        sampling: SamplingParams = GREEDY,
-        history: Sequence[int] = (),
         timeout: float | None = None,
-        draft_tokens: Sequence[int] = (),
-        draft_dists: Sequence[DraftDistribution] = (),
-        group: int = 0,
-        solo: bool = False,
-        block_hashes: Sequence[bytes] = (),
-        token_masks: Sequence[bytes] = (),
+        **fields: Any,
     ) -> StepOutput:
-        """Feed ``tokens`` at ``start_position`` through the ring; sample ``num_logits`` rows.
+        """One step without follow: ``StepRequest(session_id, tokens, start_position,
+        **fields)`` through :meth:`steps` (a shorthand for tests and tools)."""
+        request = StepRequest(session_id, tuple(tokens), start_position, **fields)
+        return await run_step(self, request, timeout)
 
-        With ``draft_tokens`` the last stage verifies them instead (speculative decoding) and
-        returns the accepted ones plus a correction or bonus token.
+    async def steps(
+        self, step: StepRequest, timeout: float | None = None
+    ) -> AsyncGenerator[StepOutput, None]:
+        """Feed ``step.token_ids`` at ``step.start_position`` through the ring; the last stage
+        samples ``step.num_logits`` rows (with ``step.draft_tokens`` it verifies them instead:
+        speculative decoding, the accepted ones plus a correction or bonus token).
 
-        A ring failure (UNAVAILABLE, DEADLINE_EXCEEDED), or a step refused at once because
-        the ring is not whole, leaves the session's state unknown or lost, so the session is
+        With ``step.follow`` (a decode step without draft tokens or masks, on a ring with
+        :attr:`ring_loop`) the ring then decodes up to ``follow`` more tokens on its own: the
+        last stage feeds each sampled token straight back to stage 0, without the round trip
+        through the gateway, until a token in ``step.stop_ids``. Yields each step's output in
+        turn, each within ``timeout`` of the one before; the consumer stops when it likes (the
+        ring's further steps are dropped once the session is released).
+
+        A ring failure (StageUnavailable, StepTimeout), or a step refused at once because the
+        ring is not whole, leaves the session's state unknown or lost, so the session is
         released on every stage still reachable; other errors (bad input) leave the session
         as it was.
         """
-        results = self.steps(
-            session_id,
-            tokens,
-            start_position,
-            rollback=rollback,
-            num_logits=num_logits,
-            sampling=sampling,
-            history=history,
-            timeout=timeout,
-            draft_tokens=draft_tokens,
-            draft_dists=draft_dists,
-            group=group,
-            solo=solo,
-            block_hashes=block_hashes,
-            token_masks=token_masks,
-        )
-        try:
-            return await anext(results)
-        finally:
-            await results.aclose()
-
-    async def steps(
-        self,
-        session_id: str,
-        tokens: Sequence[int],
-        start_position: int,
-        *,
-        rollback: int = 0,
-        num_logits: int = 1,
-        sampling: SamplingParams = GREEDY,
-        history: Sequence[int] = (),
-        timeout: float | None = None,
-        draft_tokens: Sequence[int] = (),
-        draft_dists: Sequence[DraftDistribution] = (),
-        group: int = 0,
-        solo: bool = False,
-        follow: int = 0,
-        stop_ids: Sequence[int] = (),
-        block_hashes: Sequence[bytes] = (),
-        token_masks: Sequence[bytes] = (),
-    ) -> AsyncGenerator[StepOutput, None]:
-        """As :meth:`step`, and with ``follow`` (a decode step without draft tokens, on a
-        ring with :attr:`ring_loop`) the ring then decodes up to ``follow`` more tokens on
-        its own: the last stage feeds each sampled token straight back to stage 0, without
-        the round trip through the gateway, until a token in ``stop_ids``. Yields each
-        step's output in turn, each within ``timeout`` of the one before; the consumer stops
-        when it likes (the ring's further steps are dropped once the session is released)."""
+        session_id, follow = step.session_id, step.follow
         try:
             self.check_ready()
-        except PipelineError:
+        except RingError:
             # a session between steps when the ring broke: what is left of it is of no use
-            if start_position:
+            if step.start_position:
                 self._release_soon({session_id})
             raise
-        if follow and not (self.ring_loop and not draft_tokens and not token_masks):
+        if follow and not (self.ring_loop and not step.draft_tokens and not step.token_masks):
             raise ValueError("the ring decodes on its own only plain decode steps, on a loop")
         timeout = self.step_timeout if timeout is None else timeout
         step_id = next(self._ids)
@@ -541,29 +498,11 @@ class PipelineClient:
         for i in range(follow + 1):
             futures.append(loop.create_future())
             self._pending[step_id + i] = (futures[-1], session_id)
-        self._push_queue.put_nowait(
-            pb.Step(
-                session_id=session_id,
-                step_id=step_id,
-                client_id=self.client_id,
-                token_ids=list(tokens),
-                num_tokens=len(tokens),
-                group=group,
-                solo=solo,
-                start_position=start_position,
-                rollback=rollback,
-                num_logits=num_logits,
-                sampling=sampling_to_pb(sampling),
-                history=list(history),
-                deadline_unix_ms=int((time.time() + timeout * (1 + follow)) * 1000),
-                draft_tokens=list(draft_tokens),
-                draft_dists=[pb.DraftDistribution(ids=i, probs=p) for i, p in draft_dists],
-                follow=follow,
-                stop_ids=list(stop_ids),
-                block_hashes=list(block_hashes),
-                token_masks=list(token_masks),
-            )
+        deadline = int((time.time() + timeout * (1 + follow)) * 1000)
+        envelope = replace(
+            step, step_id=step_id, client_id=self.client_id, deadline_unix_ms=deadline
         )
+        self._push_queue.put_nowait(envelope.to_pb())
         if self._push_task is None or self._push_task.done():
             self._push_task = asyncio.create_task(self._run_push())
         try:
@@ -571,14 +510,13 @@ class PipelineClient:
                 try:
                     yield await asyncio.wait_for(future, timeout)
                 except TimeoutError:
-                    raise PipelineError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                    raise StepTimeout(
                         f"step of session {session_id!r} took longer than {timeout:g}s",
                     ) from None
                 emitted = future.result().tokens
-                if i < follow and (not emitted or emitted[-1].token_id in stop_ids):
+                if i < follow and (not emitted or emitted[-1].token_id in step.stop_ids):
                     return  # the ring stopped there
-        except PipelineError as exc:
+        except RingError as exc:
             if exc.retryable:
                 self._release_soon({session_id})
             raise
@@ -594,8 +532,8 @@ class PipelineClient:
 
     async def acquire(self, session_id: str, hashes: Sequence[bytes]) -> int:
         """Open ``session_id`` on every stage on the cached KV blocks of its prefix (``hashes``,
-        see server/prefix.py); the blocks it starts with, the same on every stage (stages that
-        held more cut theirs down to it). On failure the session is released wherever it was
+        see server/engine/prefix.py); the blocks it starts with, the same on every stage (stages
+        that held more cut theirs down to it). On failure the session is released wherever it was
         opened and the error raised (UNAVAILABLE when a stage cannot be reached)."""
         self.check_ready()
         wanted = list(hashes)
@@ -608,9 +546,7 @@ class PipelineClient:
                 if all(c == held for c in counts):
                     return held
                 wanted = wanted[:held]
-            raise PipelineError(
-                grpc.StatusCode.INTERNAL, f"stages disagree on session {session_id!r}'s prefix"
-            )
+            raise RingError(f"stages disagree on session {session_id!r}'s prefix")
         except BaseException:  # in the background: a cancelled caller does not wait for it
             self._release_soon({session_id})
             raise
@@ -627,7 +563,7 @@ class PipelineClient:
             code = exc.code()
             if code in _TRANSIENT:
                 code = grpc.StatusCode.UNAVAILABLE
-            raise PipelineError(
+            raise ring_error(
                 code, f"stage {state.index}: {exc.details() or code.name}", state.index
             ) from None
         return int(reply.blocks)
@@ -668,8 +604,7 @@ class PipelineClient:
                 problems.append(f"stage {state.index}: {exc.details()}")
                 continue
             return {f.name: f.data for f in reply.files}
-        raise PipelineError(
-            grpc.StatusCode.NOT_FOUND,
+        raise RingError(
             "no stage has the tokenizer files (" + "; ".join(problems) + ")",
         )
 
@@ -689,7 +624,7 @@ class PipelineClient:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        self._fail_pending(PipelineError(grpc.StatusCode.CANCELLED, "pipeline client closed"))
+        self._fail_pending(RingError("pipeline client closed"))
         for state in self.stages:
             if state.channel is not None:
                 await state.channel.close()

@@ -10,8 +10,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -27,21 +27,22 @@ from starlette.requests import ClientDisconnect
 
 from common import systemd
 from common.net import check_can_listen, split_listen
-from server.constraints import Grammars
-from server.edge import Edge
-from server.engine import Engine
-from server.errors import APIError, error_response, errors_to_api_error
+from common.version import VERSION
+from server.api.edge import Edge
+from server.api.errors import APIError, error_response, errors_to_api_error
+from server.api.openapi import body_schema, document, operation_responses
+from server.api.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from server.api.responses import ChatCompletion, Completion, ModelCard, ModelList
+from server.api.serving import CompletionService
+from server.api.sse import SSE_HEADERS, SSE_MEDIA_TYPE
+from server.api.tokenization import codec_from_files, load_codec
+from server.engine.constraints import Grammars
+from server.engine.loop import Engine
+from server.engine.speculative import DraftProposer, NgramProposer, Proposer
 from server.metrics import GatewayMetrics
-from server.openapi import body_schema, document, operation_responses
-from server.pipeline import PipelineClient, PipelineError
-from server.requests import ChatCompletionRequest, CompletionRequest, parse_request
-from server.responses import ChatCompletion, Completion, ModelCard, ModelList
-from server.serving import CompletionService
+from server.ring import Ring, RingError
+from server.ring.grpc_client import PipelineClient
 from server.settings import GatewaySettings
-from server.speculative import DraftProposer, NgramProposer, Proposer
-from server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
-from server.tokenization import codec_from_files, load_codec
-from shard_runtime.runner import RunnerOptions
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Readiness(BaseModel):
 @dataclass
 class Gateway:
     settings: GatewaySettings
-    pipeline: PipelineClient
+    pipeline: Ring
     metrics: GatewayMetrics
     service: CompletionService | None = None
     created: int = 0
@@ -146,15 +147,9 @@ def make_proposer(settings: GatewaySettings) -> Proposer | None:
         return NgramProposer()
     if settings.draft is None:
         raise ValueError("speculation = draft needs --draft DIR (the export's draft folder)")
-    options = RunnerOptions(
-        device=settings.draft_device,
-        threads=settings.draft_threads,
-        cache_dir=settings.ov_cache_dir,
-        max_sessions=4 * settings.max_concurrent,
-    )
     proposer = DraftProposer(
         settings.draft,
-        options,
+        settings.draft_runner_options(),
         None,
         kv_cache_bytes=int(settings.draft_kv_cache_size * (1 << 30)),
         prefix_cache_blocks=None if settings.prefix_cache else 0,
@@ -192,29 +187,46 @@ def gateway_server(app: FastAPI, log_level: str) -> GatewayServer:
     return GatewayServer(config, gateway)
 
 
-def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None) -> FastAPI:
-    secret = settings.secret.get_secret_value() if settings.secret else None
+def create_app(settings: GatewaySettings, pipeline: Ring | None = None) -> FastAPI:
+    """The gateway's FastAPI app over ``pipeline`` (default: the gRPC ring of the settings'
+    stages), which it starts in its lifespan."""
     gateway = Gateway(
-        settings=settings,
-        pipeline=pipeline
-        or PipelineClient(
-            settings.stages,
-            secret=secret,
-            tls_ca=settings.tls_ca,
-            tls_server_name=settings.tls_server_name,
-            step_timeout=settings.step_timeout,
-            health_interval=settings.health_interval,
-            health_timeout=settings.health_timeout,
-        ),
-        metrics=GatewayMetrics(),
+        settings=settings, pipeline=pipeline or grpc_ring(settings), metrics=GatewayMetrics()
+    )
+    app = FastAPI(title="pipeshard", version=VERSION, lifespan=_lifespan(gateway))
+    app.state.gateway = gateway
+    keys = [k.get_secret_value().encode() for k in settings.api_keys]
+    app.add_middleware(Edge, keys=keys, max_body=settings.max_body_bytes, metrics=gateway.metrics)
+    document(app, secured=bool(keys))
+    auth = (401,) if keys else ()
+    _add_error_handlers(app)
+    _add_generation_routes(app, gateway, auth)
+    _add_model_routes(app, gateway, auth)
+    _add_operations_routes(app, gateway)
+    return app
+
+
+def grpc_ring(settings: GatewaySettings) -> PipelineClient:
+    """The ring of stage processes the settings name, over gRPC."""
+    secret = settings.secret.get_secret_value() if settings.secret else None
+    return PipelineClient(
+        settings.stages,
+        secret=secret,
+        tls_ca=settings.tls_ca,
+        tls_server_name=settings.tls_server_name,
+        step_timeout=settings.step_timeout,
+        health_interval=settings.health_interval,
+        health_timeout=settings.health_timeout,
     )
 
+
+def _lifespan(gateway: Gateway) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gateway.starting = asyncio.ensure_future(start())
+        gateway.starting = asyncio.ensure_future(_start(gateway))
         try:
             engine, model, stages = await gateway.starting
-        except (PipelineError, ValueError) as exc:
+        except (RingError, ValueError) as exc:
             gateway.start_error = str(exc)
             log.error("cannot start: %s", exc)
             raise StartFailed(str(exc)) from None
@@ -228,70 +240,77 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         await engine.close()
         await gateway.pipeline.close()
 
-    async def start() -> tuple[Engine, str, int]:
-        """Connect to the stages and load the draft: the engine, the model id, the stages."""
-        # The draft compiles (or loads from the OpenVINO cache) while the stages start, not
-        # after: `pipeshard up` serves seconds sooner. Either failing ends the start at once.
-        starting = asyncio.ensure_future(gateway.pipeline.start(timeout=settings.start_timeout))
-        drafting = asyncio.ensure_future(asyncio.to_thread(make_proposer, settings))
-        try:
-            manifest, proposer = await asyncio.gather(starting, drafting)
-        except BaseException:
-            starting.cancel()  # a draft still compiling runs out in its thread
-            drafting.cancel()
-            raise
-        if isinstance(proposer, DraftProposer):
-            proposer.check_target(manifest.model.vocab_size)
-        if settings.tokenizer is not None:
-            codec = load_codec(settings.tokenizer, manifest)
-        else:
-            codec = codec_from_files(await gateway.pipeline.tokenizer_files(), manifest)
-        spec_max_users, why = settings.speculation_limit(isinstance(proposer, DraftProposer))
-        if proposer is not None and spec_max_users:
-            log.info(
-                "speculation only while at most %d request(s) decode at once (%s)",
-                spec_max_users,
-                why,
-            )
-        context = manifest.model.max_context
-        capacity = min((b * n for b, n in gateway.pipeline.kv_pools), default=context)
-        if capacity < context:  # one sequence can never hold more than a whole pool
-            context = capacity
-            log.warning(
-                "the paged stages' KV pools hold %d positions, fewer than the model's context "
-                "of %d: requests are limited to %d tokens (raise --kv-cache-size on the stages)",
-                context,
-                manifest.model.max_context,
-                context,
-            )
-        engine = Engine(
-            gateway.pipeline,
-            codec.eos_ids,
-            context,
-            settings.ring_scheduler_config(
-                manifest.num_stages,
-                gateway.pipeline.paged,
-                gateway.pipeline.kv_pools,
-                gateway.pipeline.prefix_block_size,
-            ),
-            gateway.metrics,
-            proposer=proposer,
-            spec_k=settings.spec_k,
-            spec_max_k=settings.spec_max_k,
-            spec_max_users=spec_max_users,
-            grammars=Grammars(codec.chat, codec.vocab_size, sorted(codec.eos_ids)),
-        )
-        model = settings.model_name or manifest.model.model_id
-        gateway.service = CompletionService(engine, codec, model, context, gateway.metrics)
-        gateway.created = int(time.time())
-        return engine, model, manifest.num_stages
+    return lifespan
 
-    app = FastAPI(title="pipeshard", version="0.1.0", lifespan=lifespan)
-    app.state.gateway = gateway
-    keys = [k.get_secret_value().encode() for k in settings.api_keys]
-    app.add_middleware(Edge, keys=keys, max_body=settings.max_body_bytes, metrics=gateway.metrics)
-    document(app, secured=bool(keys))
-    auth = (401,) if keys else ()
+
+async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
+    """Connect to the stages and load the draft: the engine, the model id, the stages."""
+    settings = gateway.settings
+    # The draft compiles (or loads from the OpenVINO cache) while the stages start, not
+    # after: `pipeshard up` serves seconds sooner. Either failing ends the start at once.
+    starting = asyncio.ensure_future(gateway.pipeline.start(timeout=settings.start_timeout))
+    drafting = asyncio.ensure_future(asyncio.to_thread(make_proposer, settings))
+    try:
+        manifest, proposer = await asyncio.gather(starting, drafting)
+    except BaseException:
+        starting.cancel()  # a draft still compiling runs out in its thread
+        drafting.cancel()
+        raise
+    if isinstance(proposer, DraftProposer):
+        proposer.check_target(manifest.model.vocab_size)
+    if settings.tokenizer is not None:
+        codec = load_codec(settings.tokenizer, manifest)
+    else:
+        codec = codec_from_files(await gateway.pipeline.tokenizer_files(), manifest)
+    spec_max_users, why = settings.speculation_limit(isinstance(proposer, DraftProposer))
+    if proposer is not None and spec_max_users:
+        log.info(
+            "speculation only while at most %d request(s) decode at once (%s)",
+            spec_max_users,
+            why,
+        )
+    context = _context(gateway.pipeline, manifest.model.max_context)
+    engine = Engine(
+        gateway.pipeline,
+        codec.eos_ids,
+        context,
+        settings.ring_scheduler_config(
+            manifest.num_stages,
+            gateway.pipeline.paged,
+            gateway.pipeline.kv_pools,
+            gateway.pipeline.prefix_block_size,
+        ),
+        gateway.metrics,
+        proposer=proposer,
+        spec_k=settings.spec_k,
+        spec_max_k=settings.spec_max_k,
+        spec_max_users=spec_max_users,
+        grammars=Grammars(codec.chat, codec.vocab_size, sorted(codec.eos_ids)),
+    )
+    model = settings.model_name or manifest.model.model_id
+    gateway.service = CompletionService(engine, codec, model, context, gateway.metrics)
+    gateway.created = int(time.time())
+    return engine, model, manifest.num_stages
+
+
+def _context(ring: Ring, model_context: int) -> int:
+    """The longest request: the model's context, or less where a paged stage's KV pool holds
+    fewer positions (one sequence can never hold more than a whole pool)."""
+    capacity = min((b * n for b, n in ring.kv_pools), default=model_context)
+    if capacity >= model_context:
+        return model_context
+    log.warning(
+        "the paged stages' KV pools hold %d positions, fewer than the model's context "
+        "of %d: requests are limited to %d tokens (raise --kv-cache-size on the stages)",
+        capacity,
+        model_context,
+        capacity,
+    )
+    return capacity
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the OpenAI envelope; an unexpected one is a logged 500."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -314,17 +333,23 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         log.exception("unexpected error in request %s", getattr(request.state, "request_id", "?"))
         return error_response(APIError(500, "internal error", type="server_error"))
 
-    def service() -> CompletionService:
-        if gateway.service is None:
-            raise APIError(503, "the gateway is starting", type="service_unavailable")
-        return gateway.service
+
+def _service(gateway: Gateway) -> CompletionService:
+    if gateway.service is None:
+        raise APIError(503, "the gateway is starting", type="service_unavailable")
+    return gateway.service
+
+
+def _add_generation_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:
+    """/v1/chat/completions and /v1/completions, JSON or SSE."""
+    max_body = gateway.settings.max_body_bytes
 
     async def run(
         request: Request, prepared_kind: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> Response:
-        svc = service()
+        svc = _service(gateway)
         _check_json_body(request)
-        body = await _read_body(request, settings.max_body_bytes)
+        body = await _read_body(request, max_body)
         req = parse_request(prepared_kind, body)
         prefix = "chatcmpl" if prepared_kind is ChatCompletionRequest else "cmpl"
         prep = svc.prepare(req, f"{prefix}-{request.state.request_id}")
@@ -353,11 +378,15 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     async def completions(request: Request) -> Response:
         return await run(request, CompletionRequest)
 
+
+def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:
+    """/v1/models and /v1/models/{id}."""
+
     @app.get(
         "/v1/models", response_model=ModelList, responses=operation_responses(None, (*auth, 503))
     )
     async def models() -> dict[str, Any]:
-        svc = service()
+        svc = _service(gateway)
         return ModelList(data=[ModelCard(id=svc.model, created=gateway.created)]).model_dump()
 
     @app.get(
@@ -366,7 +395,7 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
         responses=operation_responses(None, (*auth, 404, 503)),
     )
     async def model(model_id: str) -> dict[str, Any]:
-        svc = service()
+        svc = _service(gateway)
         if model_id != svc.model:
             raise APIError(
                 404,
@@ -375,6 +404,10 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
                 code="model_not_found",
             )
         return ModelCard(id=svc.model, created=gateway.created).model_dump()
+
+
+def _add_operations_routes(app: FastAPI, gateway: Gateway) -> None:
+    """/health (the process), /ready (the ring, stage by stage), /metrics (Prometheus)."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -387,28 +420,30 @@ def create_app(settings: GatewaySettings, pipeline: PipelineClient | None = None
     )
     async def ready() -> JSONResponse:
         ok = gateway.service is not None and gateway.pipeline.ready
-        ring = gateway.pipeline.stages
-        stages = []
-        for i, s in enumerate(ring):
-            after = ring[(i + 1) % len(ring)]
-            # a broken link to a stage that is down is that stage's failure, not this one's
-            linked = s.link_ok or (after is not s and not after.up)
-            state = (
-                s.detail
-                if s.link_ok or not s.up
-                else f"{s.detail}; its link to {after.address} is down"
-            )
-            stages.append(
-                StageReadiness(index=s.index, address=s.address, up=s.up and linked, state=state)
-            )
-        body = Readiness(ready=ok, stages=stages).model_dump()
+        body = Readiness(ready=ok, stages=_stage_readiness(gateway.pipeline)).model_dump()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+
+def _stage_readiness(ring: Ring) -> list[StageReadiness]:
+    stages = ring.stages
+    found = []
+    for i, s in enumerate(stages):
+        after = stages[(i + 1) % len(stages)]
+        # a broken link to a stage that is down is that stage's failure, not this one's
+        linked = s.link_ok or (after is not s and not after.up)
+        state = (
+            s.detail
+            if s.link_ok or not s.up
+            else f"{s.detail}; its link to {after.address} is down"
+        )
+        found.append(
+            StageReadiness(index=s.index, address=s.address, up=s.up and linked, state=state)
+        )
+    return found
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:

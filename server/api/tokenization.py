@@ -23,10 +23,10 @@ log = logging.getLogger(__name__)
 
 def keep_torch_out() -> None:
     """Run this gateway process without torch, as the runtime image does, even where the
-    export extra installed it: transformers imports torch whenever it finds it (measured: 2.8
-    s and 250 MiB resident against 1.4 s and 67 MiB), though the tokenizer and the chat
-    template never use it. Call before transformers is imported, only in a process that runs
-    no export (torch already loaded is left alone)."""
+    export extra installed it: transformers imports torch whenever it finds it, which costs
+    the gateway start-up time and memory (docs/benchmarks.md, "Start-up costs"), though the
+    tokenizer and the chat template never use it. Call before transformers is imported, only
+    in a process that runs no export (torch already loaded is left alone)."""
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]  # importlib then finds none
     # and no "PyTorch was not found. Models won't be available" notice at start

@@ -1,9 +1,9 @@
 """The engine: token ids and sampling parameters in, sampled tokens out, over the stage ring.
 
 ``GenerationRequest (ids, params) -> Scheduler (one sequence and one session per choice) ->
-PipelineClient steps, many sequences in the ring at once -> SampledToken stream``.
+Ring steps (server/ring.py), many sequences in the ring at once -> SampledToken stream``.
 
-The scheduling policy lives in :mod:`server.scheduler` (a synchronous state machine); this
+The scheduling policy lives in :mod:`server.engine.scheduler` (a synchronous state machine); this
 module is the thin async loop around it: it sends each tick's work through the ring, feeds the
 results back, hands tokens to the waiting generators and frees the sessions of finished
 sequences on every stage however they ended (finished, stopped early by the caller, failed, or
@@ -16,20 +16,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 
-import grpc
-
-from protos.sampling import DraftDistribution, SampledToken, SamplingParams
-from server.constraints import Constraint, ConstraintError, Grammars, Matcher
+from protos.sampling import SampledToken, SamplingParams
+from protos.step import StepRequest
+from server.engine.constraints import Constraint, ConstraintError, Grammars, Matcher
+from server.engine.prefix import PrefixLookup
+from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
+from server.engine.spec_policy import SpeculationPolicy
+from server.engine.speculative import Proposer
+from server.engine.step_plan import StepPlan, grammar_masks
 from server.metrics import GatewayMetrics
-from server.pipeline import PipelineClient, PipelineError
-from server.prefix import HashChain
-from server.scheduler import Scheduler, SchedulerConfig
-from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
-from server.speculative import Acceptance, Proposer, SharedK
+from server.ring import NoCapacity, Ring, RingError, SessionLost
 
 __all__ = [
     "Engine",
@@ -84,7 +84,7 @@ class _Stream:
 class Engine:
     def __init__(
         self,
-        pipeline: PipelineClient,
+        ring: Ring,
         eos_ids: frozenset[int],
         max_context: int,
         config: SchedulerConfig | None = None,
@@ -95,7 +95,7 @@ class Engine:
         spec_max_users: int = 0,
         grammars: Grammars | None = None,
     ) -> None:
-        self.pipeline = pipeline
+        self.ring = ring
         self.eos_ids = eos_ids
         self._stop_ids = sorted(eos_ids)  # where the ring stops decoding on its own
         self.max_context = max_context
@@ -105,10 +105,12 @@ class Engine:
             headroom = 1 + (spec_k or spec_max_k)
             self.config = replace(self.config, kv_headroom=headroom)
         self.scheduler = Scheduler(self.config, eos_ids)
-        # Prefix caching: the block size the stages keep prefixes in, and each sequence's
-        # block hashes (server/prefix.py), which its steps publish and its lookup asks for
-        self._prefix_size = pipeline.prefix_block_size if self.config.prefix_cache else None
-        self._chains: dict[str, HashChain] = {}
+        # Prefix caching: each sequence's block hashes (server/engine/prefix.py), which its prompt
+        # chunks publish and its lookup asks for
+        block_size = ring.prefix_block_size if self.config.prefix_cache else None
+        self.prefix = (
+            PrefixLookup(ring.manifest_hash or "", block_size) if block_size is not None else None
+        )
         self._counted = (0, 0)  # the scheduler's resumes and preemptions already in metrics
         self.metrics = metrics
         self._streams: dict[str, _Stream] = {}
@@ -117,18 +119,13 @@ class Engine:
         self._steps: set[asyncio.Task[None]] = set()
         self._releasing: set[asyncio.Task[None]] = set()
         self.stopping = False  # new requests are refused (shut_down)
-        # Speculative decoding: the proposer runs in one thread beside the event loop.
-        self.proposer = proposer
-        self.fixed_k = spec_k or None
-        self.max_k = spec_max_k
-        # Above this many requests decoding at once every step is plain (0: no limit): where
-        # the draft shares cores with the stages, it costs more than it saves once the ring
-        # is full (benchmarks/results/servers-*.md).
-        self.spec_max_users = spec_max_users
+        # Speculative decoding (server/engine/spec_policy.py)
+        self.speculation = (
+            SpeculationPolicy(proposer, spec_k or None, spec_max_k, spec_max_users, metrics)
+            if proposer is not None
+            else None
+        )
         self.grammars = grammars  # constrained decoding (requests with a Constraint)
-        self._adaptive = SharedK(spec_max_k, self.fixed_k)  # server-wide costs, by concurrency
-        self._acceptance: dict[str, Acceptance] = {}  # each request's own acceptance rate
-        self._draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
         # Without batching, a sequence's steps are computed alone on every stage. Its one-row
         # decode steps may then go unpadded (pb.Step.solo): they take the one-row kernel path
         # every time. Not with speculation: a verification has several rows, and its tokens
@@ -141,6 +138,11 @@ class Engine:
                 "--no-batching server without speculation)"
             )
 
+    @property
+    def spec_max_users(self) -> int:
+        """Speculation only while at most this many requests decode at once (0: no limit)."""
+        return self.speculation.max_users if self.speculation is not None else 0
+
     def choice_sampling(self, request: GenerationRequest, choice: int) -> SamplingParams:
         """Each of n choices draws differently, reproducibly from the request's seed."""
         seed = (request.sampling.seed or 0) + choice
@@ -152,13 +154,14 @@ class Engine:
         """Yield up to ``max_tokens`` sampled tokens; stops after an end-of-sequence token.
 
         Raises QueueFull at once when the queue is full, QueueTimeout when the request waited
-        too long, PipelineError at once when the ring is not whole (a stage is down) and when a
-        step fails for good: with bad input, or when a lost ring does not heal within the
-        resume grace (the sequence waits for it, then re-prefills and goes on).
+        too long, a RingError (server/ring.py) at once when the ring is not whole (a stage is
+        down: StageUnavailable) and when a step fails for good: with bad input, or when a lost
+        ring does not heal within the resume grace (the sequence waits for it, then
+        re-prefills and goes on).
         """
         if self.stopping:
             raise ShuttingDown("the server is shutting down")
-        self.pipeline.check_ready()
+        self.ring.check_ready()
         stats = stats or GenerationStats()
         seq_id = f"{request.request_id}-{choice}"
         arrival = time.monotonic()
@@ -218,7 +221,7 @@ class Engine:
         now = time.monotonic()
         for seq_id in self.scheduler.expire(now):
             self._end(seq_id)
-        for item in self.scheduler.next_work(now, ring_ready=self.pipeline.ready):
+        for item in self.scheduler.next_work(now, ring_ready=self.ring.ready):
             task = asyncio.create_task(self._run_step(item))
             self._steps.add(task)
             task.add_done_callback(self._steps.discard)
@@ -250,57 +253,62 @@ class Engine:
         sampling = stream.sampling if stream is not None else SamplingParams()
         # The stage needs the generated tokens only for presence/frequency penalties.
         penalised = sampling.presence_penalty or sampling.frequency_penalty
-        proposer = self.proposer
         # the first step of a session: its lookup (prefix caching), or its first prompt chunk
         opening = item.lookup or (
             item.prefill and item.start_position == 0 and not self.config.prefix_cache
         )
-        if proposer is not None and opening and self._speculating(len(self.scheduler.sequences)):
+        speculation = self.speculation
+        if (
+            speculation is not None
+            and opening
+            and speculation.active(len(self.scheduler.sequences))
+        ):
             # the draft takes in the prompt while the stages prefill it (once: not on resumes;
             # not while speculation pauses for load: it catches up if it ever proposes)
-            task = asyncio.create_task(self._warm(proposer, seq))
+            task = asyncio.create_task(speculation.warm(seq))
             self._steps.add(task)
             task.add_done_callback(self._steps.discard)
         try:
             if item.lookup:
-                chain = self._chain(seq)
-                hashes = chain.reusable(seq.prefix)
+                assert self.prefix is not None
+                hashes = self.prefix.reusable(seq.seq_id, seq.prefix)
                 # a prompt without a whole block to reuse opens with its first chunk, as ever
-                blocks = await self.pipeline.acquire(item.session, hashes) if hashes else 0
-                self.scheduler.on_prefix(item.seq_id, blocks * chain.block_size)
+                blocks = await self.ring.acquire(item.session, hashes) if hashes else 0
+                self.scheduler.on_prefix(item.seq_id, blocks * self.prefix.block_size)
                 return
             began = time.perf_counter()  # the step's time includes waiting for the draft
-            plan = await self._speculate(seq, item, sampling)
+            plan = await self._plan(seq, item, sampling)
             matcher = stream.matcher if stream is not None and item.samples else None
             masks: list[bytes] = []
             if matcher is not None:
-                masks, plan = _masked(matcher, plan, sampling.temperature == 0.0)
+                masks, plan = grammar_masks(matcher, plan, sampling.temperature == 0.0)
             started = time.perf_counter()
             follow = 0 if matcher is not None else self._follow_budget(seq, item, plan)
-            results = self.pipeline.steps(
-                item.session,
-                plan.tokens,
-                item.start_position,
+            step = StepRequest(
+                session_id=item.session,
+                token_ids=plan.tokens,
+                start_position=item.start_position,
                 rollback=item.rollback,
                 num_logits=plan.num_logits,
                 sampling=sampling,
-                history=list(seq.generated) if penalised and item.samples else (),
+                history=tuple(seq.generated) if penalised and item.samples else (),
                 draft_tokens=plan.draft,
-                draft_dists=plan.dists,
+                draft_dists=tuple(plan.dists),
                 group=item.group,
                 solo=self.solo,
                 follow=follow,
-                stop_ids=self._stop_ids if follow else (),
-                block_hashes=self._filled(seq, item),
-                token_masks=masks,
+                stop_ids=tuple(self._stop_ids) if follow else (),
+                block_hashes=tuple(self._block_hashes(seq, item)),
+                token_masks=tuple(masks),
             )
+            results = self.ring.steps(step)
             async with contextlib.aclosing(results):
                 out = await anext(results)
-                if plan.draft:
+                if speculation is not None and plan.draft:
                     ended = time.perf_counter()
-                    self._learn(seq.seq_id, plan, out.tokens, ended - started, ended - began)
-                elif not item.prefill and self.proposer is not None:
-                    self._adaptive.level(plan.level).update_plain(time.perf_counter() - began)
+                    speculation.learn(seq.seq_id, plan, out.tokens, ended - started, ended - began)
+                elif speculation is not None and not item.prefill:
+                    speculation.learn_plain(plan, time.perf_counter() - began)
                 while True:
                     taken = self.scheduler.on_result(
                         item.seq_id, [t.token_id for t in out.tokens], out.session_length or None
@@ -319,17 +327,17 @@ class Engine:
                     # the ring's own next step, already on its way: take it as if sent
                     item, follow = ring, follow - 1
                     out = await anext(results)
-        except PipelineError as exc:
-            if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                # a stage had no KV blocks (or sessions) left for it: retry after others
-                log.info("sequence %s preempted: %s", item.seq_id, exc)
-                if self.scheduler.on_preempted(item.seq_id, exc):
-                    return
-            elif exc.retryable:
+        except NoCapacity as exc:
+            # a stage had no KV blocks (or sessions) left for it: retry after others
+            log.info("sequence %s preempted: %s", item.seq_id, exc)
+            if not self.scheduler.on_preempted(item.seq_id, exc):
+                self._end(item.seq_id)
+        except RingError as exc:
+            if exc.retryable:
                 log.warning("sequence %s lost its step: %s", item.seq_id, exc)
                 if self.scheduler.on_lost(item.seq_id, exc, time.monotonic()):
                     return  # it re-prefills when the ring is whole again
-            elif exc.code is grpc.StatusCode.NOT_FOUND:
+            elif isinstance(exc, SessionLost):
                 # a stage no longer holds the session: it restarted between health checks or
                 # freed the session; the others may still hold it (they are told to free it)
                 log.warning(
@@ -351,40 +359,28 @@ class Engine:
         finally:
             self._wake.set()
 
-    def _chain(self, seq: Sequence) -> HashChain:
-        chain = self._chains.get(seq.seq_id)
-        if chain is None:
-            assert self._prefix_size is not None
-            chain = HashChain(self.pipeline.manifest_hash or "", self._prefix_size)
-            self._chains[seq.seq_id] = chain
-        return chain
-
-    def _filled(self, seq: Sequence, item: Work) -> list[bytes]:
-        """The hashes of the KV blocks this prompt chunk fills (a prompt's, or a resumed
-        sequence's prompt and generated tokens). Decode steps name none: their K/V come from
-        decode-time attention, which is close to a prefill's, not equal, and a later prompt
-        that took them could get other tokens than one that prefills them (measured on the
-        default model: a chat's next turn did)."""
-        if self._prefix_size is None or not item.prefill:
+    def _block_hashes(self, seq: Sequence, item: Work) -> list[bytes]:
+        """The hashes of the KV blocks this step fills, for the stages' prefix caches."""
+        if self.prefix is None:
             return []
         end = item.start_position + len(item.tokens)
-        return self._chain(seq).filled(seq.prefix, item.start_position, end)
+        return self.prefix.filled(seq.seq_id, seq.prefix, item.start_position, end, item.prefill)
 
-    def _follow_budget(self, seq: Sequence, item: Work, plan: _Plan) -> int:
+    def _follow_budget(self, seq: Sequence, item: Work, plan: StepPlan) -> int:
         """Tokens the ring may decode on its own after this step (SchedulerConfig.ring_decode:
         steps without speculation, on a ring whose last stage loops back to stage 0; batched
         groups only while none waits to join them), within max_tokens and the context."""
         if not (self.config.ring_decode and item.samples and not plan.draft):
             return 0
-        if not self.pipeline.ring_loop:
+        if not self.ring.ring_loop:
             return 0
-        if not self.solo and not self._settled(seq, item):
+        if not self.solo and not self._may_run_alone(seq, item):
             return 0
         held = item.start_position + len(plan.tokens)  # positions after this step
         left = seq.max_tokens - len(seq.generated) - 1
         return max(0, min(self.config.ring_decode, left, self.max_context - held))
 
-    def _settled(self, seq: Sequence, item: Work) -> bool:
+    def _may_run_alone(self, seq: Sequence, item: Work) -> bool:
         """Batched groups: whether the step may run on the ring by itself. Only while no
         sequence waits to join a group's decode steps (none queued, every other running one
         decoding); a prompt's last chunk only where no other sequence shares its group (it
@@ -398,84 +394,14 @@ class Engine:
             return False
         return not item.prefill or all(o.group != seq.group for o in others)
 
-    async def _speculate(self, seq: Sequence, item: Work, sampling: SamplingParams) -> _Plan:
+    async def _plan(self, seq: Sequence, item: Work, sampling: SamplingParams) -> StepPlan:
         """The step's tokens: the work item's, plus draft proposals when speculating."""
-        if item.prefill or self.proposer is None:
-            return _Plan(item.tokens)
+        if item.prefill or self.speculation is None:
+            return StepPlan(item.tokens)
         level = sum(1 for s in self.scheduler.sequences.values() if s.phase is Phase.DECODE)
-        if not self._speculating(level):
-            # plain: the draft catches up on these tokens when speculation resumes
-            self._count_step("paused")
-            return _Plan(item.tokens, level=level)
-        greedy = sampling.temperature == 0.0
-        own = self._acceptance.get(seq.seq_id)
-        k = self._adaptive.choose(level, greedy, own.rate if own is not None else None)
-        # no proposals beyond max_tokens or the context (greedy also gets a bonus token)
-        k = min(k, seq.max_tokens - len(seq.generated) - int(greedy))
-        k = min(k, self.max_context - item.start_position - 2)
-        if k < 1:
-            self._count_step("plain")
-            return _Plan(item.tokens, level=level)
-        context = [*seq.prompt, *seq.generated]
-        proposal = await asyncio.get_running_loop().run_in_executor(
-            self._draft_pool, self.proposer.propose, seq.seq_id, context, k, sampling
+        return await self.speculation.plan(
+            seq, item.tokens, item.start_position, sampling, level, self.max_context
         )
-        draft = proposal.tokens
-        if not draft:
-            self._count_step("plain")
-            return _Plan(item.tokens, level=level)
-        self._count_step("speculative")
-        # Greedy: feed every proposal and verify one more position (the bonus). Sampling: every
-        # position tests a proposal, so the output does not depend on k.
-        fed = (*item.tokens, *(draft if greedy else draft[:-1]))
-        if self.metrics is not None:
-            self.metrics.spec_k.observe(len(draft))
-            self.metrics.draft_seconds.observe(proposal.seconds)
-        return _Plan(fed, tuple(draft), proposal.dists, proposal.seconds, level)
-
-    def _count_step(self, mode: str) -> None:
-        if self.metrics is not None:
-            self.metrics.spec_steps.labels(mode=mode).inc()
-
-    def _speculating(self, users: int) -> bool:
-        """Whether to speculate with this many requests decoding (speculation_max_users)."""
-        if self.proposer is None:
-            return False
-        return not self.spec_max_users or users <= self.spec_max_users
-
-    def _learn(
-        self, seq_id: str, plan: _Plan, emitted: list[SampledToken], pass_s: float, step_s: float
-    ) -> None:
-        accepted = 0
-        for token, proposed in zip(emitted, plan.draft, strict=False):
-            if token.token_id != proposed:
-                break
-            accepted += 1
-        self._adaptive.level(plan.level).update(
-            len(plan.draft), accepted, len(plan.tokens), pass_s, plan.draft_s, step_s
-        )
-        own = self._acceptance.get(seq_id)
-        if own is None:  # a new request starts from the server-wide rate
-            own = self._acceptance[seq_id] = Acceptance(self._adaptive.acceptance)
-        own.update(len(plan.draft), accepted)
-        if self.metrics is not None:
-            self.metrics.spec_proposed.inc(len(plan.draft))
-            self.metrics.spec_accepted.inc(accepted)
-
-    async def _warm(self, proposer: Proposer, seq: Sequence) -> None:
-        """The draft takes in the prompt one chunk per turn of its thread (proposals of other
-        requests queued meanwhile go first), while the sequence lives."""
-        loop, warm = asyncio.get_running_loop(), proposer.warm
-        try:
-            while seq.phase is not Phase.DONE:
-                if await loop.run_in_executor(self._draft_pool, warm, seq.seq_id, seq.prompt):
-                    return
-        except Exception:
-            log.warning("draft warm-up of %s failed", seq.seq_id, exc_info=True)
-
-    def _in_draft_pool(self, fn: Callable[..., object], *args: object) -> None:
-        future = asyncio.get_running_loop().run_in_executor(self._draft_pool, fn, *args)
-        future.add_done_callback(_log_failure)
 
     def _end(self, seq_id: str) -> None:
         """Tell a finished sequence's consumer that it ended (and how)."""
@@ -486,18 +412,17 @@ class Engine:
 
     def _release(self, releases: list[Release]) -> None:
         for done in releases:
-            if done.final:
-                self._chains.pop(done.seq_id, None)
-            if done.final and self.proposer is not None:
-                self._acceptance.pop(done.seq_id, None)
-                self._in_draft_pool(self.proposer.release, done.seq_id)
+            if done.final and self.prefix is not None:
+                self.prefix.forget(done.seq_id)
+            if done.final and self.speculation is not None:
+                self.speculation.release(done.seq_id)
         sessions = [r.session_id for r in releases if r.session_id]
         if not sessions:
             return
 
         async def release() -> None:
             try:
-                await self.pipeline.release(*sessions)
+                await self.ring.release(*sessions)
             except Exception:
                 log.warning("releasing sessions %s failed", sessions, exc_info=True)
 
@@ -528,7 +453,7 @@ class Engine:
         self.stopping = True
         deadline = time.monotonic() + grace
         while self.scheduler.sequences and time.monotonic() < deadline:
-            if not self.pipeline.ready:
+            if not self.ring.ready:
                 break
             await asyncio.sleep(0.05)
         await self._abort_all()
@@ -553,47 +478,5 @@ class Engine:
             self._release(releases)
         if self._releasing:
             await asyncio.wait(self._releasing, timeout=5.0)
-        if self.proposer is not None:  # the draft pool runs its releases in order
-            with contextlib.suppress(Exception):
-                barrier = asyncio.get_running_loop().run_in_executor(self._draft_pool, _nothing)
-                await asyncio.wait_for(barrier, 5.0)
-        self._draft_pool.shutdown(wait=False, cancel_futures=True)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What one step feeds the ring: tokens, and the draft to verify when speculating."""
-
-    tokens: tuple[int, ...]
-    draft: tuple[int, ...] = ()
-    dists: list[DraftDistribution] = field(default_factory=list)
-    draft_s: float = 0.0
-    level: int = 1  # requests decoding at once when k was chosen (SharedK)
-
-    @property
-    def num_logits(self) -> int:
-        return len(self.tokens) if self.draft else 1
-
-
-def _masked(matcher: Matcher, plan: _Plan, greedy: bool) -> tuple[list[bytes], _Plan]:
-    """The token masks of a sampling step's rows, and its plan without the draft tokens the
-    grammar refuses (the first one it refuses and all after it)."""
-    masks, used = matcher.masks(plan.draft)
-    if used < len(plan.draft):
-        draft = plan.draft[:used]
-        x0 = plan.tokens[:1]
-        if not draft or (not greedy and used < 1):
-            plan = _Plan(x0, level=plan.level, draft_s=plan.draft_s)
-        else:
-            fed = (*x0, *(draft if greedy else draft[:-1]))
-            plan = _Plan(fed, draft, plan.dists[:used], plan.draft_s, plan.level)
-    return masks[: plan.num_logits], plan
-
-
-def _nothing() -> None:
-    return None
-
-
-def _log_failure(future: asyncio.Future[object]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("draft work failed", exc_info=future.exception())
+        if self.speculation is not None:
+            await self.speculation.close()

@@ -24,8 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from server.errors import APIError
-from server.responses import (
+from server.api.errors import APIError
+from server.api.responses import (
     ChatChoiceLogprobs,
     ChatChunkChoice,
     ChatCompletionChunk,

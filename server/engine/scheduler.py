@@ -1,7 +1,7 @@
 """The micro-batch scheduler: which sequences' steps enter the stage ring next.
 
 A synchronous state machine with no I/O and no clock of its own, so it is tested without a
-model; :class:`server.engine.Engine` drives it from a thin async loop::
+model; :class:`server.engine.loop.Engine` drives it from a thin async loop::
 
     add(seq) -> queued (or QueueFull)      cancel(id) -> leaves the queue, or stops after its step
     next_work(now, ring_ready) -> [Work]   on_result(id, tokens) / on_error(id, exc)
@@ -9,75 +9,25 @@ model; :class:`server.engine.Engine` drives it from a thin async loop::
     on_lost(id, exc, now) -> suspended?    expire(now) -> [ids that waited too long]
     take_releases() -> [Release]           take_admitted() -> [sequences that left the queue]
 
-Policy
-------
-* **Admission.** At most ``max_running`` sequences hold KV sessions on the stages. Others wait
-  in a FIFO queue of at most ``max_queued``; beyond that :meth:`add` raises :class:`QueueFull`
-  (the gateway answers 429 with ``Retry-After``). A sequence that waits longer than
-  ``queue_timeout`` seconds leaves the queue with :class:`QueueTimeout`. A cancelled queued
-  sequence leaves the queue at once and frees its place.
-* **One step per sequence in the ring.** A sequence's next step needs the token its last step
-  sampled, so each running sequence has at most one step in flight. Steps of different
-  sequences are in flight together: while stage 1 computes A's step, stage 0 computes B's. With
-  at least as many running sequences as stages, every stage has work.
-* **Decode first, prefill in chunks.** A prompt is fed in chunks of at most ``prefill_chunk``
-  tokens. Every tick, each decoding sequence whose last step has returned gets its next step at
-  once, in order of when it was last served (round robin). Prefill chunks are issued only while
-  fewer than ``max_prefill_in_flight`` chunks are in the ring (oldest sequence first). Stages
-  compute steps in arrival order, so a decode step waits behind at most that many chunks per
-  stage: a 2,000-token prompt delays the others by about one chunk's compute per token they
-  generate, never by the whole prompt, and it still advances by one chunk per round.
-* **Micro-batch groups.** Running sequences are spread over ``groups`` groups (the gateway
-  uses up to one per stage), each joining the smallest at admission. Every step carries its
-  group; a paged stage computes the ready steps of one group in one inference call and the
-  groups one after another, so while stage 1 computes one group's batch, stage 0 computes the
-  next group's. With ``lockstep`` (batched stages) a group's decode steps go out together
-  once all of its previous ones are back, so its sequences stay in one batch (prompt chunks go
-  on their own); with ``group_size`` a group opens per that many running sequences (two
-  sequences decode faster in one batch than pipelined one per group), and sequences of idle
-  groups move to keep the groups balanced. Prompt chunks join their group's batch under a
-  token budget: at most
-  ``prefill_chunk`` prompt tokens of a group in the ring (several prompts may share them), or
-  ``busy_prefill_chunk`` while the group has decoding sequences, so their steps stay short.
-* **No batching** (``solo``). Every running sequence is a group of its own, so an inference
-  call never holds two sequences' rows: the stages compute one sequence's step after another
-  and pipeline the sequences (the paper's micro-batching). Prompt chunks share one budget
-  across the ring: ``prefill_chunk`` tokens, or ``busy_prefill_chunk`` while any sequence
-  decodes, so a long prompt delays the others by one short chunk per token. Where a call of
-  two rows costs much more than a call of one (``benchmarks/batch_cost.py``), this is faster
-  for a few users than batching them.
-* **The ring decodes on its own** (``ring_decode``, with ``solo`` or ``lockstep``). A decode
-  step (or a prompt's last chunk) may tell the ring to go on for up to ``ring_decode`` more
-  tokens: the last stage feeds each token it samples straight back to stage 0, so the next
-  step starts without the round trip through the gateway. The gateway takes each token as
-  from a step it sent (:meth:`Scheduler.follow` marks the ring's next step in flight), so the
-  policy above is unchanged: one step per sequence in the ring, prompts under the shared
-  budget. With ``lockstep`` a group's decode steps go out together and the last stage
-  feeds them back together, so the group stays one batch on its own; the gateway gives
-  such steps a run only while no sequence waits to join a group (none queued, every running
-  one decoding), because a group's decode steps stay in flight for the whole run: a
-  sequence that joins meanwhile prefills at once but starts decoding (with its group) at
-  most ``ring_decode`` tokens later.
-* **Prompt chunks of at least two tokens.** A chunk never holds a single token of a longer
-  prompt, nor leaves one behind (:func:`chunk_end`; it may take a token more than its budget):
-  where a prompt is cut depends on load, and on some CPUs a one-row call takes another kernel
-  path than a call of several rows.
-* **Surviving a stage restart.** A step lost to the ring (a stage went down or stalled) does
-  not end its sequence: :meth:`on_lost` suspends it, keeping its prompt and every token it has
-  generated, and queues its session for release. Once the ring is whole again (``next_work``
-  with ``ring_ready``) the sequence gets a fresh session (``seq_id.rN``) and re-prefills prompt
-  and generated tokens in chunks; the last chunk samples its next token, and decoding goes on.
-  A sequence still suspended after ``resume_grace`` seconds ends with the ring's error;
-  ``resume_grace=0`` ends it at once. A stage that answers that it no longer holds the session
-  (restarted between health checks, or freed it) gets the same treatment through
-  :meth:`on_session_lost`, at most ``MAX_SESSION_LOSSES`` times per sequence.
-* **Independence from load.** A sequence's tokens depend only on its own steps (each has its
-  own session on every stage, and sampling draws from ``(seed, position)``), so its output is
-  the same whether it runs alone or beside others; only its timing changes.
+Policy, each rule with its reason in docs/scheduling.md:
 
-A later backend that runs many sessions' tokens in one inference call can take one tick's
-``next_work`` list as one batch: the contract (work items in, one sampled token per item out)
-stays the same.
+* **Admission**: at most ``max_running`` sequences hold KV sessions; up to ``max_queued`` more
+  wait in a FIFO queue (:class:`QueueFull` beyond it, :class:`QueueTimeout` after
+  ``queue_timeout`` seconds).
+* **One step per sequence in the ring** (its next token needs the last), steps of different
+  sequences in flight together, so every stage has work.
+* **Decode first, prompts in chunks** of ``prefill_chunk`` tokens, at most
+  ``max_prefill_in_flight`` in the ring, never a chunk of one token (:func:`chunk_end`): a
+  long prompt delays the others by one chunk per token, not by the whole prompt.
+* **Micro-batch groups** (``groups``, ``lockstep``, ``group_size``, ``busy_prefill_chunk``),
+  or one group per sequence without batching (``solo``).
+* **The ring decodes on its own** for up to ``ring_decode`` tokens (:meth:`Scheduler.follow`).
+* **KV blocks** (``kv_pools``): admission and steps wait for room; the newest sequence is
+  preempted when decoding would outgrow a pool.
+* **Surviving a stage restart**: a sequence whose step the ring lost is suspended
+  (:meth:`Scheduler.on_lost`) and re-prefills on a fresh session once the ring is whole, for up
+  to ``resume_grace`` seconds; a lost session likewise (:meth:`Scheduler.on_session_lost`).
+* A sequence's tokens depend only on its own steps, so its output does not depend on load.
 """
 
 from __future__ import annotations
@@ -87,7 +37,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
-from server.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
+from server.engine.sequence import Phase, QueueFull, QueueTimeout, Release, Sequence, Work
 
 MAX_REFUSALS = 16  # a sequence whose steps stages refused this often ends with their error
 MAX_SESSION_LOSSES = 3  # a sequence whose session stages lost this often ends with the error
@@ -107,9 +57,11 @@ def chunk_end(length: int, fed: int, budget: int) -> int:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    # The defaults of the first six fields are the gateway's served ones: GatewaySettings takes
+    # its defaults for them from here (max_running is its max_concurrent).
     max_running: int = 16  # sequences holding KV sessions on the stages
-    max_queued: int = 256  # sequences waiting for a running slot
-    queue_timeout: float = 300.0  # seconds a sequence may wait in the queue
+    max_queued: int = 64  # sequences waiting for a running slot
+    queue_timeout: float = 120.0  # seconds a sequence may wait in the queue
     prefill_chunk: int = 256  # prompt tokens per prefill step
     max_prefill_in_flight: int = 1  # prefill chunks in the ring at once
     resume_grace: float = 30.0  # seconds a sequence lost to the ring waits for it to heal
@@ -131,11 +83,11 @@ class SchedulerConfig:
     group_size: int = 0
     # every running sequence its own group (``groups`` >= ``max_running``), so no inference
     # call holds two sequences' rows; prompt tokens then share one budget across the ring
-    # (``busy_prefill_chunk`` while any sequence decodes). See "No batching" above.
+    # (``busy_prefill_chunk`` while any sequence decodes): docs/scheduling.md#no-batching
     solo: bool = False
     # with solo or lockstep: decode tokens the ring may then produce on its own after each
-    # decode step (the last stage feeds each token straight back to stage 0; see "The ring
-    # decodes on its own" above); 0: every step goes through the gateway
+    # decode step (the last stage feeds each token straight back to stage 0:
+    # docs/scheduling.md#the-ring-decodes-on-its-own); 0: every step goes through the gateway
     ring_decode: int = 0
     # prefix caching (paged stages that keep prefixes): a sequence's session first opens on
     # the stages' cached KV blocks of its prefix (a lookup Work), then prefills the rest

@@ -117,7 +117,7 @@ def constraint_for(
 ) -> Constraint | None:
     """The constraint a chat request asks for, or None: a call of an offered tool with
     ``tool_choice`` ``"required"`` or a named function (``tool_format``: the model's, from
-    server/tools.py), else ``response_format`` ``json_object`` / ``json_schema``."""
+    server/api/tools.py), else ``response_format`` ``json_object`` / ``json_schema``."""
     tools = getattr(req, "tools", None) or []
     choice = getattr(req, "tool_choice", None)
     if tools and tool_format is not None and choice is not None and choice != "auto":

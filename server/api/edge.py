@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError, error_response
+from server.api.errors import APIError, error_response
 from server.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from server.errors import ErrorResponse
-from server.requests import ChatCompletionRequest, CompletionRequest
+from server.api.errors import ErrorResponse
+from server.api.requests import ChatCompletionRequest, CompletionRequest
 
 # What each error status of the API means; the OpenAPI schema lists them per operation.
 _ERRORS = {

@@ -28,7 +28,7 @@ import numpy as np
 
 from protos.manifest import load_manifest, manifest_hash
 from protos.sampling import DraftDistribution, SamplingParams
-from server.prefix import HashChain
+from server.engine.prefix import HashChain
 from shard_runtime.paged import PagedRunner, PagedStep
 from shard_runtime.runner import CapacityExceeded, RunnerOptions
 from shard_runtime.sampling import adjusted_logits, greedy_token, inverse_cdf, probabilities
@@ -60,10 +60,8 @@ class Proposer(Protocol):
 
 # Tokens the draft takes in per call. Prompts and catch-ups (after plain steps) longer than
 # this go in over several calls, so that other requests' proposals, which wait for the one draft
-# thread, run in between instead of behind a whole long prompt. Measured on 2 cores
-# (docs/scheduling.md, "Long prompts and the draft"): a streaming user's longest pause while
-# another sent a 2,535-token prompt was 16-17 s in one call, 4.1-5.3 s in chunks of 256,
-# 1.4-2.0 s in chunks of 64.
+# thread, run in between instead of behind a whole long prompt (docs/benchmarks.md, "Draft
+# prompt chunks").
 DRAFT_CHUNK = 64
 
 # The draft's KV block pool (allocated up front; a 0.5B draft with an f16 cache takes 12 KiB a
@@ -76,9 +74,10 @@ class DraftProposer:
 
     It runs on the paged backend (:class:`shard_runtime.paged.PagedRunner`) with its own prefix
     cache: the blocks a sequence fills with its own tokens (prompt and accepted tokens, never
-    proposals) are published under the chained hashes of :mod:`server.prefix` (salted with the
-    draft's manifest hash), and a new sequence starts on the cached blocks of its prefix, as the
-    stages do, so a conversation's next turn or a shared system prompt is not taken in again.
+    proposals) are published under the chained hashes of :mod:`server.engine.prefix` (salted
+    with the draft's manifest hash), and a new sequence starts on the cached blocks of its prefix,
+    as the stages do, so a conversation's next turn or a shared system prompt is not taken in
+    again.
     Its numbers only affect speed (the target verifies every proposal), so it computes without
     batch invariance. A sequence the pool cannot hold gets no proposals (plain steps).
     """
@@ -478,15 +477,15 @@ class AdaptiveK:
         self._measure(0, 1, seconds)
 
 
-class SharedK:
+class KByConcurrency:
     """k for every step, by the number of requests decoding at once (``c``).
 
     Alone (``c`` = 1) a request chooses its own k from its own acceptance rate
     (:class:`AdaptiveK`). With others, each request maximising its own tokens per second
     is not the server's best: a large k slows every other request's steps too (the draft
     thread and the stages are shared), and a request's own step times cannot tell that
-    apart from load, so each drifts to a large k (measured: 2 users at 0 ms per hop settled
-    at k = 3, 0.85 of the best fixed k, with plain decoding faster still). So from
+    apart from load, so each drifts to a large k, slower than the best k for all
+    (docs/benchmarks.md, "Adaptive K under load"). So from
     ``c`` = 2 on, every request takes one k, held for ``EPOCH`` steps per request, and an
     :class:`AdaptiveK` per ``c`` learns from those steps only: with one k for all, a step's
     measured time is what the server gets at that k, and the k that maximises one request's

@@ -1,4 +1,7 @@
-"""Tiny random decoders (fixed seeds, built from configs) with a tiny BPE tokenizer: no download."""
+"""Tiny random decoders (fixed seeds, built from configs) with a tiny BPE tokenizer: no download.
+
+The test suite and the benchmarks that time the machinery rather than a real model build their
+models here (the export extra: torch, transformers)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.tiny_models import VOCAB, make_tokenizer
+from exporter.tiny_models import VOCAB, make_tokenizer
 
 QK_K = 256  # super-block length of the K-quants
 GGUF_ARCH = {
@@ -244,7 +244,7 @@ def _llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _write_tokenizer(writer: Any, folder: Path, vocab_size: int) -> None:
+def write_tokenizer(writer: Any, folder: Path, vocab_size: int) -> None:
     """convert_hf_to_gguf's _set_vocab_gpt2 for a ByteLevel BPE tokenizer.json: tokens and
     their types here, then gguf's SpecialVocab (merges, special ids, add_bos/eos, template)."""
     import gguf
@@ -333,7 +333,7 @@ def write_gguf(
     writer.add_file_type(FILE_TYPES.get(label, FILE_TYPES["Q4_K_M"]))
     if label not in ("F32", "F16"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _write_tokenizer(writer, hf_folder, config.vocab_size)
+    write_tokenizer(writer, hf_folder, config.vocab_size)
     for key, value in (extra or {}).items():
         writer.add_uint32(key, value)
 
@@ -378,7 +378,7 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
     """A tiny config whose every field survives transformers' GGUF loader, with rows (hidden
     and intermediate sizes) that are multiples of 256 for the K-quants.
 
-    tests.tiny_models.tiny_config cannot serve: its llama uses llama3 rope scaling and its
+    exporter.tiny_models.tiny_config cannot serve: its llama uses llama3 rope scaling and its
     gemma3 a layer pattern and query scale that GGUF does not carry back.
     """
     common: dict[str, Any] = dict(
@@ -460,7 +460,7 @@ def make_hf_model(
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 2:
-                param.mul_(2.0)  # as tests.tiny_models.make_model: avoid near-tied logits
+                param.mul_(2.0)  # as exporter.tiny_models.make_model: avoid near-tied logits
             else:
                 # Norms start at 1 (gemma: 0): randomize them so the +1 rule and q/k norms count.
                 param.add_(torch.randn_like(param) * 0.1)
