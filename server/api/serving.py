@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from protos.sampling import SampledToken
 from server.api.detokenizer import IncrementalDetokenizer
@@ -140,9 +141,11 @@ class ToolParsing:
 
     format: ToolFormat
     parallel: bool  # parallel_tool_calls (false: only the first call is kept)
+    # each offered function's parameters schema, by name (GLM's string arguments)
+    schemas: dict[str, Any] = field(default_factory=dict)
 
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.format, self.parallel)
+        return ToolCallParser(self.format, self.parallel, self.schemas)
 
 
 def _finish_with_calls(finish: FinishReason, calls: int) -> FinishReason:
@@ -228,7 +231,11 @@ class CompletionService:
                         "tool_choice 'none').",
                         param="tools",
                     )
-                tools = ToolParsing(self.tool_format, req.parallel_tool_calls is not False)
+                tools = ToolParsing(
+                    self.tool_format,
+                    req.parallel_tool_calls is not False,
+                    {t.function.name: t.function.parameters for t in req.tools or ()},
+                )
             fmt = self.tool_format
             messages = template_messages(req.messages, fmt.call_id if fmt else None)
             offered = template_tools(req.tools or ()) if mode is not None else None
@@ -438,7 +445,9 @@ class CompletionService:
         """A whole choice's message (its tool calls read from its text) and finish reason."""
         if prep.tools is None:
             return ChatResponseMessage(content=result.text), result.finish_reason
-        content, calls = parse_tool_calls(result.text, prep.tools.format, prep.tools.parallel)
+        content, calls = parse_tool_calls(
+            result.text, prep.tools.format, prep.tools.parallel, prep.tools.schemas
+        )
         if not calls:
             return ChatResponseMessage(content=content), result.finish_reason
         message = ChatResponseMessage(
