@@ -250,6 +250,9 @@ def _unpermute_order(rows: int, heads: int) -> np.ndarray:
 
 # -- safetensors -------------------------------------------------------------------------------
 
+# Tensors kept in float32 whatever the export's float format, as transformers keeps them
+# (``_keep_in_fp32_modules_strict``): GLM's router correction bias, which decides near ties
+_KEEP_FP32 = (".e_score_correction_bias",)
 _SAFETENSORS_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
@@ -290,6 +293,8 @@ class SafetensorsSource:
         raw = _pread(file, offset, size).view(_SAFETENSORS_TYPES[dtype]).reshape(shape)
         if dtype == "BF16":
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        if name.endswith(_KEEP_FP32):
+            return DenseWeight(raw.astype(np.float32, copy=False))
         return DenseWeight(raw.astype(self.dtype, copy=False))
 
 
