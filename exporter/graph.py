@@ -227,9 +227,8 @@ class _Builder:
             kept = ops.unsqueeze(ops.greater(mask, _const(0.0)), _i64(-1))  # [N, G, 1]
             masked = ops.select(kept, grouped, _const(0.0))
             choice = ops.reshape(masked, _i64([-1, experts]), False).output(0)
-        index = ops.topk(choice, _i64(f.experts_per_token), -1, "max", "value", ov.Type.i64).output(
-            1
-        )
+        top = ops.topk(choice, _i64(f.experts_per_token), -1, "max", "value", ov.Type.i64)
+        index = top.output(1)
         chosen = ops.gather_elements(scores, index, 1).output(0)
         if f.norm_topk_prob:
             total = ops.add(ops.reduce_sum(chosen, _i64([-1]), True), _const(1e-20))
