@@ -174,8 +174,10 @@ def _xml_tool_call_constraint(
                 value = f"%json {json.dumps(flat)}"
             lines.append(
                 f"{rule}: {literal('<arg_key>')} {json.dumps(str(key))} {literal('</arg_key>')} "
-                f"{newline} {literal('<arg_value>')} {value} {literal('</arg_value>')} {newline}"
+                f"{newline} {literal('<arg_value>')} value_{t}_{a} {literal('</arg_value>')} "
+                f"{newline}"
             )
+            lines.append(f"value_{t}_{a}: {value}")
             pairs.append(rule if key in required else f"{rule}?")
         calls.append(
             f"{literal('<tool_call>')} {json.dumps(function.name)} {newline} "
