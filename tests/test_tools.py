@@ -575,7 +575,7 @@ def test_the_templates_render_tools_and_the_call_history(tmp_path: Path) -> None
     # writes one (and so what the parser and the grammar expect)
     glm = _codec(tmp_path / "glm", GLM45_TEMPLATE)
     text = _rendered(glm, HISTORY, TOOLS)
-    assert '"name": "get_weather"' in text.split("</tools>")[0]
+    assert '"name": "get_weather"' in text.split("\n</tools>")[0]
     written = G.write_call("get_weather", {"city": "Paris"})
     assert written == (
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
