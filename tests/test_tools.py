@@ -45,7 +45,8 @@ from server.api.tools import (
 from server.engine.loop import GenerationRequest, GenerationStats
 from server.metrics import GatewayMetrics
 from tests.clients import SCHEMA
-from tests.fleets import TINY_HERMES_TEMPLATE, Fleet, hermes_fleet
+from tests.fleets import TINY_HERMES_TEMPLATE, Fleet, export_chat_model, hermes_fleet
+from tests.processes import start_gateway, start_stages
 
 # --- chat templates, representative of the real ones ------------------------------------------
 
@@ -1056,3 +1057,62 @@ def test_a_tool_round_trip_call_result_answer(fleet: Fleet, stream: bool) -> Non
     final = ask(history, "none")
     assert final["calls"] == [] and final["content"]
     assert final["finish"] in ("stop", "length")
+
+
+# A tiny template in GLM's tool-call form (what GLM-4.5's writes), for the tiny model.
+TINY_GLM_TEMPLATE = (
+    "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') "
+    "| join(', ') }}; call one as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>"
+    "</tool_call>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+    "{% for k, v in c.function.arguments.items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def glm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    base = tmp_path_factory.mktemp("glm-tools")
+    source, export = export_chat_model(
+        base, name="glm-tool-model", chat_template=TINY_GLM_TEMPLATE, json=True
+    )
+    procs, addresses = start_stages(export, base)
+    gateway, url = start_gateway(addresses, base / "gateway.log", [])
+    try:
+        yield Fleet(url, "glm-tool-model", source, export, addresses, gateway=gateway)
+    finally:
+        gateway.stop()
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_makes_a_glm_call(glm_fleet: Fleet, stream: bool) -> None:
+    """A model whose template writes GLM's calls: ``tool_choice`` required or named constrains
+    the output to a call in GLM's form (not JSON), which reaches the client as ``tool_calls``
+    with its arguments as the schema holds them."""
+    client = glm_fleet.client()
+    for choice, names in [
+        ("required", {"get_weather", "lookup"}),
+        ({"type": "function", "function": {"name": "lookup"}}, {"lookup"}),
+    ]:
+        kwargs: dict[str, Any] = dict(
+            model=glm_fleet.model, messages=USER, tools=FINITE_TOOLS, tool_choice=choice,
+            max_tokens=60, temperature=0,
+        )  # fmt: skip
+        if stream:
+            with client.chat.completions.stream(**kwargs) as events:
+                reply: Any = events.get_final_completion()
+        else:
+            reply = client.chat.completions.create(**kwargs)
+        calls = reply.choices[0].message.tool_calls
+        assert isinstance(calls, list) and calls, reply
+        for call in calls:
+            assert call.function.name in names and CALL_ID.match(call.id)
+            assert json.loads(call.function.arguments) == (
+                {"city": "Paris"} if call.function.name == "get_weather" else {"query": "fox"}
+            )
+        assert reply.choices[0].finish_reason == "tool_calls"
