@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi-3, Phi-3.5-mini, Phi-4-mini (fused qkv and gate_up, partial rotary, LongRoPE)",
     "qwen3_moe": "Qwen3-MoE (experts computed sparsely)",
     "mixtral": "Mixtral (experts computed sparsely; a set sliding_window masks every layer)",
+    "glm4_moe": "GLM-4.5, 4.5-Air, 4.6, 4.7 (experts computed sparsely, sigmoid grouped routing, "
+    "a shared expert, dense first layers, partial rotary; NextN/MTP layers skipped)",
 }
 
 # Architectures whose attention and MLP input projections are stored fused (qkv_proj,
@@ -51,6 +53,19 @@ class ArchitectureFacts:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # How the router picks experts: "softmax" (Qwen3-MoE, Mixtral: top-k of the softmax) or
+    # "sigmoid" (GLM-4.5: top-k of sigmoid scores plus a correction bias, within the best
+    # ``topk_group`` of ``n_group`` expert groups; the chosen scores, renormalised if
+    # norm_topk_prob, times ``routed_scaling_factor``)
+    router: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    # channels of the expert every token also runs, ungated, beside the routed ones (0: none)
+    shared_expert_intermediate_size: int = 0
+    # NextN / multi-token-prediction layers stored after the last layer: not part of the
+    # model's output, not exported
+    nextn_layers: int = 0
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -59,9 +74,9 @@ class ArchitectureFacts:
 # Mixture-of-experts families people ask for that the export does not build, and why: refused
 # with the reason rather than the bare list.
 NOT_YET = {
-    "gpt_oss": "gpt-oss's experts (a fused, interleaved gate_up projection with biases and a "
-    "clamped SwiGLU) do not fuse into GatherMatmul on CPU in OpenVINO 2026.4, so every expert "
-    "would be computed for every token",
+    "gpt_oss": "gpt-oss's attention sinks, YaRN RoPE and biased experts with a clamped SwiGLU "
+    "(which the CPU plugin can compute sparsely, as two GatherMatmul a layer) are not built yet",
+    "glm4_moe_lite": "GLM-4.7-Flash's multi-head latent attention (DeepSeek's) is not built",
     "qwen2_moe": "Qwen2-MoE's shared expert (with its sigmoid gate beside the routed experts) "
     "is not built",
     "deepseek_v2": "DeepSeek's multi-head latent attention and shared experts are not built",
@@ -118,6 +133,8 @@ def read_architecture(config: Any) -> ArchitectureFacts:
             expert_intermediate_size=int(config.intermediate_size),
             norm_topk_prob=True,
         )
+    if model_type == "glm4_moe":
+        moe = _glm4_moe(config, num_layers)
     return ArchitectureFacts(
         model_type=model_type,
         num_layers=num_layers,
@@ -132,4 +149,31 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         intermediate_size=int(config.intermediate_size),
         **moe,
+    )
+
+
+def _glm4_moe(config: Any, num_layers: int) -> dict[str, Any]:
+    """transformers' Glm4MoeDecoderLayer: a dense MLP below first_k_dense_replace, experts
+    (Glm4MoeMoE: sigmoid grouped routing and a shared expert) from there on."""
+    experts = int(config.n_routed_experts)
+    groups, used_groups = int(config.n_group or 1), int(config.topk_group or 1)
+    if experts % groups or not 0 < used_groups <= groups:
+        raise ExportError(
+            f"glm4_moe: {experts} experts in n_group {groups} with topk_group {used_groups}"
+        )
+    if experts // groups < 2:  # transformers scores a group by its two best experts
+        raise ExportError(f"glm4_moe: n_group {groups} leaves fewer than 2 experts a group")
+    width = int(config.moe_intermediate_size)
+    return dict(
+        moe_layers=tuple(range(int(config.first_k_dense_replace or 0), num_layers)),
+        num_experts=experts,
+        experts_per_token=int(config.num_experts_per_tok),
+        expert_intermediate_size=width,
+        norm_topk_prob=bool(config.norm_topk_prob),
+        router="sigmoid",
+        routed_scaling_factor=float(config.routed_scaling_factor),
+        n_group=groups,
+        topk_group=used_groups,
+        shared_expert_intermediate_size=width * int(getattr(config, "n_shared_experts", 0) or 0),
+        nextn_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0),
     )

@@ -349,6 +349,11 @@ def _resolve(options: ExportOptions) -> _Resolved:
         f"plan for {source.model_id} ({facts.model_type}, {facts.num_layers} layers, "
         f"{label}):\n{format_plan(plans, context, facts.intermediate_size)}"
     )
+    if facts.nextn_layers:
+        plan_text += (
+            f"\n  skipped: {facts.nextn_layers} NextN/MTP layer(s) stored after layer "
+            f"{facts.num_layers - 1} (multi-token prediction, not part of the model's output)"
+        )
     for entry in weights.gguf_types or []:
         kind = "matrices" if entry.matrix else "1-D"
         plan_text += (

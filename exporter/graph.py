@@ -105,10 +105,11 @@ class _Builder:
         bias = self.src.tensor(f"{name}.bias") if self.src.has(f"{name}.bias") else None
         return linear(x, self.src.tensor(f"{name}.weight"), name, bias)
 
-    def mlp(self, x: Output, prefix: str, lo: int, hi: int) -> Output:
-        """Intermediate channels ``[lo, hi)`` of a gated MLP; a ``down`` bias goes with the part
-        from channel 0, so the parts of an MLP add up to it."""
-        whole = lo == 0 and hi == self.r.intermediate_size
+    def mlp(self, x: Output, prefix: str, lo: int, hi: int, size: int | None = None) -> Output:
+        """Intermediate channels ``[lo, hi)`` of a gated MLP of ``size`` channels (the config's
+        intermediate_size unless given); a ``down`` bias goes with the part from channel 0, so
+        the parts of an MLP add up to it."""
+        whole = lo == 0 and hi == (size or self.r.intermediate_size)
 
         def part(name: str, rows: bool) -> tuple[Weight, Weight | None]:
             weight = self.src.tensor(f"{prefix}.{name}.weight")
@@ -154,19 +155,24 @@ class _Builder:
         return expert_weights(weight, experts, f"{prefix}.experts.{name}")
 
     def moe(self, x: Output, prefix: str) -> Output:
-        """A sparse MoE block as transformers' Qwen3MoeSparseMoeBlock computes it, in the tiled
-        form (every expert's gate, up and down as one batched matmul over a dense routing
-        matrix) that the CPU plugin turns into GatherMatmul nodes computing only the chosen
-        experts: softmax over the router's logits, top-k, optionally renormalised."""
+        """A sparse MoE block as transformers' Qwen3MoeSparseMoeBlock (softmax router) or
+        Glm4MoeMoE (sigmoid router, see :meth:`sigmoid_routing`) computes it, in the tiled form
+        (every expert's gate, up and down as one batched matmul over a dense routing matrix)
+        that the CPU plugin turns into GatherMatmul nodes computing only the chosen experts;
+        plus a shared expert, ungated, where the model has one (GLM)."""
         f = self.f
         experts, k, hidden = f.num_experts, f.experts_per_token, f.hidden_size
         rows = ops.reshape(x, _i64([-1, hidden]), False)  # [N, H]
         router = weight_node(self.src.tensor(f"{prefix}.gate.weight"), f"{prefix}.gate")
-        probs = ops.softmax(ops.matmul(rows, router, False, True), -1)  # [N, E]
-        top = ops.topk(probs, _i64(k), -1, "max", "value", ov.Type.i64)
-        chosen, index = top.output(0), top.output(1)
-        if f.norm_topk_prob:
-            chosen = ops.divide(chosen, ops.reduce_sum(chosen, _i64([-1]), True)).output(0)
+        logits = ops.matmul(rows, router, False, True).output(0)  # [N, E]
+        if f.router == "sigmoid":
+            probs, chosen, index = self.sigmoid_routing(logits, prefix)
+        else:
+            probs = ops.softmax(logits, -1).output(0)
+            top = ops.topk(probs, _i64(k), -1, "max", "value", ov.Type.i64)
+            chosen, index = top.output(0), top.output(1)
+            if f.norm_topk_prob:
+                chosen = ops.divide(chosen, ops.reduce_sum(chosen, _i64([-1]), True)).output(0)
         zeros = ops.broadcast(_const(0.0), ops.shape_of(probs))
         routing = ops.scatter_elements_update(zeros, index, chosen, _i64(1))  # [N, E]
         tiled = ops.reshape(ops.tile(rows, _i64([experts, 1])), _i64([experts, -1, hidden]), False)
@@ -187,7 +193,49 @@ class _Builder:
             False,
         )  # [E, B, T]
         weighted = ops.multiply(per_expert, ops.unsqueeze(weights, _i64(-1)))
-        return ops.reduce_sum(weighted, _i64(0), False).output(0)
+        routed = ops.reduce_sum(weighted, _i64(0), False).output(0)
+        shared = f.shared_expert_intermediate_size
+        if not shared:
+            return routed
+        return ops.add(routed, self.mlp(x, f"{prefix}.shared_experts", 0, shared, shared)).output(0)
+
+    def sigmoid_routing(self, logits: Output, prefix: str) -> tuple[Output, Output, Output]:
+        """Glm4MoeMoE.route_tokens_to_experts: sigmoid scores; the experts are chosen by the
+        scores plus ``e_score_correction_bias``, within the ``topk_group`` groups whose two best
+        biased scores sum highest (the other groups' biased scores set to 0, as
+        ``masked_fill`` does); their weights are the unbiased scores, renormalised (+1e-20) if
+        norm_topk_prob, times routed_scaling_factor. Returns (scores, weights, indices)."""
+        f = self.f
+        experts = f.num_experts
+        scores = ops.sigmoid(logits).output(0)  # [N, E]
+        bias = _vector(self.src, f"{prefix}.gate.e_score_correction_bias")
+        choice = ops.add(scores, _const(bias)).output(0)
+        if f.n_group > 1 and f.topk_group < f.n_group:
+            per_group = experts // f.n_group
+            grouped = ops.reshape(choice, _i64([-1, f.n_group, per_group]), False)
+            best_two = ops.topk(grouped, _i64(2), -1, "max", "value", ov.Type.i64).output(0)
+            group_scores = ops.reduce_sum(best_two, _i64([-1]), False)  # [N, G]
+            picked = ops.topk(
+                group_scores, _i64(f.topk_group), -1, "max", "none", ov.Type.i64
+            ).output(1)
+            mask = ops.scatter_elements_update(
+                ops.broadcast(_const(0.0), ops.shape_of(group_scores)),
+                picked,
+                ops.broadcast(_const(1.0), ops.shape_of(picked)),
+                _i64(1),
+            )
+            kept = ops.unsqueeze(ops.greater(mask, _const(0.0)), _i64(-1))  # [N, G, 1]
+            masked = ops.select(kept, grouped, _const(0.0))
+            choice = ops.reshape(masked, _i64([-1, experts]), False).output(0)
+        top = ops.topk(choice, _i64(f.experts_per_token), -1, "max", "value", ov.Type.i64)
+        index = top.output(1)
+        chosen = ops.gather_elements(scores, index, 1).output(0)
+        if f.norm_topk_prob:
+            total = ops.add(ops.reduce_sum(chosen, _i64([-1]), True), _const(1e-20))
+            chosen = ops.divide(chosen, total).output(0)
+        if f.routed_scaling_factor != 1.0:
+            chosen = ops.multiply(chosen, _const(f.routed_scaling_factor)).output(0)
+        return scores, chosen, index
 
     # -- per-stage pieces ------------------------------------------------------------------
     def masks(self, attention_mask: Output, position_ids: Output) -> dict[str, Output]:

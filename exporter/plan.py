@@ -82,11 +82,13 @@ def layer_params(
 ) -> int:
     """Weights of a decoder layer; of ``layer`` in particular where layers differ (an MoE
     model's expert layers hold every expert and the router, and a decoded token reads only
-    ``active`` ones: its experts_per_token)."""
+    ``active`` ones: its experts_per_token, and the shared expert where there is one)."""
     if layer is not None and facts.is_moe(layer):
         experts = facts.experts_per_token if active else facts.num_experts
         expert = mlp_params(facts, facts.expert_intermediate_size)
-        return attention_params(facts) + experts * expert + facts.num_experts * facts.hidden_size
+        shared = mlp_params(facts, facts.shared_expert_intermediate_size)
+        router = facts.num_experts * facts.hidden_size
+        return attention_params(facts) + experts * expert + shared + router
     return attention_params(facts) + mlp_params(facts, intermediate_size)
 
 

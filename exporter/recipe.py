@@ -41,7 +41,7 @@ class Recipe:
     activation: str  # "silu" | "gelu_tanh"
     attention_scale: float
     rope: dict[str, Rope]  # by layer type
-    qk_norm: bool  # RMSNorm of each head's q and k (Qwen3, Gemma 3)
+    qk_norm: bool  # RMSNorm of each head's q and k (Qwen3, Gemma 3, GLM-4.5 with use_qk_norm)
     sandwich_norms: bool  # Gemma 3: norms after attention and around the MLP
     norm_offset: float  # Gemma: a norm multiplies by (1 + weight)
     embed_scale: float | None  # Gemma: embeddings times sqrt(hidden)
@@ -155,7 +155,8 @@ def read_recipe(config: Any, context: int | None = None) -> Recipe:
         activation=_ACTIVATIONS[act_name],
         attention_scale=scale,
         rope=rope,
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+        or (model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
         sandwich_norms=gemma,
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=math.sqrt(facts.hidden_size) if gemma else None,

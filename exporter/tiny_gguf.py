@@ -1,7 +1,8 @@
 """Tiny GGUF files written the way llama.cpp's convert_hf_to_gguf.py + llama-quantize would.
 
 ``write_gguf`` turns a tiny Hugging Face model folder (llama, qwen2, qwen3, gemma3) into a .gguf
-that transformers loads back (``from_pretrained(folder, gguf_file=name)``): llama.cpp's metadata
+that transformers loads back (``from_pretrained(folder, gguf_file=name)``), and a glm4_moe folder
+into one that it cannot (exporter.gguf_reader reads its config and tokenizer): llama.cpp's metadata
 keys and tensor names, its conversions (llama's q/k row permutation, gemma's ``norm + 1``, no
 ``output`` tensor when embeddings are tied) and quantized tensors (Q8_0, Q4_0, Q4_K, Q6_K, or a
 Q4_K_M-like mix). gguf-py only quantizes the simple types, so Q4_K and Q6_K are quantized here.
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from exporter.tiny_models import VOCAB, make_tokenizer
+from exporter.tiny_models import VOCAB, make_tokenizer, randomize_buffers
 
 QK_K = 256  # super-block length of the K-quants
 GGUF_ARCH = {
@@ -34,6 +35,7 @@ GGUF_ARCH = {
     "phi3": "phi3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",  # llama.cpp's Mixtral: a llama file with experts
+    "glm4_moe": "glm4moe",
 }
 TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 # general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
@@ -216,6 +218,25 @@ def _stack_experts(state: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _nextn_block(config: Any, first: int, count: int) -> dict[str, Any]:
+    """Random NextN/MTP tensors (some of those GLM-4.5's checkpoint has in its layer after the
+    last), which llama.cpp writes as blocks ``first`` ... ``first + count - 1``: a reader must
+    skip them."""
+    import torch
+
+    hidden = config.hidden_size
+    generator = torch.Generator().manual_seed(7)
+    out: dict[str, Any] = {}
+    for layer in range(first, first + count):
+        prefix = f"model.layers.{layer}"
+        out[f"{prefix}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator)
+        out[f"{prefix}.enorm.weight"] = torch.randn(hidden, generator=generator)
+        out[f"{prefix}.hnorm.weight"] = torch.randn(hidden, generator=generator)
+        out[f"{prefix}.input_layernorm.weight"] = torch.randn(hidden, generator=generator)
+        out[f"{prefix}.shared_head.norm.weight"] = torch.randn(hidden, generator=generator)
+    return out
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf's LlamaModel.permute: HF's half-split rotary rows -> interleaved."""
     return (
@@ -300,11 +321,13 @@ def write_gguf(
     if arch == "gemma3":
         rope = rope.get("full_attention", rope)  # the global layers' base; sliding ones: 10000
 
+    # GLM's NextN/MTP layers: llama.cpp writes them as blocks after the trunk's
+    nextn = int(getattr(config, "num_nextn_predict_layers", 0) or 0) if arch == "glm4moe" else 0
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(f"tiny-{arch}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(n_layers)
+    writer.add_block_count(n_layers + nextn)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
@@ -324,6 +347,19 @@ def write_gguf(
     if config.model_type == "mixtral":
         writer.add_expert_count(config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch == "glm4moe":  # convert_hf_to_gguf's Glm4MoeModel.set_gguf_parameters
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+        writer.add_expert_count(config.n_routed_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+        writer.add_nextn_predict_layers(nextn)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
@@ -341,9 +377,14 @@ def write_gguf(
         # llama.cpp's generate_extra_tensors: written first, before the model's own.
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
     tied = bool(config.tie_word_embeddings)
-    names = gguf.get_tensor_name_map(model_arch, n_layers)
+    names = gguf.get_tensor_name_map(model_arch, n_layers + nextn)
     state = load_file(str(hf_folder / "model.safetensors"))
     state = _stack_experts(state)
+    if arch == "glm4moe":
+        # the router's correction bias under the name gguf-py maps (exp_probs_b.bias)
+        fix = ".e_score_correction_bias", ".e_score_correction.bias"
+        state = {name.replace(*fix): tensor for name, tensor in state.items()}
+        state.update(_nextn_block(config, n_layers, nextn))
     for hf_name, tensor in state.items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reuses token_embd as the output head
@@ -434,6 +475,15 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
         # transformers' GGUF loader reads no sliding window or partial rotary for phi3: full
         # attention, every channel rotating (as Phi-3-mini's GGUFs are read)
         return Phi3Config(**common)
+    if arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        from exporter.tiny_models import glm4_moe_fields
+
+        # the tiny Hugging Face GLM's routing and layer types, with K-quant-sized experts
+        return Glm4MoeConfig(
+            **{**glm4_moe_fields(common), "head_dim": 64, "moe_intermediate_size": 256}
+        )
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 
@@ -464,6 +514,7 @@ def make_hf_model(
             else:
                 # Norms start at 1 (gemma: 0): randomize them so the +1 rule and q/k norms count.
                 param.add_(torch.randn_like(param) * 0.1)
+    randomize_buffers(model)
     model.save_pretrained(folder)
     make_tokenizer(folder, VOCAB, chat_template)
     return folder

@@ -123,6 +123,10 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
         return MixtralConfig(
             **mixtral, num_local_experts=8, num_experts_per_tok=2, sliding_window=5
         )
+    if arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(**glm4_moe_fields(common))
     if arch == "phi3-longrope":
         from transformers import Phi3Config
 
@@ -155,6 +159,46 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
             },
         )
     raise ValueError(arch)
+
+
+def glm4_moe_fields(common: dict[str, Any]) -> dict[str, Any]:
+    """A tiny GLM-4.5: layer 0 dense (first_k_dense_replace), then 8 experts in 2 groups of 4
+    of which the best 1 is eligible (n_group, topk_group), 2 a token, renormalised and scaled,
+    plus the shared expert; like GLM-4.5, head_dim is not hidden_size / heads, half of each
+    head rotates, q/k norms and attention biases; one NextN layer named in the config (the
+    Hugging Face checkpoint's layer after the last, which transformers ignores)."""
+    return dict(
+        common,
+        head_dim=32,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        num_nextn_predict_layers=1,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+    )
+
+
+def randomize_buffers(model: Any) -> None:
+    """Random values for the weights a model keeps as buffers that start at zero (GLM's router
+    correction bias), so that the tests see them count."""
+    import torch
+
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
 
 
 CHAT_TEMPLATE = (
@@ -197,6 +241,7 @@ def make_model(
         for param in model.parameters():
             if param.dim() == 2:
                 param.mul_(2.0)
+    randomize_buffers(model)
     model.save_pretrained(folder)
     make_tokenizer(folder, min(vocab, VOCAB), chat_template, corpus)
     return folder

@@ -108,10 +108,17 @@ _GGUF_LAYER = {
     "mlp.experts.gate_proj": "ffn_gate_exps",
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
+    # GLM-4.5's shared expert
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
     # Phi-3's fused projections (llama.cpp keeps them fused: ffn_up holds gate and up)
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
 }
+# Architectures whose post_attention_layernorm llama.cpp stores as post_attention_norm: Gemma
+# normalises the attention's output with it, GLM-4.5 the MLP's input (the others: ffn_norm).
+_POST_ATTENTION_NORM = ("gemma3_text", "glm4_moe")
 _GGUF_GLOBAL = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -128,9 +135,10 @@ def gguf_name(hf_name: str, model_type: str) -> str:
     if parts[:2] != ["model", "layers"] or len(parts) < 4:
         raise KeyError(hf_name)
     layer, rest = parts[2], ".".join(parts[3:])
+    if rest == "mlp.gate" and kind == "e_score_correction_bias":  # GLM's router bias
+        return f"blk.{layer}.exp_probs_b.bias"
     if rest == "post_attention_layernorm":
-        # Gemma normalises the attention's output with it; the others the MLP's input
-        rest_name = "post_attention_norm" if model_type == "gemma3_text" else "ffn_norm"
+        rest_name = "post_attention_norm" if model_type in _POST_ATTENTION_NORM else "ffn_norm"
     elif rest == "pre_feedforward_layernorm":
         rest_name = "ffn_norm"
     elif rest in _GGUF_LAYER:
@@ -242,6 +250,9 @@ def _unpermute_order(rows: int, heads: int) -> np.ndarray:
 
 # -- safetensors -------------------------------------------------------------------------------
 
+# Tensors kept in float32 whatever the export's float format, as transformers keeps them
+# (``_keep_in_fp32_modules_strict``): GLM's router correction bias, which decides near ties
+_KEEP_FP32 = (".e_score_correction_bias",)
 _SAFETENSORS_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
@@ -282,6 +293,8 @@ class SafetensorsSource:
         raw = _pread(file, offset, size).view(_SAFETENSORS_TYPES[dtype]).reshape(shape)
         if dtype == "BF16":
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        if name.endswith(_KEEP_FP32):
+            return DenseWeight(raw.astype(np.float32, copy=False))
         return DenseWeight(raw.astype(self.dtype, copy=False))
 
 

@@ -251,3 +251,53 @@ class _Function:
 class _Tool:
     def __init__(self, name: str, parameters: dict[str, object]) -> None:
         self.function = _Function(name, parameters)
+
+
+@pytest.mark.component  # trains a tokenizer and builds its grammar: seconds
+def test_forced_glm_calls_follow_glm_format_and_the_schemas(tmp_path: Path) -> None:
+    """``tool_choice`` required for a GLM model: the grammar takes calls as GLM writes them
+    (with GLM-4.5's newlines or without, GLM-4.7's), each argument's value held to its schema
+    (strings as text within maxLength, the rest as JSON), and nothing else: not hermes' JSON,
+    not an unknown argument, not a missing required one."""
+    from transformers import PreTrainedTokenizerFast
+
+    from exporter.tiny_models import make_tokenizer
+    from server.api.tools import GLM
+    from server.engine.constraints import ConstraintError
+
+    make_tokenizer(tmp_path, corpus=CORPUS + JSON_CORPUS)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    grammars = Grammars(tokenizer, len(tokenizer), [eos])
+    lookup = {"type": "object", "properties": {"query": {"type": "string"}}}
+    tools = [_Tool("get_weather", SCHEMA), _Tool("lookup", lookup)]
+    constraint = tool_call_constraint(tools, GLM, parallel=True, vocab=grammars.vocab())
+
+    def accepted(text: str) -> bool:
+        matcher = grammars.matcher(constraint)
+        try:  # the text, then the end: refused unless the grammar is complete there
+            matcher.advance([*tokenizer.encode(text, add_special_tokens=False), eos])
+        except ConstraintError:
+            return False
+        return True
+
+    weather = GLM.write_call("get_weather", {"city": "Paris", "days": 3, "ok": True})
+    assert accepted(weather)
+    assert accepted(weather + "\n" + GLM.write_call("lookup", {"query": "the fox"}))
+    assert accepted(GLM.write_call("lookup", {}))  # query is optional
+    compact = weather.replace("\n", "")
+    assert accepted(compact)
+    assert not accepted(weather.replace("Paris", "Paris is a long name"))  # maxLength 12
+    assert not accepted(weather.replace(">3<", ">10<"))  # maximum 9
+    assert not accepted(GLM.write_call("get_weather", {"city": "Paris", "days": 3}))  # no ok
+    assert not accepted(GLM.write_call("lookup", {"query": "x", "other": "y"}))
+    assert not accepted('<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>')
+    assert not accepted(GLM.write_call("unknown", {}))
+    # parallel_tool_calls false: after one call, only the end
+    from server.engine.constraints import _allows
+
+    single = tool_call_constraint(tools[1:], GLM, parallel=False, vocab=grammars.vocab())
+    matcher = grammars.matcher(single)
+    matcher.advance(tokenizer.encode(GLM.write_call("lookup", {}), add_special_tokens=False))
+    row = np.frombuffer(matcher.masks()[0][0], dtype=np.int32)
+    assert [t for t in range(len(tokenizer)) if _allows(row, t)] == [eos]

@@ -108,7 +108,7 @@ def test_bad_input_exits_with_one_line(
         capsys,
         ["export", str(gpt2), "--out", str(tmp_path / "o2")],
         "architecture 'gpt2' is not supported; "
-        "supported: gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe",
+        "supported: gemma3_text, glm4_moe, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe",
     )
     gpt_oss = tmp_path / "gpt-oss"
     gpt_oss.mkdir()
@@ -116,9 +116,9 @@ def test_bad_input_exits_with_one_line(
     _expect_error(
         capsys,
         ["export", str(gpt_oss), "--out", str(tmp_path / "o4")],
-        "architecture 'gpt_oss' is not supported (gpt-oss's experts (a fused, interleaved "
-        "gate_up projection with biases and a clamped SwiGLU) do not fuse into GatherMatmul on "
-        "CPU in OpenVINO 2026.4",
+        "architecture 'gpt_oss' is not supported (gpt-oss's attention sinks, YaRN RoPE and "
+        "biased experts with a clamped SwiGLU (which the CPU plugin can compute sparsely, as two "
+        "GatherMatmul a layer) are not built yet)",
     )
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"0")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from exporter.verify import verify_export
@@ -36,6 +39,11 @@ CASES = [
     ("mixtral", 1, "fp32"),
     ("mixtral", 2, "fp16"),
     ("mixtral", 3, "fp32"),
+    # a dense first layer, then sigmoid grouped routing with a correction bias and a shared
+    # expert; partial rotary, q/k norms, attention biases
+    ("glm4_moe", 1, "fp32"),
+    ("glm4_moe", 2, "fp16"),
+    ("glm4_moe", 3, "fp32"),
 ]
 # fp32: only the runtime differs from torch. fp16: the reference weights are rounded to fp16 too,
 # so the remaining difference is fp16 storage of small constants (norm weights, embedding scale).
@@ -115,3 +123,25 @@ def test_split_inside_an_mlp_equals_unsplit(
         # not 0: the MLP's two parts are summed in another order than the whole
         assert comparison.max_abs_diff < TOLERANCE.get(weights, 1e-5)
     assert report.failures() == []
+
+
+def test_glm4_moe_on_the_paged_backend_equals_transformers(
+    tiny_export: ExportFn, tiny_model: Callable[..., Path]
+) -> None:
+    """GLM-4.5's routing (sigmoid, correction bias, groups, shared expert) on 2 stages of the
+    paged backend (block tables, the paged attention transformation): transformers' greedy
+    tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from exporter.verify import reference_greedy
+    from protos.manifest import load_manifest
+    from shard_runtime.chain import LocalChain
+
+    export = tiny_export("glm4_moe", 2)
+    assert load_manifest(export).model.num_layers == 6
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("glm4_moe"))).eval()
+    prompts = [[5, 17, 33, 99, 100, 7, 42, 8], [200, 150, 100, 50], [9, 9, 9, 9, 9, 9]]
+    chain = LocalChain(export, EXACT, kv_backend="paged")
+    for i, prompt in enumerate(prompts):
+        tokens, _ = chain.greedy(f"p{i}", prompt, 24)
+        assert tokens == reference_greedy(reference, prompt, 24)[0]

@@ -60,15 +60,27 @@ def test_no_beam_idx_export_does_not_fuse(tiny_export: ExportFn) -> None:
 
 @pytest.mark.parametrize(
     ("arch", "weights"),
-    [("qwen3_moe", "fp32"), ("qwen3_moe", "fp16"), ("qwen3_moe", "int4"), ("mixtral", "fp32")],
+    [
+        ("qwen3_moe", "fp32"),
+        ("qwen3_moe", "fp16"),
+        ("qwen3_moe", "int4"),
+        ("mixtral", "fp32"),
+        ("glm4_moe", "fp32"),
+        ("glm4_moe", "int4"),
+    ],
 )
 def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, weights: str) -> None:
     """Every expert layer of every stage compiles to 3 GatherMatmul nodes (gate, up, down over
     the chosen experts only), not to matmuls over every expert; NNCF's int4 experts too."""
     export_dir = tiny_export(arch, 3, weights)
     manifest = load_manifest(export_dir)
-    # exporter.tiny_models: qwen3_moe's layer 2 keeps a dense MLP; every mixtral layer is experts
-    moe_layers = {0, 1, 3, 4, 5} if arch == "qwen3_moe" else set(range(6))
+    # exporter.tiny_models: qwen3_moe's layer 2 keeps a dense MLP, glm4_moe's layer 0 (its
+    # shared expert is a plain MLP beside the GatherMatmuls); every mixtral layer is experts
+    moe_layers = {
+        "qwen3_moe": {0, 1, 3, 4, 5},
+        "glm4_moe": {1, 2, 3, 4, 5},
+        "mixtral": set(range(6)),
+    }[arch]
     for stage in manifest.stages:
         types = runtime_layer_types(str(export_dir / stage.model_xml))
         local = moe_layers & set(range(stage.layer_start, stage.layer_end))

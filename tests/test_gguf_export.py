@@ -423,3 +423,60 @@ def test_header_reader_steps_over_arrays_to_the_same_tensors(
             assert fast.fields[key].data == []  # not decoded
         else:
             assert [bytes(p) for p in fast.fields[key].parts] == [bytes(p) for p in field.parts]
+
+
+def test_a_glm4moe_gguf_equals_the_hugging_face_model_it_was_written_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GLM-4.5 from GGUF (llama.cpp's glm4moe: post_attention_norm before the MLP, stacked
+    experts, ffn_*_shexp, exp_probs_b, a NextN block after the last layer), which transformers
+    cannot read: its config and tokenizer come from exporter.gguf_reader. The Hugging Face
+    weights are first rounded to what Q8_0 holds, so that the Q8_0 file and the folder hold the
+    same values: 2 stages of the file (i8 codes, experts as GatherMatmul) give the folder's
+    greedy tokens in transformers; the NextN block is skipped and the plan says so."""
+    import torch
+    from gguf import GGUFReader
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from exporter.tiny_gguf import dequantize, make_hf_model, quantize, write_gguf
+    from exporter.verify import reference_greedy
+
+    hf = make_hf_model("glm4_moe", tmp_path / "hf", layers=4)
+    state = load_file(str(hf / "model.safetensors"))
+    for name, tensor in state.items():
+        if tensor.dim() >= 2 and not name.endswith("mlp.gate.weight"):  # routers stay F32
+            rows = tensor.float().numpy().reshape(-1, tensor.shape[-1])
+            exact = dequantize(quantize(rows, "Q8_0"), "Q8_0").reshape(tensor.shape)
+            state[name] = torch.from_numpy(np.ascontiguousarray(exact))
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    gguf = write_gguf(hf, tmp_path / "glm.gguf", "Q8_0")
+    names = {t.name for t in GGUFReader(gguf).tensors}
+    assert {"blk.1.post_attention_norm.weight", "blk.1.exp_probs_b.bias"} <= names
+    assert {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_shexp.weight"} <= names
+    assert "blk.4.nextn.eh_proj.weight" in names  # the NextN block after layers 0-3
+
+    out = tmp_path / "out"
+    export_model(ExportOptions(model=str(gguf), out=out, stages=2))
+    printed = capsys.readouterr().out
+    assert "skipped: 1 NextN/MTP layer(s) stored after layer 3" in printed
+    manifest = load_manifest(out)
+    assert manifest.model.architecture == "glm4_moe" and manifest.model.num_layers == 4
+    core = ov.Core()
+    for stage in manifest.stages:
+        compiled = core.compile_model(
+            out / stage.model_xml, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+        )
+        ops = compiled.get_runtime_model().get_ops()
+        types = Counter(op.get_rt_info()["layerType"].astype(str) for op in ops)
+        experts = len(set(range(1, 4)) & set(range(stage.layer_start, stage.layer_end)))
+        assert types["GatherMatmul"] == 3 * experts, types  # layer 0 is dense
+        gather = [op for op in ops if op.get_rt_info()["layerType"].astype(str) == "GatherMatmul"]
+        assert {op.input_value(1).get_element_type().get_type_name() for op in gather} == {"i8"}
+    reference = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    for backend in ("stateful", "paged"):
+        chain = LocalChain(out, EXACT_GGUF, kv_backend=backend)
+        for i, prompt in enumerate(PROMPTS):
+            tokens, _ = chain.greedy(f"p{i}", prompt, 16)
+            expected, _ = reference_greedy(reference, prompt, 16)
+            assert tokens == expected, f"{backend}: {tokens} != {expected}"

@@ -57,6 +57,8 @@ RINGS: dict[str, tuple[str, int, tuple[float, ...] | None]] = {
     "moe": ("qwen3_moe", 2, None),
     # experts in every layer, sliding windows
     "mixtral": ("mixtral", 2, None),
+    # GLM-4.5: a dense layer, then grouped sigmoid routing and a shared expert
+    "glm": ("glm4_moe", 2, None),
     # boundaries inside MLPs: [tokens, 2 * hidden] on both hops
     "cut": ("llama", 3, (1.5, 3.25, 1.25)),
 }

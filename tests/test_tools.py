@@ -45,7 +45,8 @@ from server.api.tools import (
 from server.engine.loop import GenerationRequest, GenerationStats
 from server.metrics import GatewayMetrics
 from tests.clients import SCHEMA
-from tests.fleets import TINY_HERMES_TEMPLATE, Fleet, hermes_fleet
+from tests.fleets import TINY_HERMES_TEMPLATE, Fleet, export_chat_model, hermes_fleet
+from tests.processes import start_gateway, start_stages
 
 # --- chat templates, representative of the real ones ------------------------------------------
 
@@ -202,6 +203,53 @@ MISTRAL_TEMPLATE = """{%- if messages[0]["role"] == "system" %}
 """
 
 
+# GLM-4.5's template, shortened to its tool parts (the system turn that offers the tools, the
+# assistant's calls as <arg_key>/<arg_value> pairs, the observation turn): "glm".
+GLM45_TEMPLATE = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+...
+</tool_call>{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}<|user|>
+{{ m.content }}
+{%- elif m.role == 'assistant' -%}<|assistant|>
+{%- if m.content %}
+{{ m.content }}
+{%- endif %}
+{%- for tc in m.tool_calls or [] %}
+{%- set tc = tc.function if tc.function else tc %}
+{{ '\n<tool_call>' + tc.name }}
+{% for k, v in tc.arguments.items() -%}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson if v is not string else v }}</arg_value>
+{% endfor -%}
+</tool_call>
+{%- endfor %}
+{%- elif m.role == 'tool' -%}<|observation|>
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"""
+
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -250,6 +298,8 @@ def test_formats_are_detected_from_the_templates() -> None:
     assert detect_tool_format(TINY_HERMES_TEMPLATE) is FORMATS["hermes"]
     assert detect_tool_format(LLAMA31_TEMPLATE) is FORMATS["llama3_json"]
     assert detect_tool_format(MISTRAL_TEMPLATE) is FORMATS["mistral"]
+    # GLM writes <tool_call> too, around key/value tags instead of JSON: not hermes
+    assert detect_tool_format(GLM45_TEMPLATE) is FORMATS["glm"]
     assert detect_tool_format(CHAT_TEMPLATE) is None
     assert detect_tool_format(None) is None
     assert detect_tool_format("") is None
@@ -277,10 +327,7 @@ def test_the_formats_say_what_the_grammar_needs() -> None:
 
 def _written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
     """Calls written exactly as the format (and so the grammar built from it) says."""
-    bodies = [
-        fmt.call_start + json.dumps({"name": n, fmt.arguments_key: a}) + fmt.call_end
-        for n, a in calls
-    ]
+    bodies = [fmt.write_call(n, a) for n, a in calls]
     return fmt.calls_start + fmt.call_separator.join(bodies) + fmt.calls_end
 
 
@@ -300,7 +347,7 @@ def test_calls_written_in_the_format_parse_back(name: str) -> None:
 
 # --- parsing outputs ---------------------------------------------------------------------------
 
-H, L, M = FORMATS["hermes"], FORMATS["llama3_json"], FORMATS["mistral"]
+H, L, M, G = FORMATS["hermes"], FORMATS["llama3_json"], FORMATS["mistral"], FORMATS["glm"]
 CALL = ParsedToolCall("get_weather", '{"city": "Paris"}')
 
 
@@ -366,6 +413,61 @@ CALL = ParsedToolCall("get_weather", '{"city": "Paris"}')
             [CALL],
         ),
         (M, "[TOOL_CALLS][{oops}]", "[TOOL_CALLS][{oops}]", []),
+        # GLM-4.5 (newlines between the tags), after text
+        (
+            G,
+            "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+            "<arg_value>Paris</arg_value>\n</tool_call>",
+            "Let me check.",
+            [CALL],
+        ),
+        # GLM-4.7 (none), two calls, a JSON value, a call without arguments, text after
+        (
+            G,
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+            "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+            "<tool_call>lookup</tool_call>\nDone.",
+            "Done.",
+            [
+                ParsedToolCall("get_weather", '{"city": "Paris", "days": 3}'),
+                ParsedToolCall("lookup", "{}"),
+            ],
+        ),
+        # JSON values of every kind; a value that is not JSON stays the string written
+        (
+            G,
+            '<tool_call>f<arg_key>a</arg_key><arg_value>[1, "x"]</arg_value>'
+            '<arg_key>b</arg_key><arg_value>{"k": null}</arg_value>'
+            "<arg_key>c</arg_key><arg_value>two words</arg_value></tool_call>",
+            "",
+            [ParsedToolCall("f", '{"a": [1, "x"], "b": {"k": null}, "c": "two words"}')],
+        ),
+        # not a GLM call: stays text (a key without its value, hermes' JSON, no name)
+        (
+            G,
+            "<tool_call>get_weather\n<arg_key>city</arg_key>Paris</tool_call>",
+            "<tool_call>get_weather\n<arg_key>city</arg_key>Paris</tool_call>",
+            [],
+        ),
+        (
+            G,
+            '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+            '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+            [],
+        ),
+        (
+            G,
+            "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+            "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+            [],
+        ),
+        # a block the model did not close
+        (
+            G,
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n",
+            "",
+            [CALL],
+        ),
     ],
 )
 @pytest.mark.unit
@@ -385,6 +487,22 @@ def test_outputs_parse_whole_and_streamed_alike(
         events += parser.finish()
         assert "".join(e for e in events if isinstance(e, str)) == content
         assert [e for e in events if isinstance(e, ParsedToolCall)] == calls
+
+
+@pytest.mark.unit
+def test_glm_string_arguments_are_read_as_their_schema_says() -> None:
+    """GLM writes a string argument as the text itself: where the offered tool declares it a
+    string, text that looks like JSON (``123``, ``true``) stays a string; elsewhere it is
+    JSON."""
+    text = (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>123</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    )
+    schemas = {"get_weather": WEATHER["function"]["parameters"]}  # type: ignore[index]
+    _, calls = parse_tool_calls(text, G, schemas=schemas)
+    assert json.loads(calls[0].arguments) == {"city": "123", "days": 3}
+    _, calls = parse_tool_calls(text, G)  # no schema: JSON where it parses
+    assert json.loads(calls[0].arguments) == {"city": 123, "days": 3}
 
 
 @pytest.mark.unit
@@ -453,6 +571,19 @@ def test_the_templates_render_tools_and_the_call_history(tmp_path: Path) -> None
     ids = re.findall(r'"id": "(\w+)"', text) + re.findall(r'"call_id": "(\w+)"', text)
     assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == 9
     assert "[AVAILABLE_TOOLS]" in _rendered(mistral, HISTORY[:1], TOOLS)  # by the last user message
+
+    # GLM: the call in the history as the template writes calls, which is how the format
+    # writes one (and so what the parser and the grammar expect)
+    glm = _codec(tmp_path / "glm", GLM45_TEMPLATE)
+    text = _rendered(glm, HISTORY, TOOLS)
+    assert '"name": "get_weather"' in text.split("\n</tools>")[0]
+    written = G.write_call("get_weather", {"city": "Paris"})
+    assert written == (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "</tool_call>"
+    )
+    assert written in text
+    assert "<|observation|>\n<tool_response>\nsunny\n</tool_response>" in text
 
 
 # --- the service, on fabricated outputs (no model writes calls unconstrained) ---------------------
@@ -577,6 +708,39 @@ def test_streamed_calls_accumulate_in_the_openai_client(tmp_path: Path) -> None:
         assert [c.function.name for c in calls] == ["get_weather", "lookup"]
         assert json.loads(calls[1].function.arguments) == {"query": "fox"}
         assert all(CALL_ID.match(c.id) for c in calls)
+
+
+GLM_CALLS = (
+    "Let me look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+    "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    "<tool_call>lookup<arg_key>query</arg_key><arg_value>42</arg_value></tool_call>"
+)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stream", [False, True])
+def test_glm_calls_become_tool_calls_for_the_openai_client(tmp_path: Path, stream: bool) -> None:
+    """GLM's calls (not JSON) reach the ``openai`` client as ``tool_calls``, whole and
+    streamed; lookup's ``query`` is a string in its schema, so ``42`` stays ``"42"``."""
+    service = _service(_codec(tmp_path / "glm", GLM45_TEMPLATE), [GLM_CALLS])
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
+    client = _client(_answer(service, {**body, "stream": stream}), stream)
+    if stream:
+        with client.chat.completions.stream(
+            model="m", messages=body["messages"], tools=TOOLS
+        ) as events:
+            choice: Any = events.get_final_completion().choices[0]
+    else:
+        choice = (
+            client.chat.completions.create(model="m", messages=body["messages"], tools=TOOLS)
+        ).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather", "lookup"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 3}
+    assert json.loads(calls[1].function.arguments) == {"query": "42"}
+    assert all(CALL_ID.match(c.id) for c in calls)
 
 
 @pytest.mark.unit
@@ -893,3 +1057,62 @@ def test_a_tool_round_trip_call_result_answer(fleet: Fleet, stream: bool) -> Non
     final = ask(history, "none")
     assert final["calls"] == [] and final["content"]
     assert final["finish"] in ("stop", "length")
+
+
+# A tiny template in GLM's tool-call form (what GLM-4.5's writes), for the tiny model.
+TINY_GLM_TEMPLATE = (
+    "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') "
+    "| join(', ') }}; call one as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>"
+    "</tool_call>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+    "{% for k, v in c.function.arguments.items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def glm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    base = tmp_path_factory.mktemp("glm-tools")
+    source, export = export_chat_model(
+        base, name="glm-tool-model", chat_template=TINY_GLM_TEMPLATE, json=True
+    )
+    procs, addresses = start_stages(export, base)
+    gateway, url = start_gateway(addresses, base / "gateway.log", [])
+    try:
+        yield Fleet(url, "glm-tool-model", source, export, addresses, gateway=gateway)
+    finally:
+        gateway.stop()
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_makes_a_glm_call(glm_fleet: Fleet, stream: bool) -> None:
+    """A model whose template writes GLM's calls: ``tool_choice`` required or named constrains
+    the output to a call in GLM's form (not JSON), which reaches the client as ``tool_calls``
+    with its arguments as the schema holds them."""
+    client = glm_fleet.client()
+    for choice, names in [
+        ("required", {"get_weather", "lookup"}),
+        ({"type": "function", "function": {"name": "lookup"}}, {"lookup"}),
+    ]:
+        kwargs: dict[str, Any] = dict(
+            model=glm_fleet.model, messages=USER, tools=FINITE_TOOLS, tool_choice=choice,
+            max_tokens=60, temperature=0,
+        )  # fmt: skip
+        if stream:
+            with client.chat.completions.stream(**kwargs) as events:
+                reply: Any = events.get_final_completion()
+        else:
+            reply = client.chat.completions.create(**kwargs)
+        calls = reply.choices[0].message.tool_calls
+        assert isinstance(calls, list) and calls, reply
+        for call in calls:
+            assert call.function.name in names and CALL_ID.match(call.id)
+            assert json.loads(call.function.arguments) == (
+                {"city": "Paris"} if call.function.name == "get_weather" else {"query": "fox"}
+            )
+        assert reply.choices[0].finish_reason == "tool_calls"

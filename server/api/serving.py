@@ -157,9 +157,11 @@ class ToolParsing:
 
     format: ToolFormat
     parallel: bool  # parallel_tool_calls (false: only the first call is kept)
+    # each offered function's parameters schema, by name (GLM's string arguments)
+    schemas: dict[str, Any] = field(default_factory=dict)
 
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.format, self.parallel)
+        return ToolCallParser(self.format, self.parallel, self.schemas)
 
 
 def _finish_with_calls(finish: FinishReason, calls: int) -> FinishReason:
@@ -295,7 +297,11 @@ class CompletionService:
                         "tool_choice 'none').",
                         param="tools",
                     )
-                tools = ToolParsing(self.tool_format, req.parallel_tool_calls is not False)
+                tools = ToolParsing(
+                    self.tool_format,
+                    req.parallel_tool_calls is not False,
+                    {t.function.name: t.function.parameters for t in req.tools or ()},
+                )
             fmt = self.tool_format
             messages = template_messages(req.messages, fmt.call_id if fmt else None)
             offered = template_tools(req.tools or ()) if mode is not None else None
@@ -576,7 +582,9 @@ class CompletionService:
         if prep.tools is None:
             message = ChatResponseMessage(content=result.text, reasoning_content=thought)
             return message, result.finish_reason
-        content, calls = parse_tool_calls(result.text, prep.tools.format, prep.tools.parallel)
+        content, calls = parse_tool_calls(
+            result.text, prep.tools.format, prep.tools.parallel, prep.tools.schemas
+        )
         if not calls:
             return ChatResponseMessage(
                 content=content, reasoning_content=thought

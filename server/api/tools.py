@@ -15,9 +15,15 @@ constrained decoding of ``tool_choice`` ``"required"`` or a named function also 
   ``"parameters"``): the whole answer is ``{"name": ..., "parameters": {...}}`` (several
   separated by ``; ``), possibly after the ``<|python_tag|>`` token;
 * ``mistral`` (``[TOOL_CALLS]``): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``,
-  after any text.
+  after any text;
+* ``glm`` (GLM-4.5, 4.6, 4.7; the template writes ``<arg_key>``): not JSON but
+  ``<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>`` (GLM-4.7
+  without the newlines), one block per call, text before or between them allowed; a value is
+  the string itself where the tool's schema says ``"type": "string"``, else JSON (a value that
+  is not JSON stays a string), as the template writes them.
 
-A call whose JSON does not parse (or has no string ``name``) stays text of the answer.
+A call whose JSON does not parse (or has no string ``name``) stays text of the answer; so does a
+GLM block that is not a name followed by key/value pairs.
 """
 
 from __future__ import annotations
@@ -64,6 +70,21 @@ class ToolFormat:
     keep_special_tokens: bool = False
     # a template that accepts only call ids of 9 letters and digits (Mistral's)
     short_call_ids: bool = False
+    # the arguments are <arg_key>/<arg_value> pairs after the name, not JSON (GLM's)
+    xml_arguments: bool = False
+
+    def write_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        """One call as the model writes it (what the parser reads back)."""
+        if self.xml_arguments:
+            pairs = "".join(
+                f"<arg_key>{key}</arg_key>\n<arg_value>"
+                f"{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}"
+                "</arg_value>\n"
+                for key, value in arguments.items()
+            )
+            return f"{self.call_start}{name}\n{pairs}{self.call_end}"
+        body = json.dumps({"name": name, self.arguments_key: dict(arguments)}, ensure_ascii=False)
+        return f"{self.call_start}{body}{self.call_end}"
 
     def call_id(self, ident: str) -> str:
         """``ident`` as this model's template accepts a tool call id (the same every time)."""
@@ -105,7 +126,20 @@ MISTRAL = ToolFormat(
     keep_special_tokens=True,
     short_call_ids=True,
 )
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+GLM = ToolFormat(
+    name="glm",
+    calls_start="",
+    call_start="<tool_call>",
+    call_end="</tool_call>",
+    call_separator="\n",
+    calls_end="",
+    arguments_key="arguments",
+    tags=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    # GLM's tokenizer holds its tags as added tokens, which a GGUF may mark as control tokens
+    keep_special_tokens=True,
+    xml_arguments=True,
+)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GLM)}
 
 
 def _template_texts(template: Any) -> str:
@@ -127,6 +161,8 @@ def detect_tool_format(template: Any) -> ToolFormat | None:
     text = _template_texts(template)
     if not text or "tools" not in text:
         return None
+    if "<arg_key>" in text and "<tool_call>" in text:  # before hermes: GLM also has <tool_call>
+        return GLM
     if "<tool_call>" in text:
         return HERMES
     if "[TOOL_CALLS]" in text:
@@ -208,6 +244,49 @@ def _decode_calls(text: str, fmt: ToolFormat, separators: str) -> list[ParsedToo
     return calls or None
 
 
+_GLM_NAME = re.compile(r"[\w.:-]+")
+_GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _declared_type(schemas: Mapping[str, Any], function: str, argument: str) -> Any:
+    parameters = schemas.get(function)
+    if not isinstance(parameters, Mapping):
+        return None
+    properties = parameters.get("properties")
+    if not isinstance(properties, Mapping) or not isinstance(properties.get(argument), Mapping):
+        return None
+    return properties[argument].get("type")
+
+
+def _decode_glm_call(body: str, schemas: Mapping[str, Any]) -> ParsedToolCall | None:
+    """``NAME <arg_key>K</arg_key> <arg_value>V</arg_value> ...`` (the text between the tags of
+    one GLM block), or None if it is anything else."""
+    at = body.find("<arg_key>")
+    name = (body if at < 0 else body[:at]).strip()
+    if not _GLM_NAME.fullmatch(name):  # a function's name, not JSON or tags
+        return None
+    arguments: dict[str, Any] = {}
+    pos = len(body) if at < 0 else at
+    while pos < len(body):
+        match = _GLM_PAIR.match(body, pos)
+        if match is None:
+            if body[pos:].strip():
+                return None
+            break
+        key, raw = match[1].strip(), match[2]
+        if not key or key in arguments:
+            return None
+        value: Any = raw
+        if _declared_type(schemas, name, key) != "string":
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = raw  # not JSON: the string as written
+        arguments[key] = value
+        pos = match.end()
+    return ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
 # Output events of the parser: text of the answer, or a complete call.
 Event = str | ParsedToolCall
 
@@ -220,11 +299,16 @@ class ToolCallParser:
     The answer's text is the text outside the calls without white space at its ends (white
     space before, between or after calls is dropped), so streamed and whole answers agree.
     With ``parallel=False`` only the first call is kept (later ones are dropped).
+    ``schemas``: each offered function's parameters schema by name (GLM's string arguments are
+    read as written, the others as JSON).
     """
 
-    def __init__(self, fmt: ToolFormat, parallel: bool = True) -> None:
+    def __init__(
+        self, fmt: ToolFormat, parallel: bool = True, schemas: Mapping[str, Any] | None = None
+    ) -> None:
         self.fmt = fmt
         self.parallel = parallel
+        self.schemas = schemas or {}
         self.calls = 0  # calls emitted
         self._buffer = ""  # text not yet emitted nor parsed
         self._state = "text"  # "text", "call" (inside one hermes block), "tail" (to the end)
@@ -291,12 +375,13 @@ class ToolCallParser:
             self._text(buffer, out)
             self._buffer = ""
             return False
-        marker = "<tool_call>" if self.fmt is HERMES else "[TOOL_CALLS]"
+        blocks = self.fmt is not MISTRAL  # hermes, glm: <tool_call> ... </tool_call> blocks
+        marker = "<tool_call>" if blocks else "[TOOL_CALLS]"
         at = buffer.find(marker)
         if at >= 0:
             self._text(buffer[:at], out)
             self._buffer = buffer[at:]
-            self._state = "call" if self.fmt is HERMES else "tail"
+            self._state = "call" if blocks else "tail"
             return True
         keep = _partial_suffix(buffer, marker)
         self._text(buffer[: len(buffer) - keep], out)
@@ -304,6 +389,13 @@ class ToolCallParser:
         return False
 
     def _block(self, raw: str, body: str, out: list[Event]) -> None:
+        if self.fmt.xml_arguments:
+            call = _decode_glm_call(body, self.schemas)
+            if call is None:
+                self._text(raw, out)
+            else:
+                self._calls([call], out)
+            return
         calls = _decode_calls(body, self.fmt, "")
         if calls is None or len(calls) != 1:
             self._text(raw, out)
@@ -356,11 +448,11 @@ def _may_start_call(head: str) -> bool:
 
 
 def parse_tool_calls(
-    text: str, fmt: ToolFormat, parallel: bool = True
+    text: str, fmt: ToolFormat, parallel: bool = True, schemas: Mapping[str, Any] | None = None
 ) -> tuple[str, list[ParsedToolCall]]:
     """A whole output: its text outside the calls (white space at the ends removed) and its
     calls."""
-    parser = ToolCallParser(fmt, parallel)
+    parser = ToolCallParser(fmt, parallel, schemas)
     events = parser.feed(text) + parser.finish()
     content = "".join(e for e in events if isinstance(e, str))
     return content, [e for e in events if isinstance(e, ParsedToolCall)]

@@ -158,6 +158,8 @@ def tool_call_constraint(
     (:func:`close_objects`)."""
     import llguidance
 
+    if getattr(tool_format, "xml_arguments", False):
+        return _xml_tool_call_constraint(tools, tool_format, parallel, vocab)
     body = _tool_body_schema(tools, tool_format.arguments_key, closed)
 
     def literal(text: str) -> str:
@@ -260,6 +262,86 @@ def _before_answer(lark: str, answer: Constraint) -> Constraint:
     if error:
         raise ConstraintError(f"the grammar cannot follow the reasoning: {error}")
     return Constraint(grammar, answer.kind)
+
+
+def _xml_string(function: str, key: str, schema: dict[str, Any]) -> str:
+    """A string argument as GLM writes it (the text itself, up to the next tag): its ``enum``
+    or ``const``, else text without ``<`` of ``minLength`` to ``maxLength`` characters.
+    ``pattern`` and ``format`` cannot be enforced on it: refused."""
+    for word in ("pattern", "format"):
+        if word in schema:
+            raise ConstraintError(
+                f"the tools' schemas cannot be enforced: {function}'s string argument {key!r} "
+                f"has {word!r}, which this model's tool-call format (plain text values) "
+                "cannot be held to"
+            )
+    if "const" in schema:
+        return json.dumps(str(schema["const"]))
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return "(" + " | ".join(json.dumps(str(v)) for v in enum) + ")"
+    low = int(schema.get("minLength", 0) or 0)
+    high = schema.get("maxLength")
+    span = f"{max(low, 1)},{int(high)}" if high is not None else f"{max(low, 1)},"
+    if high is not None and int(high) < 1:
+        return '""'
+    text = f"/[^<]{{{span}}}/"
+    return text if low > 0 else f"({text})?"
+
+
+def _xml_tool_call_constraint(
+    tools: Sequence[Any], tool_format: Any, parallel: bool, vocab: dict[str, int] | None
+) -> Constraint:
+    """GLM's calls: ``<tool_call>NAME`` then one ``<arg_key>K</arg_key><arg_value>V
+    </arg_value>`` pair per argument (each of the schema's properties at most once, in its
+    order, the required ones always), then ``</tool_call>``, with the newlines GLM-4.5 writes
+    between them optional (GLM-4.7 writes none). A value is free text without ``<`` where the
+    schema says ``"type": "string"`` (one of its ``enum`` where it has one), else compact JSON
+    valid for the argument's schema."""
+    import llguidance
+
+    def literal(text: str) -> str:
+        token = (vocab or {}).get(text)
+        quoted = json.dumps(text)
+        return f"(<[{token}]> | {quoted})" if token is not None else quoted
+
+    newline = '"\\n"?'
+    lines = []
+    calls = []
+    for t, tool in enumerate(tools):
+        function = tool.function
+        parameters = function.parameters or {"type": "object"}
+        properties = parameters.get("properties") or {}
+        required = set(parameters.get("required") or ())
+        pairs = []
+        for a, (key, schema) in enumerate(properties.items()):
+            schema = schema if isinstance(schema, dict) else {}
+            rule = f"arg_{t}_{a}"
+            if schema.get("type") == "string":
+                value = _xml_string(function.name, key, schema)
+            else:
+                flat = {**schema, "x-guidance": {"whitespace_flexible": False}}
+                value = f"%json {json.dumps(flat)}"
+            lines.append(
+                f"{rule}: {literal('<arg_key>')} {json.dumps(str(key))} {literal('</arg_key>')} "
+                f"{newline} {literal('<arg_value>')} value_{t}_{a} {literal('</arg_value>')} "
+                f"{newline}"
+            )
+            lines.append(f"value_{t}_{a}: {value}")
+            pairs.append(rule if key in required else f"{rule}?")
+        calls.append(
+            f"{literal('<tool_call>')} {json.dumps(function.name)} {newline} "
+            f"{' '.join(pairs)} {literal('</tool_call>')}"
+        )
+    more = f"({newline} call)*" if parallel else ""
+    lark = "\n".join(
+        [f"start: call {more}", "call: " + " | ".join(f"({c})" for c in calls), *lines]
+    )
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark + "\n")
+    except (ValueError, TypeError) as exc:
+        raise ConstraintError(f"the tools' schemas cannot be enforced: {exc}") from None
+    return Constraint(grammar, "tool_call")
 
 
 def constraint_for(
