@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from server.api.responses import FinishReason
-from server.api.serving import ChoiceEvent, ChoiceTally, CompletionService, Prepared
+from server.api.serving import (
+    ChoiceEvent,
+    ChoiceTally,
+    CompletionService,
+    Prepared,
+    finish_with_calls,
+)
 from server.api.tools import ParsedToolCall, ToolCallParser
 
 PieceKind = Literal["reasoning", "text", "call"]
@@ -88,11 +94,7 @@ class OutputReader:
                 elif item:
                     pieces.append(Piece("text", item))
         if event.finish_reason:
-            out.finish = (
-                "tool_calls"
-                if out.calls and event.finish_reason == "stop"
-                else (event.finish_reason)
-            )
+            out.finish = finish_with_calls(event.finish_reason, out.calls)
             out.cached_tokens = event.cached_tokens
         return pieces
 

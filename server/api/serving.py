@@ -164,7 +164,7 @@ class ToolParsing:
         return ToolCallParser(self.format, self.parallel, self.schemas)
 
 
-def _finish_with_calls(finish: FinishReason, calls: int) -> FinishReason:
+def finish_with_calls(finish: FinishReason, calls: int) -> FinishReason:
     """``tool_calls`` when the model ended its answer (not cut at the limit) after calls."""
     return "tool_calls" if calls and finish == "stop" else finish
 
@@ -594,7 +594,7 @@ class CompletionService:
             reasoning_content=thought,
             tool_calls=[_tool_call(call) for call in calls],
         )
-        return message, _finish_with_calls(result.finish_reason, len(calls))
+        return message, finish_with_calls(result.finish_reason, len(calls))
 
     # -- the events of one choice, for the other API dialects ---------------------------------
     async def open_events(
@@ -801,7 +801,7 @@ class CompletionService:
         if new_lp:  # logprobs of tokens whose text is held back (or is a call)
             out.append(sse_event(chat_content_chunk(*ident, "", event.index, new_lp)))
         if event.finish_reason:
-            finish = _finish_with_calls(event.finish_reason, result.calls)
+            finish = finish_with_calls(event.finish_reason, result.calls)
             out.append(sse_event(chat_final_chunk(*ident, finish, event.index)))
         return out
 
