@@ -1,4 +1,4 @@
-"""The paper's figures, printed beside ours (from shared/notes/seed-paper.md).
+"""The paper's figures, printed beside ours (the figures the seed paper reports).
 
 "Pre-Compiled Pipeline Shards for Distributed LLM Inference on Intel AI PC Fleets" (arXiv
 2608.19147): Llama 3.1 8B INT4 on Intel Arc B390 iGPUs, 2 nodes over Wi-Fi 6, draft Llama 3.2
