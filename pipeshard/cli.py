@@ -250,6 +250,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="/v1/responses kept for previous_response_id ({default}; 0: none)",
     )
+    p.add_argument(
+        "--stream-keepalive-s",
+        type=float,
+        help="a stream whose first token is slower than this starts anyway and sends "
+        "keep-alives this often ({default} s; 0: wait for the first token)",
+    )
     p.add_argument("--tokenizer", type=Path, help="local tokenizer folder (default: from stages)")
     p.add_argument("--secret", help="the stages' shared secret")
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify the stages (TLS)")

@@ -17,6 +17,7 @@ import openai
 from exporter.export import ExportOptions, export_model
 from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 from protos.manifest import WeightSpec
+from server.ring import Ring
 from server.ring.grpc_client import PipelineClient
 from tests.processes import Proc, start_gateway, start_stages
 
@@ -147,10 +148,15 @@ def hermes_fleet(
 
 @contextlib.contextmanager
 def local_gateway(
-    export: Path, model: str, keys: Sequence[str] = (KEY,), **settings: object
+    export: Path,
+    model: str,
+    keys: Sequence[str] = (KEY,),
+    ring: Ring | None = None,
+    **settings: object,
 ) -> Iterator[Fleet]:
-    """The real gateway app over the in-process ring of ``export`` (no stage processes),
-    served over HTTP by uvicorn on a free loopback port in a thread, serving ``model``."""
+    """The real gateway app over the in-process ring of ``export`` (no stage processes; or
+    over ``ring``), served over HTTP by uvicorn on a free loopback port in a thread, serving
+    ``model``."""
     import socket
     import threading
 
@@ -171,7 +177,7 @@ def local_gateway(
         api_keys=list(keys),  # type: ignore[arg-type]
         **settings,  # type: ignore[arg-type]
     )
-    app = create_app(config, LocalRing(export))
+    app = create_app(config, ring or LocalRing(export))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

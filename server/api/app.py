@@ -308,6 +308,7 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
         architecture=manifest.model.architecture,
         close_schemas=settings.json_schema_additional_properties == "closed",
         aliases=settings.model_aliases,
+        keepalive_s=settings.stream_keepalive_s,
     )
     if gateway.service.reasoning != "none":
         log.info("reasoning parser: %s", gateway.service.reasoning)
