@@ -107,12 +107,19 @@ def export_chat_model(
     json: bool = False,
     draft: bool = False,
     max_context: int | None = None,
+    special_tokens: Sequence[str] = (),
 ) -> tuple[Path, Path]:
     """A tiny Qwen2 with a chat template, exported to fp32 stages: (source, export). ``json``:
     its tokenizer can write JSON and tool calls; ``draft``: a draft (its weights plus noise)
-    exported beside it."""
+    exported beside it; ``special_tokens``: the template's markup tokens."""
     corpus = CORPUS + JSON_CORPUS if json else CORPUS
-    source = make_model("qwen2", base / name, chat_template=chat_template, corpus=corpus)
+    source = make_model(
+        "qwen2",
+        base / name,
+        chat_template=chat_template,
+        corpus=corpus,
+        special_tokens=special_tokens,
+    )
     drafted = make_draft(source, base / f"{name}-draft", noise=0.3) if draft else None
     export = base / "export"
     export_model(
