@@ -423,6 +423,7 @@ class CompletionService:
             prep.generation.prompt_ids,
             prep.stop,
             skip_special_tokens=not keep_special,
+            min_tokens=prep.generation.min_tokens,
         )
         stats = GenerationStats()
         received = time.perf_counter()
