@@ -893,7 +893,8 @@ def format_preset_plan(plan: PresetPlan) -> str:
         lines.append(
             f"| {s.index} | {s.layer_start}-{s.layer_end - 1} | {_gib(s.file_bytes)} | "
             f"{_gib(s.weight_bytes)} | {_gib(s.kv_bytes)} |{state} "
-            f"{_gib(s.total_bytes)}{mark} | {_gib(s.budget)} | {_gib(s.export_bytes)} |"
+            f"{_gib(s.total_bytes)}{mark} | {_gib(s.budget)} | {_gib(s.export_bytes)}"
+            f"{'' if s.export_bytes <= s.budget else ' (over)'} |"
         )
     if not plan.fits:
         would = []
@@ -946,4 +947,4 @@ def describe_preset(p: Preset) -> str:
     kind = f"{p.experts} experts ({active} a token)" if p.experts else "dense"
     if p.full_attention_interval:
         kind += f", linear attention with full attention every {p.full_attention_interval}"
-    return f"{p.title}: {p.model_type}, {p.layers} layers, {kind}"
+    return f"{p.model_type}, {p.layers} layers, {kind}"

@@ -124,7 +124,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     if args.list:
         for preset in PRESETS.values():
-            print(f"{describe_preset(preset)}\n  quantizations: {', '.join(preset.quants)}")
+            print(f"{preset.name}: {preset.title}, {describe_preset(preset)}")
+            print(f"  quantizations: {', '.join(preset.quants)}")
             print(f"  source: {preset.source}")
         return 0
     if not args.preset:
