@@ -540,11 +540,12 @@ def gguf_type(quant: str, tensor: Tensor, p: Preset, attn_v_index: int = 0) -> s
     """The GGML type llama-quantize stores ``tensor`` in for ``quant``.
 
     Its rules, simplified: 1-D tensors, biases (gpt-oss's experts' are 2-D), routers and conv
-    kernels stay F32; output.weight is
-    Q6_K (Q8_0 in Q8_0); attn_v and ffn_down (experts and shared expert too) get Q6_K on the
-    ``use_more_bits`` layers in Q4_K_M / Q5_K_M (attn_v counted over the layers that have one),
-    Q5_K on the first two attn_v / first 16th of ffn_down in Q3_K_M (Q4_K elsewhere), Q3_K in
-    Q2_K; attn_qkv one step up in Q3_K_M, Q4_K_M, Q5_K_M; attn_output Q3_K in Q2_K and Q4_K in
+    kernels stay F32; output.weight is Q6_K (Q8_0 in Q8_0). attn_v: Q6_K on the
+    ``use_more_bits`` layers in Q4_K_M / Q5_K_M (counted over the layers that have one), Q5_K
+    on the first two in Q3_K_M (Q4_K after), Q4_K in Q2_K (Q3_K with fewer than 4 query heads
+    a KV head). ffn_down (experts and shared expert too): Q6_K on the ``use_more_bits`` layers
+    in Q4_K_M / Q5_K_M, Q5_K on the first 16th of the layers in Q3_K_M (Q4_K after), Q3_K in
+    Q2_K. attn_qkv one step up in Q3_K_M, Q4_K_M, Q5_K_M; attn_output Q3_K in Q2_K and Q4_K in
     Q3_K_M; everything else the mix's base type. A K-quant tensor whose rows are not a multiple
     of 256 falls back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> IQ4_NL).
     ``MXFP4``: gpt-oss as released, experts MXFP4 and every other matrix Q8_0.
@@ -881,7 +882,13 @@ def format_preset_plan(plan: PresetPlan) -> str:
         f"time {_gib(plan.runtime_bytes)} GiB; KV cache at {plan.context} positions{seqs} "
         f"{_gib(kv_total)} GiB"
         + (f"; recurrent state {state_total / 2**20:.0f} MiB" if state_total else "")
-        + ".",
+        + "."
+        + (
+            f" The file's {p.nextn_layers} NextN/MTP layer(s) after the last layer are not "
+            "counted (not exported)."
+            if p.nextn_layers
+            else ""
+        ),
         "",
         f"| stage | layers | GGUF GiB | weights GiB | KV GiB |{state_head} total GiB | host GiB "
         "| export GiB |",
