@@ -85,7 +85,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         "of hosts; where it does not, what would. `pipeshard export` prints the plan of a "
         "model file.",
     )
-    p.add_argument("preset", nargs="?", help="the model (see --list)")
+    p.add_argument("preset", nargs="?", metavar="MODEL", help="the model (see --list)")
     p.add_argument(
         "--list", action="store_true", help="list the models and where their numbers come from"
     )
