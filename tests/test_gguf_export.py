@@ -489,3 +489,42 @@ def test_a_glm4moe_gguf_equals_the_hugging_face_model_it_was_written_from(
             tokens, _ = chain.greedy(f"p{i}", prompt, 16)
             expected, _ = reference_greedy(reference, prompt, 16)
             assert tokens == expected, f"{backend}: {tokens} != {expected}"
+
+
+def test_pipeshard_plans_tensors_are_a_glm4moe_gguf_s(tmp_path: Path) -> None:
+    """`pipeshard plan`'s GLM tensors, names and shapes, are those of a glm4moe GGUF written as
+    llama.cpp writes one (exporter/tiny_gguf.py), given the tiny model's shape: the NextN
+    block after the last layer aside."""
+    import dataclasses
+    import json
+
+    from gguf import GGUFReader
+
+    from exporter.presets import PRESETS, tensors
+    from exporter.tiny_gguf import make_hf_model, write_gguf
+
+    hf = make_hf_model("glm4_moe", tmp_path / "hf", layers=4)
+    path = write_gguf(hf, tmp_path / "glm.gguf", "Q8_0")
+    stored = {
+        t.name: tuple(int(d) for d in reversed(t.shape.tolist()))
+        for t in GGUFReader(path).tensors
+        if not t.name.startswith("blk.4.")  # the NextN block
+    }
+    config = json.loads((hf / "config.json").read_text())
+    tiny = dataclasses.replace(
+        PRESETS["glm-4.7"],
+        layers=config["num_hidden_layers"],
+        hidden=config["hidden_size"],
+        heads=config["num_attention_heads"],
+        kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        vocab=config["vocab_size"],
+        intermediate=config["intermediate_size"],
+        experts=config["n_routed_experts"],
+        experts_per_token=config["num_experts_per_tok"],
+        expert_intermediate=config["moe_intermediate_size"],
+        shared_expert_intermediate=config["moe_intermediate_size"],
+        first_dense=config["first_k_dense_replace"],
+    )
+    planned = {t.name: t.shape for t in tensors(tiny)}
+    assert planned == stored
