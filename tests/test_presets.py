@@ -97,6 +97,36 @@ def test_byte_tables_agree_with_gguf_and_the_exporters_weight_forms() -> None:
     assert RUNTIME_BYTES["MXFP4"] == 1.125  # i8 codes + f32 scale a 32: 9 bits a weight
 
 
+def test_tensor_names_are_llama_cpps_for_each_architecture() -> None:
+    """Every tensor a plan counts is one gguf-py lists for the model's GGUF architecture, and
+    every one it lists is counted, but the NextN block's, the fused alternatives and the
+    q/k norms of a model without them (GLM-4.5-Air)."""
+    import re
+
+    from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
+
+    archs = {
+        "gpt_oss": MODEL_ARCH.GPT_OSS,
+        "glm4_moe": MODEL_ARCH.GLM4_MOE,
+        "qwen3_5": MODEL_ARCH.QWEN35,
+        "qwen3_5_moe": MODEL_ARCH.QWEN35MOE,
+    }
+    for preset in PRESETS.values():
+        known = {TENSOR_NAMES[t] for t in MODEL_TENSORS[archs[preset.model_type]]}
+        counted = {
+            re.sub(r"^blk\.\d+\.", "blk.{bid}.", t.name)
+            .removesuffix(".weight")
+            .removesuffix(".bias")
+            for t in tensors(preset)
+        }
+        assert counted <= known, (preset.name, counted - known)
+        optional = ("nextn.", "gate_up_exps") + (
+            () if preset.qk_norm else ("attn_q_norm", "attn_k_norm")
+        )
+        left = {k for k in known - counted if not any(o in k for o in optional)}
+        assert left == set(), (preset.name, left)
+
+
 def test_q4_k_m_types_follow_llama_quantize() -> None:
     air = PRESETS["glm-4.5-air"]  # 46 layers: use_more_bits picks 0-4, 40-45, 7, 10, ...
     types = {t.name: gguf_type("Q4_K_M", t, air, 0) for t in tensors(air)}
