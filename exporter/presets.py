@@ -785,8 +785,12 @@ def parse_hosts(text: str) -> list[int]:
         count = int(match.group(1))
         if count < 1:
             raise ExportError(f"--hosts {text}: at least one host")
-        return [parse_size(match.group(2))] * count
-    return [parse_size(part) for part in text.split(",")]
+        budgets = [parse_size(match.group(2))] * count
+    else:
+        budgets = [parse_size(part) for part in text.split(",")]
+    if min(budgets) <= 0:
+        raise ExportError(f"--hosts {text}: every host needs some memory")
+    return budgets
 
 
 def plan_preset(
@@ -852,8 +856,9 @@ def _layer_total(p: Preset, quant: str) -> float:
 
 
 def _size_text(budget: int) -> str:
-    """A budget as parse_size reads it back: 32000000000 -> '32GB'."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6)):
+    """A budget as parse_size reads it back: 32000000000 -> '32GB', 2**35 -> '32GiB'."""
+    units = (("TB", 10**12), ("GB", 10**9), ("GiB", 2**30), ("MB", 10**6), ("MiB", 2**20))
+    for unit, scale in units:
         if budget % scale == 0:
             return f"{budget // scale}{unit}"
     return f"{budget}B"

@@ -228,6 +228,7 @@ def test_what_does_not_fit_says_what_would() -> None:
     assert plan_preset(air, "Q4_K_M", "4x32GB").fits
     mixed = plan_preset(air, "Q8_0", "64GB,32GB")
     assert not mixed.fits and mixed.more_hosts == "64GB,32GB,64GB"
+    assert plan_preset(air, "Q8_0", "2x48GiB").more_hosts == "3x48GiB"
 
 
 def test_bad_input_names_the_problem() -> None:
@@ -240,6 +241,8 @@ def test_bad_input_names_the_problem() -> None:
         plan_preset(PRESETS["gpt-oss-20b"], "MXFP4", "2xlots")
     with pytest.raises(ExportError, match="cannot split 24 layers over 25 hosts"):
         plan_preset(PRESETS["gpt-oss-20b"], "MXFP4", "25x32GB")
+    with pytest.raises(ExportError, match="every host needs some memory"):
+        parse_hosts("32GB,0GB")
     assert parse_hosts("3x32GB") == [32_000_000_000] * 3
     assert parse_hosts("64GB,32GiB") == [64_000_000_000, 32 * GIB]
 
