@@ -12,6 +12,7 @@ podman's default runtime does not (a cgroup v1 hybrid). docs/deployment.md has t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
 
 from tests.fleets import KEY, MESSAGES, export_chat_model, local_gateway
 from tests.processes import free_port
@@ -231,14 +233,26 @@ def test_compose_fleet_serves_and_comes_down(
     env: dict[str, str],
     podman: Callable[..., subprocess.CompletedProcess[str]],
 ) -> None:
-    """deploy/compose.yaml as shipped, but for Prometheus (its image comes from a registry)."""
+    """deploy/compose.yaml as shipped, Prometheus included (a local stand-in for its image,
+    deploy/prometheus-image.sh, where no registry gives the real one): the fleet serves, every
+    container passes its healthcheck, Prometheus scrapes the gateway and both stages, and
+    `down` leaves no container and, with -v, no volume."""
+    prometheus = str(yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())["services"]
+                     ["prometheus"]["image"])  # fmt: skip
+    if podman("image", "exists", prometheus, check=False).returncode != 0:
+        done = subprocess.run(
+            ["bash", str(ROOT / "deploy" / "prometheus-image.sh")],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, f"deploy/prometheus-image.sh:\n{done.stderr}"
     export, expected = tiny
-    port = free_port()
+    port, prometheus_port = free_port(), free_port()
     compose_env = {
         **env,
         "PIPESHARD_IMAGE": image,
         "PIPESHARD_EXPORT": str(export),
         "PIPESHARD_PORT": str(port),
+        "PROMETHEUS_PORT": str(prometheus_port),
     }
     base = [tool("podman-compose"), "-p", PREFIX, "-f", str(ROOT / "deploy" / "compose.yaml")]
 
@@ -247,31 +261,45 @@ def test_compose_fleet_serves_and_comes_down(
             [*base, *args], env=compose_env, capture_output=True, text=True, timeout=300
         )
 
-    def project_containers() -> list[str]:
-        label = f"io.podman.compose.project={PREFIX}"
-        return podman("ps", "-aq", "--filter", f"label={label}").stdout.split()
+    def project(kind: str) -> list[str]:
+        label = f"label=io.podman.compose.project={PREFIX}"
+        command = ("ps", "-aq") if kind == "container" else (kind, "ls", "-q")
+        return podman(*command, "--filter", label).stdout.split()
 
     def logs() -> str:
-        return "\n".join(podman("logs", c, check=False).stderr for c in project_containers())
+        return "\n".join(podman("logs", c, check=False).stderr for c in project("container"))
 
     try:
-        up = compose("up", "-d", "stage0", "stage1", "gateway")
-        assert up.returncode == 0, up.stdout + up.stderr
+        up = compose("up", "-d")
+        # podman-compose 1.0 exits 0 even where a `podman run` failed: count the containers
+        assert up.returncode == 0 and len(project("container")) == 4, up.stdout + up.stderr
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, logs)
         assert greedy(url) == expected
-        states = {
-            c: podman("healthcheck", "run", c, check=False).returncode for c in project_containers()
+        states = {c: podman("healthcheck", "run", c, check=False).returncode
+                  for c in project("container")}  # fmt: skip
+        assert set(states.values()) == {0}, f"{states}\n{logs()}"
+        targets: dict[str, str] = {}
+        deadline = time.monotonic() + 90
+        while set(targets.values()) != {"up"} or len(targets) != 3:
+            assert time.monotonic() < deadline, f"Prometheus's targets: {targets}"
+            time.sleep(1)
+            with contextlib.suppress(httpx.HTTPError):  # until it listens
+                answer = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/targets")
+                found = answer.json()["data"]["activeTargets"]
+                targets = {t["scrapeUrl"]: t["health"] for t in found}
+        assert set(targets) == {
+            "http://gateway:8000/metrics",
+            "http://stage0:9100/metrics",
+            "http://stage1:9100/metrics",
         }
-        assert len(states) == 3 and set(states.values()) == {0}, states
     finally:
         down = compose("down", "-t", "20", "-v")
+        # podman-compose 1.0 leaves the project's network behind
+        podman("network", "rm", "-f", f"{PREFIX}_default", check=False)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert project_containers() == []
-    volumes = podman("volume", "ls", "-q", "--filter", f"label=io.podman.compose.project={PREFIX}")
-    assert volumes.stdout.split() == []
-    # podman-compose 1.0 leaves the project's network behind
-    podman("network", "rm", "-f", f"{PREFIX}_default", check=False)
+    assert project("container") == []
+    assert project("volume") == []
 
 
 def test_units_under_systemd_as_pid_1(
