@@ -6,7 +6,9 @@
 #   docker run pipeshard:latest up ...
 #   docker build --target export -t pipeshard:export .     # + the export extra (CPU torch)
 #   docker run -v "$PWD/exports:/exports" pipeshard:export export default --stages 2 --draft default-draft --out /exports/default
-# See deploy/compose.yaml for a whole fleet.
+# See deploy/compose.yaml for a whole fleet. With podman: `podman build --format docker ...` (its
+# default OCI format drops the HEALTHCHECK); without a registry, deploy/base-image.sh builds the
+# base from Debian packages (docs/deployment.md).
 
 # --- builder: the pipeshard wheel. setup.py generates the gRPC stubs during the build, with
 # grpcio-tools from pyproject's build-system requires (pip installs it in the build env).
