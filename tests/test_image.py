@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -219,11 +220,11 @@ def test_stage_and_gateway_containers_serve_and_pass_the_healthcheck(
         assert podman("healthcheck", "run", container, check=False).returncode == 0, logs()
     # and the check can fail: a stage that does not answer (its process stopped)
     pid = podman("inspect", "--format", "{{.State.Pid}}", stages[1]).stdout.strip()
-    os.kill(int(pid), 19)  # SIGSTOP
+    os.kill(int(pid), signal.SIGSTOP)
     try:
         assert podman("healthcheck", "run", stages[1], check=False).returncode != 0
     finally:
-        os.kill(int(pid), 18)  # SIGCONT
+        os.kill(int(pid), signal.SIGCONT)
     assert podman("healthcheck", "run", stages[1], check=False).returncode == 0
 
 
