@@ -282,6 +282,34 @@ def test_keys_aliases_and_versions(fleet: Fleet) -> None:
     assert 'pipeshard_gateway_requests_total{endpoint="/v1/messages",status="200"}' in metrics
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_is_json_valid_for_the_schema(fleet: Fleet, stream: bool) -> None:
+    """``output_config.format`` (and its older name ``output_format``) holds the answer to the
+    schema, as chat's strict ``json_schema``: every object closed."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}, "n": {"enum": [1, 2]}},
+        "required": ["city", "n"],
+    }
+    # (the SDK takes output_config; the older output_format goes as an extra field)
+    fields = (
+        {"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        {"extra_body": {"output_format": {"type": "json_schema", "schema": schema}}},
+    )
+    for field in fields:
+        body = {"model": fleet.model, "max_tokens": 40, "messages": USER, **field}
+        if stream:
+            with _client(fleet).messages.stream(**body) as events:  # type: ignore[arg-type]
+                message = events.get_final_message()
+        else:
+            message = _client(fleet).messages.create(**body)  # type: ignore[arg-type]
+        assert message.stop_reason == "end_turn", message
+        text = "".join(block.text for block in message.content if block.type == "text")
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        assert set(value) <= {"city", "n"}
+
+
 @pytest.mark.parametrize(
     ("body", "status", "kind", "names"),
     [
@@ -304,6 +332,9 @@ def test_keys_aliases_and_versions(fleet: Fleet) -> None:
         ({"max_tokens": 10**6}, 400, "invalid_request_error", "max_tokens"),
         ({"messages": [*USER, {"role": "assistant", "content": "The weather is"}]}, 400, "invalid_request_error", "prefill"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{"type": "char_location"}]}]}]}, 400, "invalid_request_error", "citations"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "output_format": {"type": "json_schema", "schema": SCHEMA}}, 400, "invalid_request_error", "output_format"),
+        ({"output_config": {"format": {"type": "text"}}}, 400, "invalid_request_error", "output_config"),
+        ({"output_config": {"effort": "high"}}, 400, "invalid_request_error", "reasoning_effort"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_field_in_anthropics_envelope(

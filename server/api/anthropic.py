@@ -210,13 +210,25 @@ class Metadata(_Model):
     user_id: str | None = None
 
 
+class OutputFormat(_Model):
+    """Structured output: the answer is JSON valid for ``schema`` (enforced by the grammar, as
+    chat's strict ``json_schema``)."""
+
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(_Model):
+    format: OutputFormat | None = None
+    # the template's reasoning_effort (gpt-oss); a 400 where the template takes none
+    effort: Literal["low", "medium", "high"] | None = None
+
+
 # Fields of Anthropic's request the gateway cannot honour: a 400 naming them, never silence.
 UNSUPPORTED = {
     "mcp_servers": "MCP servers (the gateway runs no tools)",
     "container": "code-execution containers",
     "context_management": "context management",
-    "output_format": "output_format",
-    "output_config": "output_config",
 }
 
 
@@ -244,8 +256,8 @@ class MessagesRequest(_Model):
     mcp_servers: Any = None
     container: Any = None
     context_management: Any = None
-    output_format: Any = None
-    output_config: Any = None
+    output_format: OutputFormat | None = None  # the older name of output_config.format
+    output_config: OutputConfig | None = None
 
     @field_validator("messages")
     @classmethod
@@ -298,6 +310,15 @@ class MessagesRequest(_Model):
         budget = value.budget_tokens if value is not None else None
         if budget is not None and limit is not None and budget >= limit:
             raise ValueError(f"budget_tokens ({budget}) must be less than max_tokens ({limit})")
+        return value
+
+    @field_validator("output_config")
+    @classmethod
+    def _one_format(cls, value: OutputConfig | None, info: ValidationInfo) -> OutputConfig | None:
+        if value is not None and value.format is not None and info.data.get("output_format"):
+            raise ValueError(
+                "give output_config.format only (output_format is its older name), not both"
+            )
         return value
 
     @field_validator(*UNSUPPORTED)
@@ -432,6 +453,15 @@ def to_chat(req: MessagesRequest, template: Any = None) -> ChatCompletionRequest
                 ]
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
+    config = req.output_config or OutputConfig()
+    output = config.format or req.output_format
+    if output is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": output.schema_, "strict": True},
+        }
+    if config.effort is not None:
+        body["reasoning_effort"] = config.effort
     if req.thinking is not None and template_reads(template, "enable_thinking"):
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     return parse_request(ChatCompletionRequest, body)
