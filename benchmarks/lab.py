@@ -273,6 +273,116 @@ class Lab:
         return f"{address}:{port}"
 
 
+def free_subnet(second: int = 77) -> str:
+    """The first ``10.SECOND.X`` /24 that nothing here routes yet (labs side by side)."""
+    taken = _run("ip", "-4", "route", "show", check=False).stdout
+    for third in range(256):
+        if f"10.{second}.{third}.0/24" not in taken:
+            return f"10.{second}.{third}"
+    raise LabError(f"every 10.{second}.X.0/24 is taken")
+
+
+@dataclass
+class LabFleet:
+    """A gateway and stages started on a lab's hosts: the gateway's ``url``, the stage
+    addresses it uses (``stages``: a latency proxy's where delayed), the stages' metrics URLs
+    and the CA bundle that verifies them all (None: plain HTTP and gRPC)."""
+
+    url: str
+    stages: list[str]
+    metrics: list[str]
+    ca: Path | None
+    gateway: Proc
+    stage_procs: list[Proc]
+
+    @property
+    def verify(self) -> str | bool:
+        """httpx's ``verify`` for this fleet's URLs."""
+        return str(self.ca) if self.ca else True
+
+
+def start_fleet(
+    lab: Lab,
+    export: Path,
+    logs: Path,
+    *,
+    gateway_host: int = 0,
+    stage_hosts: Sequence[int] | None = None,
+    delay_ms: float = 0.0,
+    tls: bool = False,
+    secret: str | None = None,
+    api_key: str | None = None,
+    stage_flags: Sequence[str] = (),
+    gateway_flags: Sequence[str] = (),
+    exact: bool = True,
+    timeout: float = 180.0,
+) -> LabFleet:
+    """Stage K of ``export`` on host ``stage_hosts[K]`` (default: hosts 1, 2, ...), listening
+    on the host's address (port 50051 + K, metrics 9100 + K), the gateway on ``gateway_host``
+    (port 8000). ``delay_ms``: a latency proxy in front of every stage (port 51051 + K) adds
+    that much each way to every link into it. ``tls``: a CA and a certificate per host's
+    address; the stages serve TLS and verify the next one, the gateway verifies the stages and
+    serves HTTPS. The processes stop with ``lab.down()``; a stage or gateway that does not
+    start raises (with its log)."""
+    from protos.manifest import load_manifest
+
+    count = load_manifest(export).num_stages
+    hosts = list(stage_hosts) if stage_hosts is not None else [k + 1 for k in range(count)]
+    if len(hosts) != count:
+        raise ValueError(f"{count} stages need {count} hosts, not {hosts}")
+    logs.mkdir(parents=True, exist_ok=True)
+    addresses = sorted({lab.host(i).address for i in [gateway_host, *hosts]})
+    ca, certs = certificates(logs / "tls", addresses) if tls else (None, {})
+    common = ["--secret", secret] if secret else []
+    procs = []
+    for stage, index in enumerate(hosts):
+        address = lab.host(index).address
+        args = [
+            PIPESHARD, "stage", "--shards", str(export), "--stage", str(stage),
+            "--listen", f"{address}:{50051 + stage}", "--metrics-port", str(9100 + stage),
+            "--threads", "1", "--ov-cache-dir", str(logs / "ov-cache"), *common,
+        ]  # fmt: skip
+        if tls:
+            cert, key = certs[address]
+            args += ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)]
+        if exact:
+            args += ["--kv-cache-precision", "f32", "--inference-precision", "f32"]
+        procs.append(lab.start(index, [*args, *stage_flags], logs / f"stage-{stage}.log"))
+    for proc in procs:
+        proc.wait_ready(timeout)
+    stages = []
+    for stage, index in enumerate(hosts):
+        address = lab.host(index).address
+        if delay_ms > 0:
+            log = logs / f"proxy-{stage}.log"
+            stages.append(lab.delay(index, 51051 + stage, 50051 + stage, delay_ms, log))
+        else:
+            stages.append(f"{address}:{50051 + stage}")
+    address = lab.host(gateway_host).address
+    args = [
+        PIPESHARD, "serve", "--stages", ",".join(stages), "--listen", f"{address}:8000",
+        *common,
+    ]  # fmt: skip
+    if api_key:
+        args += ["--api-key", api_key]
+    if tls:
+        cert, key = certs[address]
+        args += ["--tls-ca", str(ca), "--tls-cert", str(cert), "--tls-key", str(key)]
+    gateway = lab.start(gateway_host, [*args, *gateway_flags], logs / "gateway.log")
+    scheme = "https" if tls else "http"
+    url = f"{scheme}://{address}:8000"
+    if not gateway.wait_http(f"{url}/ready", timeout, str(ca) if ca else True):
+        raise LabError(
+            f"the gateway on host {gateway_host} is not ready:\n"
+            + (logs / "gateway.log").read_text()[-3000:]
+        )
+    metrics = [
+        f"{scheme}://{lab.host(index).address}:{9100 + stage}/metrics"
+        for stage, index in enumerate(hosts)
+    ]
+    return LabFleet(url, stages, metrics, ca, gateway, procs)
+
+
 def certificates(
     folder: Path, addresses: Sequence[str]
 ) -> tuple[Path, dict[str, tuple[Path, Path]]]:
