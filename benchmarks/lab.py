@@ -315,6 +315,7 @@ def start_fleet(
     stage_flags: Sequence[str] = (),
     gateway_flags: Sequence[str] = (),
     exact: bool = True,
+    ov_cache: Path | None = None,
     timeout: float = 180.0,
 ) -> LabFleet:
     """Stage K of ``export`` on host ``stage_hosts[K]`` (default: hosts 1, 2, ...), listening
@@ -322,7 +323,8 @@ def start_fleet(
     (port 8000). ``delay_ms``: a latency proxy in front of every stage (port 51051 + K) adds
     that much each way to every link into it. ``tls``: a CA and a certificate per host's
     address; the stages serve TLS and verify the next one, the gateway verifies the stages and
-    serves HTTPS. The processes stop with ``lab.down()``; a stage or gateway that does not
+    serves HTTPS. ``ov_cache``: the stages' OpenVINO cache (default: in ``logs``). The
+    processes stop with ``lab.down()``; a stage or gateway that does not
     start raises (with its log)."""
     from protos.manifest import load_manifest
 
@@ -340,7 +342,7 @@ def start_fleet(
         args = [
             PIPESHARD, "stage", "--shards", str(export), "--stage", str(stage),
             "--listen", f"{address}:{50051 + stage}", "--metrics-port", str(9100 + stage),
-            "--threads", "1", "--ov-cache-dir", str(logs / "ov-cache"), *common,
+            "--threads", "1", "--ov-cache-dir", str(ov_cache or logs / "ov-cache"), *common,
         ]  # fmt: skip
         if tls:
             cert, key = certs[address]
