@@ -353,3 +353,36 @@ def test_lab_refuses_bad_settings() -> None:
     with pytest.raises(ValueError, match="private /24"):
         Lab(2, subnet="8.8.8")
     assert isinstance(LabError("x"), RuntimeError)
+
+
+@needs_lab
+def test_links_benchmark_reports_every_network(tmp_path: Path) -> None:
+    """`pipeshard bench links` on the tiny export, loopback against one shaped network: a row
+    per prompt length and user count for both, and bytes per prompt token that are the hidden
+    state's (64 values in fp16 on the one stage-to-stage hop) plus the little else a step
+    carries; on the lab's links the interfaces saw more than the payload."""
+    import subprocess
+
+    from tests.processes import PIPESHARD
+
+    _, export = export_chat_model(tmp_path / "model")
+    cmd = [
+        PIPESHARD, "bench", "links", "--export", str(export), "--networks",
+        "loopback,100mbit:2", "--users", "1,2", "--prompts", "20,60", "--quick",
+        "--lab-name", f"{lab_name()}b", "--results", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    (report,) = tmp_path.glob("links-*.md")
+    text = report.read_text()
+    assert "| 20 | " in text and "| 60 | " in text and "| 2 | " in text
+    data = json.loads(next(tmp_path.glob("links-*.json")).read_text())["results"]
+    assert set(data) == {"loopback", "100mbit + 2 ms"}
+    for name, result in data.items():
+        per_prompt = result["bytes_per_prompt_token"]
+        assert 128 <= per_prompt["payload"] < 128 + 64, (name, per_prompt)
+        assert result["decode"]["2"]["tokens_per_s"] > 0
+    shaped = data["100mbit + 2 ms"]
+    assert shaped["bytes_per_prompt_token"]["wire"] > shaped["bytes_per_prompt_token"]["payload"]
+    assert data["loopback"]["bytes_per_prompt_token"]["wire"] is None
+    assert netns(f"{lab_name()}b") == []
