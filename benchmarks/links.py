@@ -42,6 +42,7 @@ import httpx
 
 from benchmarks.lab import Lab, LabFleet, free_subnet, start_fleet, unavailable
 from benchmarks.report import add_results_option, describe, machine, save
+from common.net import default_ov_cache
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def run_network(
         folder = logs / re.sub(r"\W+", "-", network.name)
         fleet = start_fleet(
             lab, export, folder, stage_hosts=[0] * stages if network.loopback else None,
-            delay_ms=network.delay_ms, exact=False, ov_cache=logs / "ov-cache", timeout=900,
+            delay_ms=network.delay_ms, exact=False, ov_cache=default_ov_cache(), timeout=900,
             gateway_flags=["--log-level", "WARNING"],
         )  # fmt: skip
         models = httpx.get(f"{fleet.url}/v1/models", verify=fleet.verify, timeout=30).json()
