@@ -386,3 +386,39 @@ def test_links_benchmark_reports_every_network(tmp_path: Path) -> None:
     assert shaped["bytes_per_prompt_token"]["wire"] > shaped["bytes_per_prompt_token"]["payload"]
     assert data["loopback"]["bytes_per_prompt_token"]["wire"] is None
     assert netns(f"{lab_name()}b") == []
+
+
+@needs_lab
+def test_lab_script_brings_a_lab_up_changes_it_and_takes_it_down() -> None:
+    """deploy/lab.sh: up prints every host with its address and rate, cut and partition show in
+    status, down removes it all; a command on no lab is a one-line error."""
+    import subprocess
+    import sys
+
+    script = str(Path(__file__).resolve().parents[1] / "deploy" / "lab.sh")
+    name = f"{lab_name()}s"
+    env = {**os.environ, "PYTHON": sys.executable, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+
+    def lab_sh(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [script, "--name", name, *args], capture_output=True, text=True, env=env, timeout=60
+        )
+
+    subnet = free_subnet()
+    try:
+        up = lab_sh("up", "--hosts", "3", "--rate", "100mbit", "--subnet", subnet)
+        assert up.returncode == 0, up.stderr
+        assert f"{name}-2  {subnet}.4/24  rate 100Mbit" in up.stdout
+        assert lab_sh("cut", "1").returncode == 0
+        assert lab_sh("partition", "0", "2").returncode == 0
+        status = lab_sh("status").stdout
+        assert f"{name}-1  {subnet}.3/24  rate 100Mbit  CUT" in status
+        assert f"{name}-0  {subnet}.2/24  rate 100Mbit  partitioned from {subnet}.4" in status
+        assert lab_sh("heal", "0", "2").returncode == 0
+        assert "partitioned" not in lab_sh("status").stdout
+    finally:
+        down = lab_sh("down")
+    assert down.returncode == 0 and down.stdout.startswith("removed ")
+    assert netns(name) == []
+    missing = lab_sh("cut", "1")
+    assert missing.returncode == 2 and f"no lab named {name!r}" in missing.stderr
