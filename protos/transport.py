@@ -26,16 +26,30 @@ CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
 
 
 def open_channel(
-    address: str, tls_ca: Path | None = None, server_name: str | None = None
+    address: str,
+    tls_ca: Path | None = None,
+    server_name: str | None = None,
+    options: list[tuple[str, int | str]] | None = None,
 ) -> grpc.aio.Channel:
-    """An asyncio channel to a stage: TLS (verified against ``tls_ca``) when a CA is given."""
-    options = list(CHANNEL_OPTIONS)
+    """An asyncio channel to a stage: TLS (verified against ``tls_ca``) when a CA is given;
+    ``options``: more channel options."""
+    options = [*CHANNEL_OPTIONS, *(options or [])]
     if tls_ca is None:
         return grpc.aio.insecure_channel(address, options=options)
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
     return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:10.0.0.2:41234``, ``ipv6:[::1]:5``): the
+    caller's port is a fresh one per connection, so only the host names the link."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6") or not rest:
+        return peer or "unknown"
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    return host.strip("[]")
 
 
 def call_metadata(secret: str | None, manifest_hash: str | None) -> tuple[tuple[str, str], ...]:

@@ -2,14 +2,50 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _Link(Protocol):
+    @property
+    def address(self) -> str: ...
+    @property
+    def bytes_out(self) -> int: ...
+    @property
+    def bytes_in(self) -> int: ...
+
+
+class _LinkBytes(Collector):
+    """``pipeshard_gateway_link_bytes_total``, read from the ring's stages at each scrape."""
+
+    def __init__(self, stages: Callable[[], Sequence[_Link]]) -> None:
+        self.stages = stages
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "pipeshard_gateway_link_bytes",
+            "Payload bytes of steps sent to and results received from each stage (peer: the "
+            "stage's address)",
+            labels=["direction", "peer"],
+        )
+        for stage in self.stages():
+            if stage.bytes_out or stage.bytes_in:
+                family.add_metric(["out", stage.address], stage.bytes_out)
+                family.add_metric(["in", stage.address], stage.bytes_in)
+        yield family
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._links = _LinkBytes(lambda: ())
+        self.registry.register(self._links)
         self.requests = Counter(
             "pipeshard_gateway_requests",
             "HTTP requests by endpoint and status code",
@@ -109,3 +145,7 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+    def watch_links(self, stages: Callable[[], Sequence[_Link]]) -> None:
+        """Report the bytes the gateway exchanges with the stages ``stages()`` returns."""
+        self._links.stages = stages

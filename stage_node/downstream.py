@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 
+import grpc
 import numpy as np
 
 from protos import pipeshard_v1_pb2 as pb
@@ -25,6 +26,11 @@ from stage_node.metrics import StageMetrics
 from stage_node.settings import StageSettings
 
 log = logging.getLogger(__name__)
+
+# How often a stage checks that the next stage answers over the network, and how long an
+# answer may take (see Downstream._watch).
+PROBE_INTERVAL_S = 0.5
+PROBE_TIMEOUT_S = 1.0
 
 # A step to pass on with its output rows (hidden states), or None for a rollback or an error.
 Outgoing = tuple[pb.Step, np.ndarray | None]
@@ -95,14 +101,25 @@ class Downstream:
         self.queue: asyncio.Queue[Outgoing | object] = asyncio.Queue()
         self.hidden_dtype = HIDDEN_DTYPES[settings.hidden_dtype]
         self.ok = False  # until the stream to the next stage is connected
+        # whether the next stage answers a health probe (see _watch)
+        self.reachable = True
         self.closed = False
         self._task: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._settings = settings
+
+    @property
+    def healthy(self) -> bool:
+        """The stream to the next stage is connected and the next stage answers."""
+        return self.ok and self.reachable
 
     def connect(self) -> None:
         if self.closed:
             return
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._pump())
+        if not self.loop and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.create_task(self._watch())
 
     def send(self, step: pb.Step, rows: np.ndarray | None) -> None:
         if self.closed:  # stopping: the gateway sees the stage go and fails or retries the step
@@ -146,7 +163,9 @@ class Downstream:
                             continue
                         batch, ended = self._take(item, call)
                     await call.write(batch)
-                    self.metrics.bytes.labels("out").inc(batch.ByteSize())
+                    size = batch.ByteSize()
+                    self.metrics.bytes.labels("out").inc(size)
+                    self.metrics.link_bytes.labels("out", self.address).inc(size)
                     batch = None
                 code, details = await call.code(), await call.details()
                 raise ConnectionError(f"the stream to the next stage ended: {details or code}")
@@ -161,6 +180,47 @@ class Downstream:
                 self.ok = False
                 await asyncio.sleep(0.2)
 
+    async def _watch(self) -> None:
+        """Probe the next stage's Health every PROBE_INTERVAL_S on a connection of its own.
+
+        A stream over a link that silently drops packets (a partition, a pulled cable) stays
+        "connected" until TCP gives up, minutes later; meanwhile the gateway would see this
+        stage as linked. The probe has a connection of its own (a local subchannel pool), so it
+        never waits behind a large prefill batch queued on the stream's connection; after a
+        failed probe it reconnects, so a link that comes back is seen at once.
+        """
+        settings = self._settings
+        channel: grpc.aio.Channel | None = None
+        try:
+            while not self.closed:
+                if channel is None:
+                    channel = open_channel(
+                        self.address,
+                        settings.tls_ca,
+                        settings.tls_server_name,
+                        options=[("grpc.use_local_subchannel_pool", 1)],
+                    )
+                    stub = pb_grpc.StageStub(channel)
+                try:
+                    await stub.Health(
+                        pb.HealthRequest(), metadata=self.metadata, timeout=PROBE_TIMEOUT_S
+                    )
+                    if not self.reachable:
+                        log.info("next stage %s answers again", self.address)
+                    self.reachable = True
+                except grpc.aio.AioRpcError as exc:
+                    if self.reachable and self.ok:
+                        log.warning("next stage %s does not answer: %s", self.address, exc.code())
+                    self.reachable = False
+                    await channel.close()
+                    channel = None
+                await asyncio.sleep(PROBE_INTERVAL_S)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if channel is not None:
+                await channel.close()
+
     def _ended(self, call: object, future: asyncio.Future[object]) -> None:
         if not future.cancelled():
             future.exception()  # retrieved: a broken stream is expected here
@@ -168,6 +228,7 @@ class Downstream:
 
     async def close(self) -> None:
         self.closed, self.ok = True, False
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._watcher):
+            if task is not None:
+                task.cancel()
         await self.channel.close()

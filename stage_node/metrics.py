@@ -35,6 +35,14 @@ class StageMetrics:
             ["direction"],
             registry=self.registry,
         )
+        self.link_bytes = Counter(
+            "pipeshard_stage_link_bytes",
+            "Payload bytes of steps and results per link: received from and sent to each peer "
+            "(in: the caller's host; out: the next stage's address, or the gateway's host for "
+            "results)",
+            ["direction", "peer"],
+            registry=self.registry,
+        )
         self.steps_in_flight = Gauge(
             "pipeshard_stage_steps_in_flight",
             "Steps received and not yet passed on (waiting or computing)",

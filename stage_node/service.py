@@ -32,6 +32,7 @@ from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.codec import HIDDEN_DTYPES, sampled_to_pb
 from protos.step import StepRequest
+from protos.transport import peer_host
 from shard_runtime.paged import PagedRunner
 from shard_runtime.runner import (
     CapacityExceeded,
@@ -169,7 +170,7 @@ class StageService(pb_grpc.StageServicer):
             serving=True,
             sessions_in_use=self.runner.session_count,
             downstream=self.downstream.address if self.downstream else "",
-            downstream_ok=self.downstream.ok if self.downstream else True,
+            downstream_ok=self.downstream.healthy if self.downstream else True,
             compute_seconds=self.compute_seconds(),
         )
 
@@ -258,8 +259,11 @@ class StageService(pb_grpc.StageServicer):
         self.results[request.client_id] = queue  # a reconnecting gateway takes over its id
         await context.send_initial_metadata(())  # tells the gateway it is subscribed
         try:
+            peer = peer_host(context.peer())
             while (result := await queue.get()) is not None:
-                self.metrics.bytes.labels("out").inc(result.ByteSize())
+                size = result.ByteSize()
+                self.metrics.bytes.labels("out").inc(size)
+                self.metrics.link_bytes.labels("out", peer).inc(size)
                 yield result
         finally:
             if self.results.get(request.client_id) is queue:
@@ -279,9 +283,12 @@ class StageService(pb_grpc.StageServicer):
         task = asyncio.current_task()
         assert task is not None
         self._pushes.add(task)
+        link = self.metrics.link_bytes.labels("in", peer_host(context.peer()))
         try:
             async for batch in request_iterator:
-                self.metrics.bytes.labels("in").inc(batch.ByteSize())
+                size = batch.ByteSize()
+                self.metrics.bytes.labels("in").inc(size)
+                link.inc(size)
                 for step, data in unpack(batch, self.runner.is_first):
                     self._admit(step, data)
                     steps += 1

@@ -85,6 +85,14 @@ SUITES: dict[str, tuple[str, str]] = {
         "benchmarks.latency_proxy",
         "a TCP proxy that delays every chunk (what the suites put in front of each stage)",
     ),
+    "links": (
+        "benchmarks.links",
+        "the fleet on hosts of its own over shaped links vs loopback: TTFT, tok/s, bytes (root)",
+    ),
+    "lab": (
+        "benchmarks.lab",
+        "a lab of hosts on this machine: network namespaces on a bridge, shaped links (root)",
+    ),
     "agent": (
         "benchmarks.agent_loop",
         "a two-tool agent loop with the openai client against a running server",

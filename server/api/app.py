@@ -203,6 +203,7 @@ def create_app(settings: GatewaySettings, pipeline: Ring | None = None) -> FastA
     )
     app = FastAPI(title="pipeshard", version=VERSION, lifespan=_lifespan(gateway))
     app.state.gateway = gateway
+    gateway.metrics.watch_links(lambda: gateway.pipeline.stages)
     keys = [k.get_secret_value().encode() for k in settings.api_keys]
     app.add_middleware(Edge, keys=keys, max_body=settings.max_body_bytes, metrics=gateway.metrics)
     document(app, secured=bool(keys))

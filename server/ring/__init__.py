@@ -78,6 +78,10 @@ class StageStatus(Protocol):
     def link_ok(self) -> bool: ...  # its link to the next stage is connected
     @property
     def detail(self) -> str: ...
+    @property
+    def bytes_out(self) -> int: ...  # payload bytes of the steps the gateway sent it
+    @property
+    def bytes_in(self) -> int: ...  # payload bytes of the results the gateway got from it
 
 
 class Ring(Protocol):

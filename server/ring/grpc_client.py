@@ -74,6 +74,9 @@ class StageState:
     detail: str = "not checked yet"
     unreleased: set[str] = field(default_factory=set)  # frees it missed while unreachable
     info: pb.StageInfo | None = None
+    # payload bytes of the steps the gateway sent to this stage and the results it got back
+    bytes_out: int = 0
+    bytes_in: int = 0
     stub: pb_grpc.StageStub | None = field(default=None, repr=False)
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
@@ -240,8 +243,10 @@ class PipelineClient:
         self._results_task = asyncio.create_task(self._read_results(call))
 
     async def _read_results(self, call: AsyncIterator[pb.StepResult]) -> None:
+        last = self.stages[-1]
         try:
             async for result in call:
+                last.bytes_in += result.ByteSize()
                 if not result.HasField("error"):
                     self._ring_alive_at = time.monotonic()
                 entry = self._pending.pop(result.step_id, None)
@@ -413,7 +418,9 @@ class PipelineClient:
             ended = asyncio.ensure_future(call)
             ended.add_done_callback(lambda f: self._push_ended(call, f))
             while True:
-                await call.write(pb.StepBatch(steps=await self._push_batch(call, ended)))
+                batch = pb.StepBatch(steps=await self._push_batch(call, ended))
+                await call.write(batch)
+                first.bytes_out += batch.ByteSize()
         except asyncio.CancelledError:
             pass
         except Exception as exc:

@@ -52,6 +52,8 @@ class LocalStage:
     up: bool = True
     link_ok: bool = True
     detail: str = "serving"
+    bytes_out: int = 0  # in-process: nothing crosses a network
+    bytes_in: int = 0
 
 
 def ring_error(exc: Exception, stage: int | None = None) -> RingError:
