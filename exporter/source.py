@@ -112,12 +112,14 @@ class ModelSource:
         from transformers import AutoModelForCausalLM
 
         where, extra = self._location()
+        # gpt-oss's attention sinks: transformers computes them in its eager attention only
+        eager = getattr(self.load_config(), "model_type", None) == "gpt_oss"
         with _gguf_progress(progress or self.kind != "gguf"):
             model = AutoModelForCausalLM.from_pretrained(
                 where,
                 local_files_only=True,
                 dtype=torch.float32,
-                attn_implementation="sdpa",
+                attn_implementation="eager" if eager else "sdpa",
                 **extra,
             )
         return model.eval()

@@ -326,7 +326,7 @@ def test_a_draft_of_another_vocabulary_is_refused(exports: dict[int, Path]) -> N
         later.check_target(vocab + 44)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "qwen3_moe", "mixtral", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"])
 def test_speculation_with_a_draft_of_the_same_architecture(arch: str, tmp_path: Path) -> None:
     """The newer architectures (every layer sliding, fused projections, sparse experts) on 2
     paged stages: greedy with a draft of the same vocabulary (its weights plus noise) equals
