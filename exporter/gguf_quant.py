@@ -535,6 +535,8 @@ def describe(
     if tensor_type == t.F64:
         return "narrowed to f32", "inexact"
     spec = _SPECS.get(tensor_type)
+    if tensor_type == t.MXFP4 and matrix:
+        return "e2m1 codes as i8 (doubled values), f32 scales 2^(E-128) per 32", "bit-exact"
     if spec is not None and matrix:
         becomes = f"{spec.code_type} codes as stored, f32 scales per {spec.group}"
         if tensor_type not in _AFFINE:
