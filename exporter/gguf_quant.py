@@ -389,8 +389,8 @@ _SPECS: dict[GGMLQuantizationType, _Spec] = {
     GGMLQuantizationType.Q4_K: _Spec(32, "u4", _q4_k),
     GGMLQuantizationType.Q5_K: _Spec(32, "u8", _q5_k),
     GGMLQuantizationType.Q6_K: _Spec(16, "i8", _q6_k),
-    # gpt-oss's experts: the one form that is exact and that GatherMatmul keeps compressed
-    # (f4e2m1 codes it unpacks to f32; docs/export.md, "gpt-oss")
+    # gpt-oss's experts: the smallest exact form GatherMatmul keeps compressed (it unpacks
+    # f4e2m1 codes to f32; e8m0 scales save nothing at run time: docs/export.md, "gpt-oss")
     GGMLQuantizationType.MXFP4: _Spec(32, "i8", _mxfp4),
 }
 
