@@ -473,28 +473,28 @@ class GptOssExperts:
             assert isinstance(weight, DenseWeight)
             array = np.swapaxes(weight.array, 1, 2)
             return DenseWeight(np.ascontiguousarray(array).reshape(-1, array.shape[-1]))
+        bias = kind == "bias"
         if proj == "down_proj" or self.inner.has(name):
-            weight = self.inner.tensor(name)
+            weight = _vector(self.inner.tensor(name)) if bias else self.inner.tensor(name)
             if proj == "gate_up_proj":  # a GGUF's fused ffn_gate_up_exps: gate, then up rows
                 return _permute(weight, _fused_order(self.experts, self.width))
             return weight
         gate = self.inner.tensor(f"{prefix}.gate_proj.{kind}")
         up = self.inner.tensor(f"{prefix}.up_proj.{kind}")
-        return _permute(_rows(gate), _interleave_order(self.experts, self.width), _rows(up))
+        if bias:
+            gate, up = _vector(gate), _vector(up)
+        return _permute(stack_rows(gate, up), _interleave_order(self.experts, self.width))
 
 
-def _rows(weight: Weight) -> Weight:
+def _vector(weight: Weight) -> DenseWeight:
     """A bias stored [E, rows] as the vector of its rows."""
-    if isinstance(weight, DenseWeight) and weight.array.ndim == 2:
-        return DenseWeight(weight.array.reshape(-1), weight.note)
-    return weight
+    if not isinstance(weight, DenseWeight):
+        raise ExportError("gpt-oss: an expert bias stored quantized")
+    return DenseWeight(weight.array.reshape(-1), weight.note)
 
 
-def _permute(weight: Weight, order: np.ndarray, then: Weight | None = None) -> Weight:
-    """The rows of ``weight`` (and then of ``then``) in ``order``."""
-    if then is not None:
-        weight = stack_rows(_rows(weight), _rows(then))
-    weight = _rows(weight)
+def _permute(weight: Weight, order: np.ndarray) -> Weight:
+    """The rows (a vector's values) of ``weight`` in ``order``."""
     if isinstance(weight, DenseWeight) and weight.array.ndim == 1:
         return DenseWeight(weight.array[order], weight.note)
     return weight.permute_rows(order)

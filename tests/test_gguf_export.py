@@ -617,3 +617,25 @@ def test_gpt_oss_mxfp4_checkpoint_equals_its_dense_folder(tmp_path: Path) -> Non
     )  # fmt: skip
     assert report.failures() == []
     assert all(r.against is not None and r.against.identical for r in report.results)
+
+
+@pytest.mark.parametrize(
+    ("arch", "types"), [("gpt_oss", GPT_OSS_TYPES), ("glm4_moe", {"": "Q8_0", "_exps": "Q4_K"})]
+)
+def test_verify_a_gguf_transformers_cannot_read(
+    tmp_path: Path, arch: str, types: dict[str, str]
+) -> None:
+    """`pipeshard verify` of an export from a gpt-oss or GLM-4.5 GGUF, whose weights
+    transformers' GGUF loader refuses: the reference is transformers' model of the file's
+    config holding the file's weights as gguf-py de-quantizes them (the same as an export from
+    the Hugging Face folder would be compared with); strict under the exact runtime."""
+    from exporter.tiny_gguf import make_gguf_model
+
+    gguf = make_gguf_model(arch, tmp_path / "gguf", types=types)
+    out = tmp_path / "out"
+    export_model(ExportOptions(model=str(gguf), out=out, stages=2, quiet=True))
+    report = verify_export(out, prompt_ids=PROMPTS, steps=16, options=EXACT_GGUF)
+    for result in report.results:
+        assert result.reference is not None and result.reference.strict
+        assert result.reference.matched == 16, result
+    assert report.failures() == []
