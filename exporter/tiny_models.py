@@ -228,6 +228,8 @@ def randomize_buffers(model: Any) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
+        if model.config.model_type != "gpt_oss":
+            return
         for name, param in model.named_parameters():
             if name.endswith((".sinks", "_proj_bias", "router.bias")):
                 param.copy_(torch.randn_like(param))
