@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "mixtral": "Mixtral (experts computed sparsely; a set sliding_window masks every layer)",
     "glm4_moe": "GLM-4.5, 4.5-Air, 4.6, 4.7 (experts computed sparsely, sigmoid grouped routing, "
     "a shared expert, dense first layers, partial rotary; NextN/MTP layers skipped)",
+    "gpt_oss": "gpt-oss 20b, 120b (experts computed sparsely, MXFP4 experts kept exact; "
+    "attention sinks, alternating sliding/full attention, YaRN RoPE)",
 }
 
 # Architectures whose attention and MLP input projections are stored fused (qkv_proj,
@@ -53,10 +55,11 @@ class ArchitectureFacts:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
-    # How the router picks experts: "softmax" (Qwen3-MoE, Mixtral: top-k of the softmax) or
+    # How the router picks experts: "softmax" (Qwen3-MoE, Mixtral: top-k of the softmax),
     # "sigmoid" (GLM-4.5: top-k of sigmoid scores plus a correction bias, within the best
     # ``topk_group`` of ``n_group`` expert groups; the chosen scores, renormalised if
-    # norm_topk_prob, times ``routed_scaling_factor``)
+    # norm_topk_prob, times ``routed_scaling_factor``) or "topk_softmax" (gpt-oss: a router
+    # with a bias, the top-k of its logits, softmax over those k)
     router: str = "softmax"
     routed_scaling_factor: float = 1.0
     n_group: int = 1
@@ -66,6 +69,11 @@ class ArchitectureFacts:
     # NextN / multi-token-prediction layers stored after the last layer: not part of the
     # model's output, not exported
     nextn_layers: int = 0
+    # gpt-oss: a learnt logit per head that every query's softmax also sees (attention sinks),
+    # and experts with biases whose gate and up rows interleave, computing
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    attention_sinks: bool = False
+    clamped_swiglu: bool = False
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -74,8 +82,6 @@ class ArchitectureFacts:
 # Mixture-of-experts families people ask for that the export does not build, and why: refused
 # with the reason rather than the bare list.
 NOT_YET = {
-    "gpt_oss": "gpt-oss's attention sinks, YaRN RoPE and biased experts with a clamped SwiGLU "
-    "(which the CPU plugin can compute sparsely, as two GatherMatmul a layer) are not built yet",
     "glm4_moe_lite": "GLM-4.7-Flash's multi-head latent attention (DeepSeek's) is not built",
     "qwen2_moe": "Qwen2-MoE's shared expert (with its sigmoid gate beside the routed experts) "
     "is not built",
@@ -135,6 +141,16 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         )
     if model_type == "glm4_moe":
         moe = _glm4_moe(config, num_layers)
+    if model_type == "gpt_oss":  # transformers' GptOssMLP: every layer's MLP is experts
+        moe = dict(
+            moe_layers=tuple(range(num_layers)),
+            num_experts=int(config.num_local_experts),
+            experts_per_token=int(config.num_experts_per_tok),
+            expert_intermediate_size=int(config.intermediate_size),
+            router="topk_softmax",
+            attention_sinks=True,
+            clamped_swiglu=True,
+        )
     return ArchitectureFacts(
         model_type=model_type,
         num_layers=num_layers,

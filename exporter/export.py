@@ -277,6 +277,7 @@ class _Resolved:
         from exporter.weights import (
             FusedProjections,
             GGUFSource,
+            GptOssExperts,
             MixtralNames,
             SafetensorsSource,
         )
@@ -296,6 +297,8 @@ class _Resolved:
             source = FusedProjections(source, self.config)
         if self.facts.model_type == "mixtral" and self.source.kind != "gguf":
             source = MixtralNames(source)
+        if self.facts.model_type == "gpt_oss":
+            source = GptOssExperts(source, self.config)
         return source
 
 

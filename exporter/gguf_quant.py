@@ -312,6 +312,66 @@ def _q6_k(b: np.ndarray) -> _Fields:
     return _Fields(q.reshape(n, 256), _f16(b[:, 208:210]) * sc, None)
 
 
+# MXFP4's 16 codes (e2m1) as the doubled values gguf-py's MXFP4.kvalues lists: integers, so
+# that an i8 code times the block's scale 2^(E - 128) is the value, exactly
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def e8m0_half(exponents: np.ndarray) -> np.ndarray:
+    """An e8m0 exponent byte E -> 2^(E - 128) as f32 (ggml_e8m0_to_fp32_half: E 0 and 1 give
+    the f32 denormals 2^-128 and 2^-127; E 255 is finite)."""
+    e = np.asarray(exponents).astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _mxfp4(b: np.ndarray) -> _Fields:
+    # byte 0: the e8m0 exponent; 16 bytes: elements 0-15 in the low nibbles, 16-31 high
+    return _Fields(MXFP4_VALUES[_nibbles(b[:, 1:17])], e8m0_half(b[:, :1]), None)
+
+
+def mxfp4_weight(codes: np.ndarray, exponents: np.ndarray) -> PackedWeight:
+    """MXFP4 given as 4-bit codes [rows, cols] (uint8, one a byte, element order) and e8m0
+    exponents [rows, cols // 32] (a Hugging Face checkpoint's ``*_blocks``/``*_scales``
+    unpacked): i8 codes (the doubled e2m1 values) with an f32 scale per 32, exactly the
+    values transformers' and gguf-py's de-quantization give."""
+    rows, cols = codes.shape
+    return PackedWeight(
+        rows=rows,
+        cols=cols,
+        group=32,
+        code_type="i8",
+        codes=MXFP4_VALUES[codes & 0x0F],
+        scale=e8m0_half(exponents).reshape(rows, cols // 32),
+        zero_point=None,
+        source_type="MXFP4",
+    )
+
+
+def stack_rows(first: Weight, second: Weight) -> Weight:
+    """``first``'s rows, then ``second``'s (two weights of the same form): exact."""
+    if isinstance(first, DenseWeight) and isinstance(second, DenseWeight):
+        return DenseWeight(np.concatenate([first.array, second.array]), first.note)
+    if not (isinstance(first, PackedWeight) and isinstance(second, PackedWeight)):
+        raise ValueError("stack_rows needs two weights of the same kind")
+    if (first.cols, first.group, first.code_type) != (second.cols, second.group, second.code_type):
+        raise ValueError("stack_rows needs the same columns, groups and codes")
+    if first.correction is not None or second.correction is not None:
+        raise ValueError("stack_rows takes the exact form, not split")
+    if (first.zero_point is None) != (second.zero_point is None):
+        raise ValueError("stack_rows: one weight has a zero point, the other none")
+    zp = None
+    if first.zero_point is not None and second.zero_point is not None:
+        zp = np.concatenate([first.zero_point, second.zero_point])
+    return replace(
+        first,
+        rows=first.rows + second.rows,
+        codes=np.concatenate([first.codes, second.codes]),
+        scale=np.concatenate([first.scale, second.scale]),
+        zero_point=zp,
+    )
+
+
 class _Spec(NamedTuple):
     group: int  # elements per scale
     code_type: CodeType
@@ -329,6 +389,9 @@ _SPECS: dict[GGMLQuantizationType, _Spec] = {
     GGMLQuantizationType.Q4_K: _Spec(32, "u4", _q4_k),
     GGMLQuantizationType.Q5_K: _Spec(32, "u8", _q5_k),
     GGMLQuantizationType.Q6_K: _Spec(16, "i8", _q6_k),
+    # gpt-oss's experts: the smallest exact form GatherMatmul keeps compressed (it unpacks
+    # f4e2m1 codes to f32; e8m0 scales save nothing at run time: docs/export.md, "gpt-oss")
+    GGMLQuantizationType.MXFP4: _Spec(32, "i8", _mxfp4),
 }
 
 
@@ -472,6 +535,8 @@ def describe(
     if tensor_type == t.F64:
         return "narrowed to f32", "inexact"
     spec = _SPECS.get(tensor_type)
+    if tensor_type == t.MXFP4 and matrix:
+        return "e2m1 codes as i8 (doubled values), f32 scales 2^(E-128) per 32", "bit-exact"
     if spec is not None and matrix:
         becomes = f"{spec.code_type} codes as stored, f32 scales per {spec.group}"
         if tensor_type not in _AFFINE:

@@ -47,6 +47,11 @@ from exporter.recipe import Recipe
 # opset4's Swish with one input: openvino.opset4.swish always adds a beta input, and the CPU
 # plugin's MoE fusion (ConvertTiledMoeBlockToGatherMatmuls) matches only the one-input form
 _OPSET4 = NodeFactory("opset4")
+# opset13's ScaledDotProductAttention with its 6th input (attention sinks): the Python wrapper
+# takes 5
+_OPSET13 = NodeFactory("opset13")
+# gpt-oss's clamped SwiGLU (transformers' GptOssExperts)
+_OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0
 
 
 class WeightSource(Protocol):
@@ -163,10 +168,17 @@ class _Builder:
         f = self.f
         experts, k, hidden = f.num_experts, f.experts_per_token, f.hidden_size
         rows = ops.reshape(x, _i64([-1, hidden]), False)  # [N, H]
-        router = weight_node(self.src.tensor(f"{prefix}.gate.weight"), f"{prefix}.gate")
-        logits = ops.matmul(rows, router, False, True).output(0)  # [N, E]
+        if f.router == "topk_softmax":  # gpt-oss: mlp.router, with a bias
+            logits = self.proj(rows.output(0), f"{prefix}.router")
+        else:
+            router = weight_node(self.src.tensor(f"{prefix}.gate.weight"), f"{prefix}.gate")
+            logits = ops.matmul(rows, router, False, True).output(0)  # [N, E]
         if f.router == "sigmoid":
             probs, chosen, index = self.sigmoid_routing(logits, prefix)
+        elif f.router == "topk_softmax":  # the top-k logits, softmax over those k
+            probs = logits
+            top = ops.topk(logits, _i64(k), -1, "max", "value", ov.Type.i64)
+            chosen, index = ops.softmax(top.output(0), -1).output(0), top.output(1)
         else:
             probs = ops.softmax(logits, -1).output(0)
             top = ops.topk(probs, _i64(k), -1, "max", "value", ov.Type.i64)
@@ -177,12 +189,15 @@ class _Builder:
         routing = ops.scatter_elements_update(zeros, index, chosen, _i64(1))  # [N, E]
         tiled = ops.reshape(ops.tile(rows, _i64([experts, 1])), _i64([experts, -1, hidden]), False)
         size = f.expert_intermediate_size
-        gate = ops.matmul(tiled, self.experts(prefix, "gate_proj", size, hidden), False, True)
-        up = ops.matmul(tiled, self.experts(prefix, "up_proj", size, hidden), False, True)
-        act = _OPSET4.create("Swish", [gate.output(0)], {})
-        down = ops.matmul(
-            ops.multiply(act, up), self.experts(prefix, "down_proj", hidden, size), False, True
-        )
+        if f.clamped_swiglu:
+            down = self.clamped_swiglu_experts(tiled.output(0), prefix)
+        else:
+            gate = ops.matmul(tiled, self.experts(prefix, "gate_proj", size, hidden), False, True)
+            up = ops.matmul(tiled, self.experts(prefix, "up_proj", size, hidden), False, True)
+            act = _OPSET4.create("Swish", [gate.output(0)], {})
+            down = ops.matmul(
+                ops.multiply(act, up), self.experts(prefix, "down_proj", hidden, size), False, True
+            ).output(0)
         batch = ops.gather(ops.shape_of(x), _i64([0]), _i64(0))
         per_expert = ops.reshape(
             down, ops.concat([_i64([experts]), batch, _i64([-1, hidden])], 0), False
@@ -198,6 +213,37 @@ class _Builder:
         if not shared:
             return routed
         return ops.add(routed, self.mlp(x, f"{prefix}.shared_experts", 0, shared, shared)).output(0)
+
+    def expert_bias(self, prefix: str, name: str, width: int) -> Output:
+        """Every expert's ``name`` bias as a constant [E, 1, width] (the CPU plugin folds only
+        a constant bias into GatherMatmul)."""
+        bias = _vector(self.src, f"{prefix}.experts.{name}.bias")
+        if bias.size != self.f.num_experts * width:
+            raise ExportError(f"{prefix}.experts.{name}.bias: {bias.size} values")
+        return _const(bias.reshape(self.f.num_experts, 1, width))
+
+    def clamped_swiglu_experts(self, tiled: Output, prefix: str) -> Output:
+        """gpt-oss's experts (transformers' GptOssExperts) on the tiled rows [E, N, H]: one
+        matmul for gate and up, whose rows interleave (gate of channel i in row 2i, up in
+        2i + 1), plus bias; (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7);
+        then down plus bias. The CPU plugin's ConvertTiledMoeBlockTo2GatherMatmuls matches
+        exactly this form (strided slices of the interleaved rows; 2 GatherMatmul a layer)."""
+        hidden, size = self.f.hidden_size, self.f.expert_intermediate_size
+        gate_up = self.experts(prefix, "gate_up_proj", 2 * size, hidden)
+        both = ops.matmul(tiled, gate_up, False, True)
+        both = ops.add(both, self.expert_bias(prefix, "gate_up_proj", 2 * size))
+        end = np.iinfo(np.int64).max
+
+        def every_other(start: int) -> Output:
+            return ops.slice(both, _i64([start]), _i64([end]), _i64([2]), _i64([2])).output(0)
+
+        gate, up = every_other(0), every_other(1)
+        up = ops.add(ops.clamp(up, -_OAI_LIMIT, _OAI_LIMIT), _const(1.0))
+        glu = ops.swish(ops.minimum(gate, _const(_OAI_LIMIT)), _const(_OAI_ALPHA))
+        down = ops.matmul(
+            ops.multiply(up, glu), self.experts(prefix, "down_proj", hidden, size), False, True
+        )
+        return ops.add(down, self.expert_bias(prefix, "down_proj", hidden)).output(0)
 
     def sigmoid_routing(self, logits: Output, prefix: str) -> tuple[Output, Output, Output]:
         """Glm4MoeMoE.route_tokens_to_experts: sigmoid scores; the experts are chosen by the
@@ -339,9 +385,21 @@ class _Builder:
             full.get_tensor().set_names({f"present.{local}.{kind}"})
             presents.append(full)
             merged.append(self.expand_kv(full))
-        attended = ops.scaled_dot_product_attention(
-            q, merged[0], merged[1], mask, _const(self.r.attention_scale), causal=False
-        )
+        scale = _const(self.r.attention_scale)
+        if f.attention_sinks:
+            # gpt-oss: the sink logits [1, H, 1, 1], a Constant (the CPU plugin takes no other
+            # sink), join every row's softmax and are dropped after it (transformers' eager
+            # attention); the fused stateful and paged attention take them as they are
+            sinks = _vector(self.src, f"{prefix}.sinks").reshape(1, f.num_heads, 1, 1)
+            attended = _OPSET13.create(
+                "ScaledDotProductAttention",
+                [q, merged[0], merged[1], mask, scale, _const(sinks)],
+                {"causal": False},
+            ).output(0)
+        else:
+            attended = ops.scaled_dot_product_attention(
+                q, merged[0], merged[1], mask, scale, causal=False
+            ).output(0)
         attended = ops.transpose(attended, to_heads_first)
         flat = ops.reshape(attended, _i64([0, 0, f.num_heads * f.head_dim]), True).output(0)
         return self.proj(flat, f"{prefix}.o_proj")

@@ -45,6 +45,9 @@ _EDGE_BYTES = {
     "int4": 1.0 + 4 / 4096,
     "gguf": 1.2,
 }
+# gpt-oss's MXFP4 experts from a GGUF as the stages hold them (e2m1 codes as i8, an f32 scale
+# per 32): 9.8 bits a weight measured at run time (docs/export.md, "gpt-oss")
+MXFP4_EXPERT_BYTES = 9.8 / 8
 # Relative decode time per weight byte (see decode_balanced_split); edges are int8 or wider.
 _DECODE_COST = {"fp32": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 1.25, "gguf": 1.1}
 # "gguf" blocks are kept in groups of at most 32 input channels: an MLP cuts at that step
@@ -94,6 +97,22 @@ def layer_params(
 
 def _layer_params_over_model(facts: ArchitectureFacts, intermediate_size: int) -> list[int]:
     return [layer_params(facts, intermediate_size, i) for i in range(facts.num_layers)]
+
+
+def _layer_bytes_over_model(
+    facts: ArchitectureFacts, intermediate_size: int, weight_format: str
+) -> list[float]:
+    """Each layer's weight bytes: its parameters at the format's bytes each, but gpt-oss's
+    routed experts from a GGUF (MXFP4) at MXFP4_EXPERT_BYTES."""
+    per_param = _LAYER_BYTES[weight_format]
+    out = []
+    for i, params in enumerate(_layer_params_over_model(facts, intermediate_size)):
+        size = params * per_param
+        if facts.model_type == "gpt_oss" and weight_format == "gguf" and facts.is_moe(i):
+            experts = facts.num_experts * mlp_params(facts, facts.expert_intermediate_size)
+            size += experts * (MXFP4_EXPERT_BYTES - per_param)
+        out.append(size)
+    return out
 
 
 def attention_params(facts: ArchitectureFacts) -> int:
@@ -246,14 +265,14 @@ def plan_stages(
     tied_embeddings: bool = False,
     channel_step: int = 1,
 ) -> list[StagePlan]:
-    layers = _layer_params_over_model(facts, intermediate_size)
+    layers = _layer_bytes_over_model(facts, intermediate_size, weight_format)
     per_channel = mlp_params(facts, 1) * _LAYER_BYTES[weight_format]
     edge = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     plans = []
     bounds = split_bounds(facts.num_layers, split, intermediate_size, channel_step)
     for index, (start, end, mlp_in, mlp_out) in enumerate(bounds):
         count = end - start
-        weight = sum(layers[start:end]) * _LAYER_BYTES[weight_format]
+        weight = sum(layers[start:end])
         if mlp_in is not None:  # the rest of the layer before
             weight += per_channel * (intermediate_size - mlp_in)
         if mlp_out is not None:  # part of its last layer's MLP
@@ -285,9 +304,7 @@ def split_for_memory(
 ) -> list[int]:
     """Give each node layers in proportion to what its memory budget holds; refuse if none fits.
     Layers of different sizes (an MoE model's dense ones) are all counted as the largest."""
-    per_layer = (
-        max(_layer_params_over_model(facts, intermediate_size)) * _LAYER_BYTES[weight_format]
-    )
+    per_layer = max(_layer_bytes_over_model(facts, intermediate_size, weight_format))
     per_layer += kv_bytes_per_layer(facts, context)
     edge = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     capacity = []

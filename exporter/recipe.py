@@ -62,6 +62,8 @@ def _inv_freq(
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "longrope":
         return _longrope(params, head_dim, config, context)
+    if kind == "yarn":
+        return _yarn(params, head_dim, config)
     if kind == "default":
         return inv, 1.0
     if kind == "linear":
@@ -77,8 +79,49 @@ def _inv_freq(
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
     raise ExportError(
-        f"RoPE type {kind!r} is not supported (default, linear, llama3 and longrope are)"
+        f"RoPE type {kind!r} is not supported (default, linear, llama3, longrope and yarn are)"
     )
+
+
+def _yarn(params: dict[str, Any], dim: int, config: Any) -> tuple[np.ndarray, float]:
+    """YaRN (gpt-oss) as transformers' _compute_yarn_parameters computes it, in float32:
+    between the channel pairs that rotate more than beta_fast times over the original context
+    (kept) and those that rotate less than beta_slow times (divided by the factor), a linear
+    ramp; cos and sin scaled by the attention factor (0.1 ln(factor) + 1 unless given)."""
+    base = float(params.get("rope_theta", 10000.0))
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(config.max_position_embeddings) / original
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    fast = float(params.get("beta_fast") or 32)
+    slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    powers = (np.float64(base) ** exponents.astype(np.float64)).astype(np.float32)
+    extrapolation = (np.float32(1.0) / powers).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(factor) * powers)).astype(np.float32)
+    ramp = (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    keep = np.float32(1.0) - np.clip(ramp, 0, 1).astype(np.float32)
+    inv = interpolation * (np.float32(1.0) - keep) + extrapolation * keep
+    return inv.astype(np.float32), float(attention)
 
 
 def _longrope(

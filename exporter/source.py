@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from exporter.errors import ExportError
 
 log = logging.getLogger(__name__)
@@ -112,14 +114,22 @@ class ModelSource:
         from transformers import AutoModelForCausalLM
 
         where, extra = self._location()
-        with _gguf_progress(progress or self.kind != "gguf"):
-            model = AutoModelForCausalLM.from_pretrained(
-                where,
-                local_files_only=True,
-                dtype=torch.float32,
-                attn_implementation="sdpa",
-                **extra,
-            )
+        # gpt-oss's attention sinks: transformers computes them in its eager attention only
+        config = self.load_config()
+        attention = "eager" if getattr(config, "model_type", None) == "gpt_oss" else "sdpa"
+        try:
+            with _gguf_progress(progress or self.kind != "gguf"):
+                model = AutoModelForCausalLM.from_pretrained(
+                    where,
+                    local_files_only=True,
+                    dtype=torch.float32,
+                    attn_implementation=attention,
+                    **extra,
+                )
+        except (OSError, ValueError, KeyError) as exc:
+            if not self._refused(exc):
+                raise
+            model = reference_from_gguf(self.path, config, attention)
         return model.eval()
 
     def load_tokenizer(self) -> Any:
@@ -143,6 +153,54 @@ class ModelSource:
         if cached is not None:
             _cache_tokenizer(tokenizer, cached)
         return tokenizer
+
+
+def reference_from_gguf(path: Path, config: Any, attention: str) -> Any:
+    """transformers' model of ``config`` holding a GGUF's weights as gguf-py de-quantizes them
+    (float32), for the architectures whose GGUF transformers does not read (gpt-oss, GLM-4.5):
+    the reference `pipeshard verify` compares with, built as transformers' GGUF loader would."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from exporter.weights import GGUFSource, GptOssExperts
+
+    model_type = str(config.model_type)
+    if model_type not in ("gpt_oss", "glm4_moe"):
+        raise ExportError(f"{path.name}: no transformers reference for a {model_type} GGUF")
+    source: Any = GGUFSource(path, config, dense="fp32")
+    if model_type == "gpt_oss":
+        source = GptOssExperts(source, config)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=attention
+    )
+
+    def array(name: str) -> Any:
+        return source.tensor(name).array
+
+    state = {}
+    for name, current in model.state_dict().items():
+        shape = tuple(current.shape)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            proj = name.rsplit(".", 1)[1]
+            if model_type == "gpt_oss":  # x @ W: [E, in, out]
+                stacked = array(f"{name}.weight").reshape(shape[0], shape[2], shape[1])
+                value = stacked.transpose(0, 2, 1)
+            elif proj == "gate_up_proj":  # GLM: [E, gate rows then up rows, H]
+                prefix = name.rsplit(".", 1)[0]
+                half = (shape[0], shape[1] // 2, shape[2])
+                gate = array(f"{prefix}.gate_proj.weight").reshape(half)
+                value = np.concatenate([gate, array(f"{prefix}.up_proj.weight").reshape(half)], 1)
+            else:
+                value = array(f"{name}.weight")
+        elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+            value = array(name.removesuffix("_bias") + ".bias")
+        elif name == "lm_head.weight" and not source.has(name):
+            value = array("model.embed_tokens.weight")
+        else:
+            value = array(name)
+        state[name] = torch.from_numpy(np.ascontiguousarray(value, np.float32).reshape(shape))
+    model.load_state_dict(state)
+    return model
 
 
 def _cache_tokenizer(tokenizer: Any, folder: Path) -> None:

@@ -36,8 +36,9 @@ GGUF_ARCH = {
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",  # llama.cpp's Mixtral: a llama file with experts
     "glm4_moe": "glm4moe",
+    "gpt_oss": "gpt-oss",
 }
-TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
 # general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 14, "Q4_K_M": 15, "Q6_K": 18}
 
@@ -177,8 +178,8 @@ def tensor_type(name: str, shape: tuple[int, ...], types: str | dict[str, str]) 
     F16). A dict maps name substrings to types, the longest match winning and unmatched 2-D
     weights staying F32: ``{"": "Q8_0", "ffn_down": "Q6_K"}`` is Q8_0 but for ffn_down.
     """
-    if len(shape) < 2 or ".ffn_gate_inp." in name:  # llama-quantize keeps MoE routers F32
-        return "F32"
+    if len(shape) < 2 or ".ffn_gate_inp." in name or name.endswith(".bias"):
+        return "F32"  # llama-quantize keeps MoE routers and biases (gpt-oss's: [E, rows]) F32
     if isinstance(types, dict):
         hits = [key for key in types if key in name]
         return types[max(hits, key=len)] if hits else "F32"
@@ -216,6 +217,66 @@ def _stack_experts(state: dict[str, Any]) -> dict[str, Any]:
     for name, parts in experts.items():
         merged[name] = torch.stack([parts[e] for e in sorted(parts)])
     return merged
+
+
+def _gpt_oss_experts(state: dict[str, Any]) -> dict[str, Any]:
+    """convert_hf_to_gguf's GptOssModel for dense (not MXFP4) experts: ``gate_up_proj``
+    [E, H, 2I] (x @ W, gate and up columns interleaved) -> ``gate_proj`` and ``up_proj``
+    [E, I, H], ``down_proj`` [E, I, H] -> [E, H, I], their biases split likewise; the sinks
+    named ``.weight``."""
+    out: dict[str, Any] = {}
+    for name, tensor in state.items():
+        stem = name.rsplit(".", 1)[0]
+        if name.endswith("experts.gate_up_proj"):
+            both = tensor.transpose(-1, -2)
+            out[f"{stem}.gate_proj.weight"] = both[:, ::2].contiguous()
+            out[f"{stem}.up_proj.weight"] = both[:, 1::2].contiguous()
+        elif name.endswith("experts.gate_up_proj_bias"):
+            out[f"{stem}.gate_proj.bias"] = tensor[:, ::2].contiguous()
+            out[f"{stem}.up_proj.bias"] = tensor[:, 1::2].contiguous()
+        elif name.endswith("experts.down_proj"):
+            out[f"{stem}.down_proj.weight"] = tensor.transpose(-1, -2).contiguous()
+        elif name.endswith("experts.down_proj_bias"):
+            out[f"{stem}.down_proj.bias"] = tensor
+        elif name.endswith(".sinks"):
+            out[f"{name}.weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+def round_weights(folder: Path, types: str | dict[str, str]) -> None:
+    """Round a tiny Hugging Face model's weights (in place) to the values ``write_gguf(folder,
+    ..., types)`` stores: quantized and de-quantized along each row of llama.cpp's layout (for
+    gpt-oss's experts, the transposed matrices), so that the file and the folder hold the same
+    model and transformers on the folder is the file's exact reference."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(folder).model_type
+    file = folder / "model.safetensors"
+    state = load_file(str(file))
+    for name, tensor in state.items():
+        if name.endswith(("_bias", ".bias")):
+            continue  # F32 in the file
+        transposed = model_type == "gpt_oss" and name.endswith("_proj")
+        w = tensor.float().numpy()
+        if transposed:
+            w = np.swapaxes(w, -1, -2)
+        gguf_like = ("blk.0.ffn_gate_exps.weight" if transposed else name).replace(
+            "model.layers.", "blk."
+        )
+        if name.endswith((".gate.weight", "router.weight")):
+            gguf_like = "blk.0.ffn_gate_inp.weight"
+        kind = tensor_type(gguf_like, w.shape, types)
+        if kind == "F32" or w.ndim < 2:
+            continue
+        exact = dequantize(quantize(w.reshape(-1, w.shape[-1]), kind), kind).reshape(w.shape)
+        if transposed:
+            exact = np.swapaxes(exact, -1, -2)
+        state[name] = torch.from_numpy(np.ascontiguousarray(exact, dtype=np.float32))
+    save_file(state, str(file), metadata={"format": "pt"})
 
 
 def _nextn_block(config: Any, first: int, count: int) -> dict[str, Any]:
@@ -360,6 +421,16 @@ def write_gguf(
         writer.add_expert_group_count(config.n_group)
         writer.add_expert_group_used_count(config.topk_group)
         writer.add_nextn_predict_layers(nextn)
+    if arch == "gpt-oss":  # convert_hf_to_gguf's GptOssModel and the base's YaRN keys
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
@@ -385,6 +456,8 @@ def write_gguf(
         fix = ".e_score_correction_bias", ".e_score_correction.bias"
         state = {name.replace(*fix): tensor for name, tensor in state.items()}
         state.update(_nextn_block(config, n_layers, nextn))
+    if arch == "gpt-oss":
+        state = _gpt_oss_experts(state)
     for hf_name, tensor in state.items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reuses token_embd as the output head
@@ -475,6 +548,13 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
         # transformers' GGUF loader reads no sliding window or partial rotary for phi3: full
         # attention, every channel rotating (as Phi-3-mini's GGUFs are read)
         return Phi3Config(**common)
+    if arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        from exporter.tiny_models import gpt_oss_fields
+
+        # the tiny Hugging Face gpt-oss's layers, routing and YaRN; experts of 256 channels
+        return GptOssConfig(**{**gpt_oss_fields(common), "head_dim": 64, "intermediate_size": 256})
     if arch == "glm4_moe":
         from transformers import Glm4MoeConfig
 
@@ -511,6 +591,8 @@ def make_hf_model(
         for param in model.parameters():
             if param.dim() == 2:
                 param.mul_(2.0)  # as exporter.tiny_models.make_model: avoid near-tied logits
+            elif param.dim() == 3 and arch == "gpt_oss":
+                pass  # its stacked experts: widened by randomize_buffers instead
             else:
                 # Norms start at 1 (gemma: 0): randomize them so the +1 rule and q/k norms count.
                 param.add_(torch.randn_like(param) * 0.1)

@@ -131,6 +131,10 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
         from transformers import Glm4MoeConfig
 
         return Glm4MoeConfig(**glm4_moe_fields(common))
+    if arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(**gpt_oss_fields(common))
     if arch == "phi3-longrope":
         from transformers import Phi3Config
 
@@ -194,15 +198,49 @@ def glm4_moe_fields(common: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def gpt_oss_fields(common: dict[str, Any]) -> dict[str, Any]:
+    """A tiny gpt-oss: 8 experts of 32 channels (intermediate_size), 2 a token; like gpt-oss,
+    head_dim is not hidden_size / heads, layers alternate sliding (window 5, shorter than
+    every test prompt) and full attention (the config's default layer_types), and RoPE is
+    YaRN (gpt-oss's parameters, its factor 32 over an original context of 8 positions)."""
+    return dict(
+        common,
+        intermediate_size=32,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 8,
+        },
+    )
+
+
 def randomize_buffers(model: Any) -> None:
-    """Random values for the weights a model keeps as buffers that start at zero (GLM's router
-    correction bias), so that the tests see them count."""
+    """Random values for the weights a model starts at zero or near it (GLM's router correction
+    bias; gpt-oss's attention sinks and expert biases), so that the tests see them count; and
+    gpt-oss's gate/up pre-activations widened past its SwiGLU's clamp (7)."""
     import torch
 
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
+        if model.config.model_type != "gpt_oss":
+            return
+        for name, param in model.named_parameters():
+            if name.endswith((".sinks", "_proj_bias", "router.bias")):
+                param.copy_(torch.randn_like(param))
+            elif name.endswith("experts.gate_up_proj"):  # [E, H, 2I]: ~6 at H = 64
+                param.mul_(320.0 / param.shape[1] ** 0.5)
+            elif name.endswith("experts.down_proj"):
+                param.mul_(4.0)
 
 
 CHAT_TEMPLATE = (

@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 
 from exporter.errors import ExportError
-from exporter.gguf_quant import DenseWeight, Q4KForm, Weight, from_gguf, weight_shape
+from exporter.gguf_quant import (
+    DenseWeight,
+    Q4KForm,
+    Weight,
+    from_gguf,
+    mxfp4_weight,
+    stack_rows,
+    weight_shape,
+)
 from protos.manifest import GGUFTypeEntry
 
 log = logging.getLogger(__name__)
@@ -108,6 +116,10 @@ _GGUF_LAYER = {
     "mlp.experts.gate_proj": "ffn_gate_exps",
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
+    # gpt-oss: the router (with a bias), gate and up fused (gate rows, then up rows, when the
+    # converter fuses them)
+    "mlp.router": "ffn_gate_inp",
+    "mlp.experts.gate_up_proj": "ffn_gate_up_exps",
     # GLM-4.5's shared expert
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
@@ -118,7 +130,7 @@ _GGUF_LAYER = {
 }
 # Architectures whose post_attention_layernorm llama.cpp stores as post_attention_norm: Gemma
 # normalises the attention's output with it, GLM-4.5 the MLP's input (the others: ffn_norm).
-_POST_ATTENTION_NORM = ("gemma3_text", "glm4_moe")
+_POST_ATTENTION_NORM = ("gemma3_text", "glm4_moe", "gpt_oss")
 _GGUF_GLOBAL = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -137,6 +149,8 @@ def gguf_name(hf_name: str, model_type: str) -> str:
     layer, rest = parts[2], ".".join(parts[3:])
     if rest == "mlp.gate" and kind == "e_score_correction_bias":  # GLM's router bias
         return f"blk.{layer}.exp_probs_b.bias"
+    if rest == "self_attn" and kind == "sinks":  # gpt-oss's attention sinks
+        return f"blk.{layer}.attn_sinks.weight"
     if rest == "post_attention_layernorm":
         rest_name = "post_attention_norm" if model_type in _POST_ATTENTION_NORM else "ffn_norm"
     elif rest == "pre_feedforward_layernorm":
@@ -254,6 +268,7 @@ def _unpermute_order(rows: int, heads: int) -> np.ndarray:
 # (``_keep_in_fp32_modules_strict``): GLM's router correction bias, which decides near ties
 _KEEP_FP32 = (".e_score_correction_bias",)
 _SAFETENSORS_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+_RAW_TYPES = {"U8": np.uint8}  # read as stored (gpt-oss's MXFP4 blocks and scales)
 
 
 class SafetensorsSource:
@@ -283,6 +298,15 @@ class SafetensorsSource:
 
     def has(self, name: str) -> bool:
         return name in self.entries
+
+    def raw(self, name: str) -> np.ndarray:
+        """An integer tensor as stored (uint8)."""
+        if name not in self.entries:
+            raise ExportError(f"{self.folder.name} has no tensor {name}")
+        file, offset, dtype, shape, size = self.entries[name]
+        if dtype not in _RAW_TYPES:
+            raise ExportError(f"{name}: safetensors dtype {dtype}, expected one of {_RAW_TYPES}")
+        return _pread(file, offset, size).view(_RAW_TYPES[dtype]).reshape(shape)
 
     def tensor(self, name: str) -> Weight:
         if name not in self.entries:
@@ -382,3 +406,111 @@ class MixtralNames:
 
     def tensor(self, name: str) -> Weight:
         return self.inner.tensor(self._name(name))
+
+
+# -- gpt-oss's experts -------------------------------------------------------------------------
+
+
+class GptOssExperts:
+    """gpt-oss's experts under the names the graph asks for, whatever the source stores:
+    ``mlp.experts.gate_up_proj.weight`` [E * 2I, H] (each expert's gate and up rows
+    interleaved: gate of channel i in row 2i, up in 2i + 1, transformers' ``gate_up[..., ::2]``
+    and ``[..., 1::2]``), ``mlp.experts.gate_up_proj.bias`` [E * 2I] likewise,
+    ``mlp.experts.down_proj.weight`` [E * H, I] and ``.bias`` [E * H]. From
+
+    - a Hugging Face folder: ``gate_up_proj`` [E, H, 2I] and ``down_proj`` [E, I, H] (x @ W,
+      transposed here), or OpenAI's MXFP4 checkpoint's ``*_blocks`` [E, rows, cols / 32, 16]
+      and ``*_scales`` (e8m0) as i8 codes with an f32 scale per 32 (exact), and ``*_bias``;
+    - a GGUF: ``ffn_gate_exps`` and ``ffn_up_exps`` (llama.cpp's converter de-interleaves them)
+      interleaved again, or ``ffn_gate_up_exps`` (gate rows, then up rows, per expert): a row
+      permutation, exact for every block type.
+    """
+
+    _NAMES = ("gate_up_proj", "down_proj")
+
+    def __init__(self, inner: Any, config: Any) -> None:
+        self.inner = inner
+        self.experts = int(config.num_local_experts)
+        self.width = int(config.intermediate_size)
+
+    def _split(self, name: str) -> tuple[str, str, str] | None:
+        """(the layer's ``...mlp.experts`` prefix, gate_up_proj | down_proj, weight | bias)."""
+        parts = name.split(".")
+        if len(parts) != 7 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"]:
+            return None
+        if parts[5] not in self._NAMES or parts[6] not in ("weight", "bias"):
+            return None
+        return ".".join(parts[:5]), parts[5], parts[6]
+
+    def has(self, name: str) -> bool:
+        found = self._split(name)
+        if found is None:
+            return bool(self.inner.has(name))
+        prefix, proj, kind = found
+        hf = f"{prefix}.{proj}_bias" if kind == "bias" else f"{prefix}.{proj}"
+        if self.inner.has(hf) or self.inner.has(f"{hf}_blocks") or self.inner.has(name):
+            return True
+        return proj == "gate_up_proj" and self.inner.has(f"{prefix}.gate_proj.{kind}")
+
+    def tensor(self, name: str) -> Weight:
+        found = self._split(name)
+        if found is None:
+            return self.inner.tensor(name)
+        prefix, proj, kind = found
+        hf = f"{prefix}.{proj}"
+        if kind == "bias":
+            if self.inner.has(f"{hf}_bias"):
+                return self.inner.tensor(f"{hf}_bias")
+        elif self.inner.has(f"{hf}_blocks"):  # OpenAI's MXFP4 checkpoint
+            blocks = self.inner.raw(f"{hf}_blocks")  # [E, rows, groups, 16]
+            scales = self.inner.raw(f"{hf}_scales")  # [E, rows, groups]
+            rows = blocks.shape[0] * blocks.shape[1]
+            # the low nibble holds the even element (transformers' convert_moe_packed_tensors)
+            codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(rows, -1)
+            return mxfp4_weight(codes, scales.reshape(rows, -1))
+        elif self.inner.has(hf):  # x @ W: [E, in, out] -> [E * out, in]
+            weight = self.inner.tensor(hf)
+            assert isinstance(weight, DenseWeight)
+            array = np.swapaxes(weight.array, 1, 2)
+            return DenseWeight(np.ascontiguousarray(array).reshape(-1, array.shape[-1]))
+        bias = kind == "bias"
+        if proj == "down_proj" or self.inner.has(name):
+            weight = _vector(self.inner.tensor(name)) if bias else self.inner.tensor(name)
+            if proj == "gate_up_proj":  # a GGUF's fused ffn_gate_up_exps: gate, then up rows
+                return _permute(weight, _fused_order(self.experts, self.width))
+            return weight
+        gate = self.inner.tensor(f"{prefix}.gate_proj.{kind}")
+        up = self.inner.tensor(f"{prefix}.up_proj.{kind}")
+        if bias:
+            gate, up = _vector(gate), _vector(up)
+        return _permute(stack_rows(gate, up), _interleave_order(self.experts, self.width))
+
+
+def _vector(weight: Weight) -> DenseWeight:
+    """A bias stored [E, rows] as the vector of its rows."""
+    if not isinstance(weight, DenseWeight):
+        raise ExportError("gpt-oss: an expert bias stored quantized")
+    return DenseWeight(weight.array.reshape(-1), weight.note)
+
+
+def _permute(weight: Weight, order: np.ndarray) -> Weight:
+    """The rows (a vector's values) of ``weight`` in ``order``."""
+    if isinstance(weight, DenseWeight) and weight.array.ndim == 1:
+        return DenseWeight(weight.array[order], weight.note)
+    return weight.permute_rows(order)
+
+
+def _interleave_order(experts: int, width: int) -> np.ndarray:
+    """All gate rows [E * I], then all up rows [E * I] -> per expert gate 0, up 0, gate 1, ..."""
+    e = np.arange(experts).reshape(-1, 1)
+    i = np.arange(width).reshape(1, -1)
+    gate, up = e * width + i, experts * width + e * width + i
+    return np.stack([gate, up], axis=-1).reshape(-1)
+
+
+def _fused_order(experts: int, width: int) -> np.ndarray:
+    """Per expert gate rows then up rows [E, 2I] -> interleaved."""
+    e = np.arange(experts).reshape(-1, 1)
+    i = np.arange(width).reshape(1, -1)
+    gate, up = e * 2 * width + i, e * 2 * width + width + i
+    return np.stack([gate, up], axis=-1).reshape(-1)

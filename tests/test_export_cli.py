@@ -108,17 +108,17 @@ def test_bad_input_exits_with_one_line(
         capsys,
         ["export", str(gpt2), "--out", str(tmp_path / "o2")],
         "architecture 'gpt2' is not supported; "
-        "supported: gemma3_text, glm4_moe, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe",
+        "supported: gemma3_text, glm4_moe, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, "
+        "qwen3_moe",
     )
-    gpt_oss = tmp_path / "gpt-oss"
-    gpt_oss.mkdir()
-    (gpt_oss / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    flash = tmp_path / "glm-4.7-flash"
+    flash.mkdir()
+    (flash / "config.json").write_text(json.dumps({"model_type": "glm4_moe_lite"}))
     _expect_error(
         capsys,
-        ["export", str(gpt_oss), "--out", str(tmp_path / "o4")],
-        "architecture 'gpt_oss' is not supported (gpt-oss's attention sinks, YaRN RoPE and "
-        "biased experts with a clamped SwiGLU (which the CPU plugin can compute sparsely, as two "
-        "GatherMatmul a layer) are not built yet)",
+        ["export", str(flash), "--out", str(tmp_path / "o4")],
+        "architecture 'glm4_moe_lite' is not supported (GLM-4.7-Flash's multi-head latent "
+        "attention (DeepSeek's) is not built)",
     )
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"0")

@@ -44,6 +44,11 @@ CASES = [
     ("glm4_moe", 1, "fp32"),
     ("glm4_moe", 2, "fp16"),
     ("glm4_moe", 3, "fp32"),
+    # attention sinks, sliding and full layers alternating, YaRN, q/k/v/o biases, the biased
+    # router's softmax over the top-k, biased experts with the clamped SwiGLU
+    ("gpt_oss", 1, "fp32"),
+    ("gpt_oss", 2, "fp16"),
+    ("gpt_oss", 3, "fp32"),
 ]
 # fp32: only the runtime differs from torch. fp16: the reference weights are rounded to fp16 too,
 # so the remaining difference is fp16 storage of small constants (norm weights, embedding scale).
@@ -125,22 +130,34 @@ def test_split_inside_an_mlp_equals_unsplit(
     assert report.failures() == []
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
-def test_glm4_moe_on_the_paged_backend_equals_transformers(
-    tiny_export: ExportFn, tiny_model: Callable[..., Path], stages: int
+@pytest.mark.parametrize(
+    ("arch", "stages"),
+    [
+        ("glm4_moe", 1),
+        ("glm4_moe", 2),
+        ("glm4_moe", 3),
+        ("gpt_oss", 1),
+        ("gpt_oss", 2),
+        ("gpt_oss", 3),
+    ],
+)
+def test_moe_families_on_the_paged_backend_equal_transformers(
+    tiny_export: ExportFn, tiny_model: Callable[..., Path], arch: str, stages: int
 ) -> None:
-    """GLM-4.5's routing (sigmoid, correction bias, groups, shared expert) on 1, 2 and 3
-    stages of the paged backend (block tables, the paged attention transformation):
-    transformers' greedy tokens."""
+    """GLM-4.5's routing (sigmoid, correction bias, groups, shared expert) and gpt-oss's
+    (attention sinks, which the paged attention takes as an input of its own; sliding and full
+    layers; biased experts) on 1, 2 and 3 stages of the paged backend (block tables, the paged
+    attention transformation): transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     from exporter.verify import reference_greedy
     from protos.manifest import load_manifest
     from shard_runtime.chain import LocalChain
 
-    export = tiny_export("glm4_moe", stages)
+    export = tiny_export(arch, stages)
     assert load_manifest(export).model.num_layers == 6
-    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("glm4_moe"))).eval()
+    eager = {"attn_implementation": "eager"} if arch == "gpt_oss" else {}
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch)), **eager).eval()
     prompts = [[5, 17, 33, 99, 100, 7, 42, 8], [200, 150, 100, 50], [9, 9, 9, 9, 9, 9]]
     chain = LocalChain(export, EXACT, kv_backend="paged")
     for i, prompt in enumerate(prompts):

@@ -25,7 +25,7 @@ from exporter.errors import ExportError
 from exporter.export import ExportOptions, export_model
 from exporter.verify import verify_export
 from pipeshard.cli import main
-from protos.manifest import ShardManifest, load_manifest, manifest_hash
+from protos.manifest import ShardManifest, WeightSpec, load_manifest, manifest_hash
 from shard_runtime.chain import LocalChain
 from shard_runtime.paged import PagedRunner
 from shard_runtime.runner import RunnerOptions
@@ -489,6 +489,165 @@ def test_a_glm4moe_gguf_equals_the_hugging_face_model_it_was_written_from(
             tokens, _ = chain.greedy(f"p{i}", prompt, 16)
             expected, _ = reference_greedy(reference, prompt, 16)
             assert tokens == expected, f"{backend}: {tokens} != {expected}"
+
+
+# gpt-oss as llama.cpp's gpt-oss files hold it: MXFP4 experts, Q8_0 elsewhere
+GPT_OSS_TYPES = {"": "Q8_0", "_exps": "MXFP4"}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_gpt_oss_gguf_equals_the_hugging_face_model_it_was_written_from(
+    tmp_path: Path, fused: bool
+) -> None:
+    """gpt-oss from GGUF (llama.cpp's gpt-oss: attn_sinks, post_attention_norm before the MLP,
+    the router's bias, MXFP4 experts with F32 biases, gate and up apart as the converter writes
+    them, or fused gate rows then up rows), which transformers cannot read: its config and
+    tokenizer come from exporter.gguf_reader. The Hugging Face weights are first rounded to
+    what the file holds (Q8_0, MXFP4), so transformers on the folder is the file's reference:
+    1 and 2 stages, stateful and paged, give its greedy tokens; every expert layer compiles to
+    2 GatherMatmul reading the MXFP4 codes as i8."""
+    import torch
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from transformers import AutoModelForCausalLM
+
+    from exporter.tiny_gguf import make_hf_model, round_weights, write_gguf
+    from exporter.verify import reference_greedy
+
+    hf = make_hf_model("gpt_oss", tmp_path / "hf", layers=4)
+    round_weights(hf, GPT_OSS_TYPES)
+    gguf = write_gguf(hf, tmp_path / "oss.gguf", GPT_OSS_TYPES)
+    reader = GGUFReader(gguf)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.1.ffn_gate_exps.weight"] == GGMLQuantizationType.MXFP4
+    assert types["blk.1.ffn_down_exps.weight"] == GGMLQuantizationType.MXFP4
+    assert types["blk.1.attn_q.weight"] == GGMLQuantizationType.Q8_0
+    assert {"blk.1.attn_sinks.weight", "blk.1.post_attention_norm.weight"} <= set(types)
+    assert {"blk.1.ffn_gate_inp.bias", "blk.1.ffn_up_exps.bias"} <= set(types)
+    if fused:  # the converter's fuse_gate_up_exps: one tensor, each expert's gate then up rows
+        fused_path = tmp_path / "oss-fused.gguf"
+        arch = reader.fields["general.architecture"].contents()
+        writer = GGUFWriter(fused_path, arch)
+        for field in reader.fields.values():
+            if not field.name.startswith(("GGUF.", "general.architecture")):
+                writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+        tensors = {t.name: t for t in reader.tensors}
+        for name, t in tensors.items():
+            if ".ffn_up_exps." in name:
+                continue
+            if ".ffn_gate_exps." in name:
+                up = tensors[name.replace("gate", "up")]
+                gate_data, up_data = np.asarray(t.data), np.asarray(up.data)
+                # weights [E, rows, row bytes] stack their rows, biases [E, rows] their values
+                axis = -1 if gate_data.ndim == 2 else -2
+                data = np.concatenate([gate_data, up_data], axis=axis)
+                name = name.replace("ffn_gate_exps", "ffn_gate_up_exps")
+            else:
+                data = np.asarray(t.data)
+            writer.add_tensor(name, data, raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        gguf = fused_path
+        assert "blk.1.ffn_gate_up_exps.weight" in {t.name for t in GGUFReader(gguf).tensors}
+    reference = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    expected = [reference_greedy(reference, prompt, 16)[0] for prompt in PROMPTS]
+    core = ov.Core()
+    for stages in (1, 2):
+        out = tmp_path / f"out-{stages}"
+        export_model(ExportOptions(model=str(gguf), out=out, stages=stages, quiet=True))
+        manifest = load_manifest(out)
+        assert manifest.model.architecture == "gpt_oss" and manifest.model.num_layers == 4
+        summary = {e.type: e for e in manifest.weights.gguf_types if e.matrix}
+        assert summary["MXFP4"].exactness == "bit-exact"
+        for stage in manifest.stages:
+            compiled = core.compile_model(
+                out / stage.model_xml, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+            )
+            ops = compiled.get_runtime_model().get_ops()
+            gather = [o for o in ops if o.get_rt_info()["layerType"].astype(str) == "GatherMatmul"]
+            assert len(gather) == 2 * stage.num_layers
+            assert {o.input_value(1).get_element_type().get_type_name() for o in gather} == {"i8"}
+        for backend in ("stateful", "paged"):
+            chain = LocalChain(out, EXACT_GGUF, kv_backend=backend)
+            for i, prompt in enumerate(PROMPTS):
+                tokens, _ = chain.greedy(f"p{i}", prompt, 16)
+                assert tokens == expected[i], f"{stages} stages, {backend}"
+
+
+def test_gpt_oss_mxfp4_checkpoint_equals_its_dense_folder(tmp_path: Path) -> None:
+    """OpenAI's gpt-oss checkpoints store the experts as MXFP4 ``*_blocks`` (two e2m1 codes a
+    byte, the even element low) and ``*_scales`` (e8m0): a folder written that way from a tiny
+    model whose experts hold MXFP4 values exports to the same graph values as the dense folder:
+    the same greedy tokens and logits within float rounding, which the dense folder's test
+    ties to transformers."""
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
+    from safetensors.torch import load_file, save_file
+
+    from exporter.tiny_gguf import make_hf_model, round_weights
+
+    dense = make_hf_model("gpt_oss", tmp_path / "dense", layers=2)
+    round_weights(dense, {"_exps": "MXFP4"})  # experts only; the rest stays F32
+    packed = tmp_path / "mxfp4"
+    shutil.copytree(dense, packed)
+    state = load_file(str(dense / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = tensor
+            continue
+        rows = tensor.transpose(-1, -2).float().numpy()  # [E, out, in], as the blocks are
+        experts, width, cols = rows.shape
+        blocks = gguf_quants.quantize(rows.reshape(-1, cols), GGMLQuantizationType.MXFP4)
+        blocks = blocks.reshape(experts, width, cols // 32, 17)
+        codes = np.concatenate([blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4], axis=-1)
+        hf_blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # the even element low
+        out[f"{name}_blocks"] = torch.from_numpy(np.ascontiguousarray(hf_blocks))
+        out[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(blocks[..., 0]))
+    save_file(out, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    exports = []
+    for folder in (dense, packed):
+        export_dir = tmp_path / f"export-{folder.name}"
+        export_model(
+            ExportOptions(
+                model=str(folder),
+                out=export_dir,
+                stages=2,
+                weights=WeightSpec(format="fp32"),
+                quiet=True,
+            )
+        )
+        exports.append(export_dir)
+    report = verify_export(
+        exports[1], prompt_ids=PROMPTS, steps=16, against=exports[0], reference=False,
+        options=EXACT_GGUF, atol=1e-5,
+    )  # fmt: skip
+    assert report.failures() == []
+    assert all(r.against is not None and r.against.identical for r in report.results)
+
+
+@pytest.mark.parametrize(
+    ("arch", "types"), [("gpt_oss", GPT_OSS_TYPES), ("glm4_moe", {"": "Q8_0", "_exps": "Q4_K"})]
+)
+def test_verify_a_gguf_transformers_cannot_read(
+    tmp_path: Path, arch: str, types: dict[str, str]
+) -> None:
+    """`pipeshard verify` of an export from a gpt-oss or GLM-4.5 GGUF, whose weights
+    transformers' GGUF loader refuses: the reference is transformers' model of the file's
+    config holding the file's weights as gguf-py de-quantizes them (the same as an export from
+    the Hugging Face folder would be compared with); strict under the exact runtime."""
+    from exporter.tiny_gguf import make_gguf_model
+
+    gguf = make_gguf_model(arch, tmp_path / "gguf", types=types)
+    out = tmp_path / "out"
+    export_model(ExportOptions(model=str(gguf), out=out, stages=2, quiet=True))
+    report = verify_export(out, prompt_ids=PROMPTS, steps=16, options=EXACT_GGUF)
+    for result in report.results:
+        assert result.reference is not None and result.reference.strict
+        assert result.reference.matched == 16, result
+    assert report.failures() == []
 
 
 def test_pipeshard_plans_tensors_are_a_glm4moe_gguf_s(tmp_path: Path) -> None:

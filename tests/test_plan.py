@@ -14,6 +14,7 @@ from exporter.plan import (
     format_plan,
     layer_params,
     mlp_channel_step,
+    mlp_params,
     parse_size,
     plan_stages,
     split_bounds,
@@ -207,3 +208,28 @@ def test_big_model_plans_print_per_stage_memory(capsys: pytest.CaptureFixture[st
     assert all(t < 16e9 / 2**30 for t in totals)
     gguf_export_main(["plan", "--model", "qwen3-235b-a22b", "--node-memory", "32GB,32GB,32GB,32GB"])
     assert "Does not fit: the model does not fit" in capsys.readouterr().out
+
+
+def test_gpt_oss_gguf_plans_its_mxfp4_experts_at_their_run_time_size() -> None:
+    """gpt-oss-120b's shape from its MXFP4 GGUF: every routed expert weight costs what the
+    stages hold at run time (i8 codes + an f32 scale per 32, 9.8 bits measured), not the
+    generic GGUF allowance; over 3 stages each needs ~45 GiB (fits 64 GB PCs), over 2 each
+    more than 64 GB."""
+    from transformers import GptOssConfig
+
+    from exporter.architectures import read_architecture
+    from exporter.plan import MXFP4_EXPERT_BYTES
+
+    config = GptOssConfig(num_hidden_layers=36, num_local_experts=128, num_experts_per_tok=4)
+    facts = read_architecture(config)
+    expert_weights = 128 * 3 * 2880 * 2880
+    assert facts.num_experts * mlp_params(facts, facts.expert_intermediate_size) == expert_weights
+    plans = plan_stages(facts, [12, 12, 12], "gguf", facts.intermediate_size, 32768)
+    for plan in plans:
+        experts = 12 * expert_weights * MXFP4_EXPERT_BYTES
+        assert experts < plan.weight_bytes < experts + 2 * 2**30
+        assert 40 * 2**30 < plan.total_bytes < 64e9
+    two = plan_stages(facts, [18, 18], "gguf", facts.intermediate_size, 32768)
+    assert all(plan.total_bytes > 64e9 for plan in two)
+    dense = plan_stages(facts, [12, 12, 12], "int8", facts.intermediate_size, 32768)
+    assert dense[1].weight_bytes < plans[1].weight_bytes  # int8 experts: 8 bits + a scale a row

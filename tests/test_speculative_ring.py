@@ -335,6 +335,8 @@ def test_a_draft_of_another_vocabulary_is_refused(exports: dict[int, Path]) -> N
         ("mixtral", "paged"),
         ("glm4_moe", "paged"),
         ("glm4_moe", "stateful"),
+        ("gpt_oss", "paged"),
+        ("gpt_oss", "stateful"),
     ],
 )
 def test_speculation_with_a_draft_of_the_same_architecture(

@@ -59,6 +59,8 @@ RINGS: dict[str, tuple[str, int, tuple[float, ...] | None]] = {
     "mixtral": ("mixtral", 2, None),
     # GLM-4.5: a dense layer, then grouped sigmoid routing and a shared expert
     "glm": ("glm4_moe", 2, None),
+    # gpt-oss: attention sinks, sliding and full layers, biased experts (2 GatherMatmul a layer)
+    "gptoss": ("gpt_oss", 2, None),
     # boundaries inside MLPs: [tokens, 2 * hidden] on both hops
     "cut": ("llama", 3, (1.5, 3.25, 1.25)),
 }
@@ -120,7 +122,7 @@ def test_ring_equals_chain_and_transformers(
         assert tokens == in_process == expected
 
 
-@pytest.mark.parametrize("ring", ["qwen", "mistral", "phi3", "moe", "mixtral", "glm"])
+@pytest.mark.parametrize("ring", ["qwen", "mistral", "phi3", "moe", "mixtral", "glm", "gptoss"])
 def test_interleaved_sessions_equal_each_alone(ring: str, ring_of: Callable[[str], Ring]) -> None:
     """Eight sessions decoded together (one paged inference call per step) equal each decoded
     alone; for Mistral and Phi-3 every layer's sliding window is applied per row, for the MoE

@@ -73,6 +73,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "benchmarks.gguf_fidelity",
         "greedy tokens of exports and llama.cpp against transformers on the same GGUF",
     ),
+    "mxfp4-forms": (
+        "benchmarks.mxfp4_forms",
+        "gpt-oss's MXFP4 experts: run-time memory and speed of each exact form under GatherMatmul",
+    ),
     "stand-in": (
         "benchmarks.stand_in",
         "stand-in exports (real graphs, random weights) to time a model on a host it can't reach",
