@@ -41,6 +41,7 @@ if [[ ",$extras," == *",dev,"* ]]; then
   has runc || missing+=(runc)
   has podman-compose || missing+=(podman-compose)
   has debootstrap || missing+=(debootstrap)
+  has nft || missing+=(nftables)  # the lab's partitions (tests/test_hosts.py)
   if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       echo "bootstrap: installing ${missing[*]} (Debian packages) for the deployment tests" >&2

@@ -33,7 +33,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from exporter.errors import ExportError
-from exporter.plan import KV_BYTES_PER_VALUE, RUNTIME_OVERHEAD_BYTES, parse_size
+from exporter.plan import (
+    KV_BYTES_PER_VALUE,
+    MXFP4_EXPERT_BYTES,
+    RUNTIME_OVERHEAD_BYTES,
+    parse_size,
+)
 
 GIB = 2**30
 QK_K = 256  # the K-quants' super-block: a row of a K-quant tensor is a multiple of it
@@ -58,8 +63,10 @@ FILE_BYTES: dict[str, float] = {
 }
 # Run-time bytes per weight of MXFP4 experts: i8 codes (the doubled e2m1 value) with an f32
 # scale per 32, the exact form the CPU plugin's GatherMatmul runs sparsely (it unpacks f4e2m1
-# experts to f32). The gpt-oss export decides the form; this is its cost.
-MXFP4_RUNTIME_BYTES = 1 + 4 / 32
+# experts to f32). The gpt-oss export decides the form; this is its cost as measured in a
+# compiled stage (9.8 bits a weight: 9 in the constants, the rest the plugin's own copy of the
+# scales; pipeshard bench mxfp4-forms), as the export's plan counts it.
+MXFP4_RUNTIME_BYTES = MXFP4_EXPERT_BYTES
 # Run-time bytes per weight as --weights gguf keeps a matrix (exporter/gguf_quant.py): codes as
 # stored (u4/i4 half a byte, u8/i8 one) + an f32 scale per group (32, or 16 for Q2_K, Q3_K,
 # Q6_K); the types with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) add it in the "split" form as
