@@ -20,7 +20,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "mixtral": "Mixtral (experts computed sparsely; a set sliding_window masks every layer)",
     "glm4_moe": "GLM-4.5, 4.5-Air, 4.6, 4.7 (experts computed sparsely, sigmoid grouped routing, "
     "a shared expert, dense first layers, partial rotary; NextN/MTP layers skipped)",
+    "qwen3_5_text": "Qwen3.5 / 3.6 dense (hybrid: Gated DeltaNet linear attention, gated full "
+    "attention; MTP layers skipped)",
 }
+# Hugging Face folders of these types are vision-language wrappers: their text model's config
+# is ``text_config`` and its tensors are under ``model.language_model.`` (exporter.source).
+TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text"}
+# Hybrid architectures: Gated DeltaNet ("linear_attention") layers beside gated full attention
+HYBRID = ("qwen3_5_text",)
 
 # Architectures whose attention and MLP input projections are stored fused (qkv_proj,
 # gate_up_proj): the exporter reads each part as its own projection (exporter.weights).
@@ -66,9 +73,28 @@ class ArchitectureFacts:
     # NextN / multi-token-prediction layers stored after the last layer: not part of the
     # model's output, not exported
     nextn_layers: int = 0
+    # Hybrids (Gated DeltaNet): the linear-attention layers' key/value heads, their widths and
+    # the causal convolution's kernel; full attention gated by a second half of q_proj
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: bool = False
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer: a fixed-size state per sequence instead of a KV cache."""
+        return self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """Channels of a linear-attention layer's causal convolution (q, k and v)."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + (
+            self.linear_value_heads * self.linear_value_dim
+        )
 
 
 # Mixture-of-experts families people ask for that the export does not build, and why: refused
@@ -135,6 +161,8 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         )
     if model_type == "glm4_moe":
         moe = _glm4_moe(config, num_layers)
+    if model_type in HYBRID:
+        moe.update(_hybrid(config, model_type, layer_types[:num_layers]))
     return ArchitectureFacts(
         model_type=model_type,
         num_layers=num_layers,
@@ -176,4 +204,27 @@ def _glm4_moe(config: Any, num_layers: int) -> dict[str, Any]:
         topk_group=used_groups,
         shared_expert_intermediate_size=width * int(getattr(config, "n_shared_experts", 0) or 0),
         nextn_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0),
+    )
+
+
+def _hybrid(config: Any, model_type: str, layer_types: list[str]) -> dict[str, Any]:
+    """Qwen3.5's Gated DeltaNet sizes (Qwen3_5GatedDeltaNet) and its gated attention."""
+    unknown = sorted(set(layer_types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ExportError(f"{model_type}: layer types {unknown} are not supported")
+    key_heads = int(config.linear_num_key_heads)
+    value_heads = int(config.linear_num_value_heads)
+    if value_heads % key_heads:
+        raise ExportError(
+            f"{model_type}: {value_heads} linear value heads are not a multiple of "
+            f"{key_heads} key heads"
+        )
+    return dict(
+        linear_key_heads=key_heads,
+        linear_value_heads=value_heads,
+        linear_key_dim=int(config.linear_key_head_dim),
+        linear_value_dim=int(config.linear_value_head_dim),
+        linear_conv_kernel=int(config.linear_conv_kernel_dim),
+        attention_output_gate=True,
+        nextn_layers=int(getattr(config, "mtp_num_hidden_layers", 0) or 0),
     )

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exporter.architectures import FUSED_PROJECTIONS, ArchitectureFacts, read_architecture
+from exporter.architectures import (
+    FUSED_PROJECTIONS,
+    HYBRID,
+    ArchitectureFacts,
+    read_architecture,
+)
 from exporter.errors import ExportError
 from exporter.plan import (
     StagePlan,
@@ -277,6 +282,7 @@ class _Resolved:
         from exporter.weights import (
             FusedProjections,
             GGUFSource,
+            LanguageModelNames,
             MixtralNames,
             SafetensorsSource,
         )
@@ -296,6 +302,8 @@ class _Resolved:
             source = FusedProjections(source, self.config)
         if self.facts.model_type == "mixtral" and self.source.kind != "gguf":
             source = MixtralNames(source)
+        if self.facts.model_type in HYBRID and self.source.kind != "gguf":
+            source = LanguageModelNames(source)
         return source
 
 

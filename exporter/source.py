@@ -45,7 +45,7 @@ class ModelSource:
         config = self._load_config()
         if self.kind == "gguf":
             config = _gguf_mixtral(self.path, config)
-        return config
+        return _text_config(config)
 
     def _load_config(self) -> Any:
         from transformers import AutoConfig
@@ -166,6 +166,18 @@ def _cache_tokenizer(tokenizer: Any, folder: Path) -> None:
         log.debug("cannot cache the tokenizer in %s: %s", folder, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _text_config(config: Any) -> Any:
+    """A vision-language checkpoint's text model config (Qwen3.5's ``text_config``): the
+    model the export splits (exporter.weights.LanguageModelNames finds its tensors)."""
+    from exporter.architectures import TEXT_CONFIGS
+
+    if getattr(config, "model_type", None) not in TEXT_CONFIGS:
+        return config
+    text = config.text_config
+    text._name_or_path = getattr(config, "_name_or_path", "")
+    return text
 
 
 def _gguf_mixtral(path: Path, config: Any) -> Any:

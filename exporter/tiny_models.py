@@ -127,6 +127,10 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
         from transformers import Glm4MoeConfig
 
         return Glm4MoeConfig(**glm4_moe_fields(common))
+    if arch == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**qwen3_5_fields(common))
     if arch == "phi3-longrope":
         from transformers import Phi3Config
 
@@ -190,6 +194,35 @@ def glm4_moe_fields(common: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def qwen3_5_fields(common: dict[str, Any]) -> dict[str, Any]:
+    """A tiny Qwen3.5: its default layer pattern (3 Gated DeltaNet layers, then one of gated
+    full attention: 6 layers are L L L F L L), 2 key heads of 4 value heads in the linear
+    layers (grouped, as the real ones), a quarter of each attention head rotating."""
+    return dict(
+        common,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
+
+
+# Architectures whose vectors (norm weights around 1 as (1 + w), the Gated DeltaNet's decay and
+# time-step bias) start at constants: randomized, so that the tests see each of them count.
+_RANDOM_VECTORS = ("qwen3_5",)
+
+
+def randomize_vectors(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.2)
+
+
 def randomize_buffers(model: Any) -> None:
     """Random values for the weights a model keeps as buffers that start at zero (GLM's router
     correction bias), so that the tests see them count."""
@@ -242,6 +275,8 @@ def make_model(
             if param.dim() == 2:
                 param.mul_(2.0)
     randomize_buffers(model)
+    if arch in _RANDOM_VECTORS:
+        randomize_vectors(model)
     model.save_pretrained(folder)
     make_tokenizer(folder, min(vocab, VOCAB), chat_template, corpus)
     return folder

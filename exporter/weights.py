@@ -382,3 +382,28 @@ class MixtralNames:
 
     def tensor(self, name: str) -> Weight:
         return self.inner.tensor(self._name(name))
+
+
+# -- vision-language wrappers ------------------------------------------------------------------
+
+
+class LanguageModelNames:
+    """A text model stored inside a vision-language checkpoint (Qwen3.5: ``model.language_model.
+    layers.3...``; transformers also saves its text-only Qwen3.5 so) under the names the graph
+    asks for (``model.layers.3...``); the vision tower and the MTP layers are never asked for."""
+
+    PREFIX = "model.language_model."
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def _name(self, name: str) -> str:
+        if name.startswith("model.") and not self.inner.has(name):
+            return self.PREFIX + name[len("model.") :]
+        return name
+
+    def has(self, name: str) -> bool:
+        return bool(self.inner.has(self._name(name)))
+
+    def tensor(self, name: str) -> Weight:
+        return self.inner.tensor(self._name(name))

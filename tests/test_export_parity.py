@@ -44,6 +44,11 @@ CASES = [
     ("glm4_moe", 1, "fp32"),
     ("glm4_moe", 2, "fp16"),
     ("glm4_moe", 3, "fp32"),
+    # hybrid: Gated DeltaNet layers (L L L F L L) with gated full attention; 2 and 3 stages cut
+    # inside the pattern (L L L | F L L and L L | L F | L L)
+    ("qwen3_5", 1, "fp32"),
+    ("qwen3_5", 2, "fp16"),
+    ("qwen3_5", 3, "fp32"),
 ]
 # fp32: only the runtime differs from torch. fp16: the reference weights are rounded to fp16 too,
 # so the remaining difference is fp16 storage of small constants (norm weights, embedding scale).

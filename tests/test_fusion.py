@@ -97,6 +97,26 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
             assert kinds["PagedAttention"] == stage.num_layers
 
 
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+def test_linear_attention_layers_compile_to_gated_delta_net(
+    tiny_export: ExportFn, weights: str
+) -> None:
+    """Every Gated DeltaNet layer of every stage of a hybrid compiles to one fused
+    GatedDeltaNet node (no TensorIterator stepping token by token), its states behind the
+    beam_idx Gather; every gated full-attention layer to SDPA."""
+    export_dir = tiny_export("qwen3_5", 3, weights)
+    manifest = load_manifest(export_dir)
+    layer_types = manifest.model.layer_types
+    for stage in manifest.stages:
+        xml = str(export_dir / stage.model_xml)
+        assert ir_has_beam_gather(xml)
+        kinds = layer_types[stage.layer_start : stage.layer_end]
+        types = runtime_layer_types(xml)
+        assert types["GatedDeltaNet"] == kinds.count("linear_attention"), f"{stage.index}: {types}"
+        assert types["TensorIterator"] == types["Loop"] == 0
+        assert types["ScaledDotProductAttention"] == kinds.count("full_attention")
+
+
 def test_the_benchmarks_dense_moe_form_computes_every_expert_alike(
     tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
