@@ -6,7 +6,8 @@ Each sequence (``session``) owns an infer request and so its own KV state; sessi
 a request (``AsyncInferQueue`` would hand out any idle one and break that affinity). The compiled
 model is shared: memory grows by a KV cache per session, not by a model copy.
 Rollback trims the tail of every state tensor, so the session continues exactly as if the
-rolled-back positions had never been fed.
+rolled-back positions had never been fed; a hybrid model's recurrent (linear-attention) state
+has no positions to trim, and a rollback short of the whole session is refused on such a stage.
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ class ShardBase:
             raise ValueError(
                 f"{self.model_xml} is missing: copy the stage folder with its manifest"
             )
+        # Hybrid models' linear-attention layers on this stage: each keeps a recurrent state per
+        # session (and its convolution's last inputs) that a rollback by position cannot undo
+        self.recurrent_layers = self.manifest.model.recurrent_layers(
+            self.stage.layer_start, self.stage.layer_end
+        )
         self.hidden_size = self.manifest.model.hidden_size
         # hidden states in: twice as wide after a cut inside an MLP (protos.manifest.StageEntry)
         self.input_width = self.stage.input_width(self.hidden_size)
@@ -323,6 +329,13 @@ class ShardRunner(ShardBase):
             if count == 0:
                 return
             keep = session.length - count
+            if keep and self.recurrent_layers:
+                raise InvalidStageInput(
+                    f"stage {self.stage.index} cannot roll back {count} positions: its "
+                    f"linear-attention layers {self.recurrent_layers} hold a recurrent state, "
+                    "which is not trimmed by position (speculative decoding is not supported "
+                    "for hybrid models yet)"
+                )
             if keep == 0:
                 session.request.reset_state()
             else:
