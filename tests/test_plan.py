@@ -207,3 +207,39 @@ def test_big_model_plans_print_per_stage_memory(capsys: pytest.CaptureFixture[st
     assert all(t < 16e9 / 2**30 for t in totals)
     gguf_export_main(["plan", "--model", "qwen3-235b-a22b", "--node-memory", "32GB,32GB,32GB,32GB"])
     assert "Does not fit: the model does not fit" in capsys.readouterr().out
+
+
+def test_a_hybrids_linear_layers_keep_a_fixed_state_whatever_the_context() -> None:
+    """Qwen3.5's shapes (the config's defaults, 8 layers: L L L F L L L F): a Gated DeltaNet
+    layer keeps a conv state [C, 4] and a recurrent state [Hv, Dk, Dv] in f32 per sequence,
+    at any context; the full-attention layers their KV; its gated q_proj is twice as wide."""
+    facts = ArchitectureFacts(
+        model_type="qwen3_5_text",
+        num_layers=8,
+        hidden_size=4096,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        max_context=32768,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        sliding_window=None,
+        final_logit_softcapping=None,
+        intermediate_size=12288,
+        linear_key_heads=16,
+        linear_value_heads=32,
+        linear_key_dim=128,
+        linear_value_dim=128,
+        linear_conv_kernel=4,
+        attention_output_gate=True,
+    )
+    state = 4 * (8192 * 4 + 32 * 128 * 128)  # 128 KiB + 2 MiB
+    kv = 2 * 4 * 256 * 2  # K and V, 4 heads of 256, f16: bytes per position
+    for context in (1024, 32768):
+        first, second = plan_stages(facts, [3, 5], "fp16", 12288, context)
+        assert first.kv_bytes == 3 * state
+        assert second.kv_bytes == 3 * state + 2 * kv * context
+    mlp = 3 * 4096 * 12288
+    assert layer_params(facts, 12288, 3) == 4096 * (2 * 4096 + 2 * 1024) + 4096 * 4096 + mlp
+    linear = 4096 * (8192 + 4096 + 64) + 4096 * 4096
+    assert layer_params(facts, 12288, 0) == linear + mlp
