@@ -22,12 +22,16 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "a shared expert, dense first layers, partial rotary; NextN/MTP layers skipped)",
     "qwen3_5_text": "Qwen3.5 / 3.6 dense (hybrid: Gated DeltaNet linear attention, gated full "
     "attention; MTP layers skipped)",
+    "qwen3_5_moe_text": "Qwen3.5 / 3.6 MoE (the hybrid of qwen3_5_text, experts computed "
+    "sparsely, a gated shared expert)",
+    "qwen3_next": "Qwen3-Next (the hybrid of qwen3_5_text with fused in_proj_qkvz/ba, experts "
+    "computed sparsely, a gated shared expert)",
 }
 # Hugging Face folders of these types are vision-language wrappers: their text model's config
 # is ``text_config`` and its tensors are under ``model.language_model.`` (exporter.source).
-TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text"}
+TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Hybrid architectures: Gated DeltaNet ("linear_attention") layers beside gated full attention
-HYBRID = ("qwen3_5_text",)
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 # Architectures whose attention and MLP input projections are stored fused (qkv_proj,
 # gate_up_proj): the exporter reads each part as its own projection (exporter.weights).
@@ -68,8 +72,11 @@ class ArchitectureFacts:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
-    # channels of the expert every token also runs, ungated, beside the routed ones (0: none)
+    # channels of the expert every token also runs beside the routed ones (0: none), ungated
+    # (GLM's ``shared_experts``) or scaled by sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE's and
+    # Qwen3-Next's ``shared_expert``)
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False
     # NextN / multi-token-prediction layers stored after the last layer: not part of the
     # model's output, not exported
     nextn_layers: int = 0
@@ -134,9 +141,9 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         layer_types = ["sliding_attention" if every else "full_attention"] * num_layers
     uses_sliding = "sliding_attention" in layer_types
     moe: dict[str, Any] = {}
-    if model_type == "qwen3_moe":
-        # transformers' Qwen3MoeDecoderLayer: experts unless listed in mlp_only_layers, on
-        # every decoder_sparse_step-th layer
+    if model_type in ("qwen3_moe", "qwen3_next"):
+        # transformers' Qwen3MoeDecoderLayer (and Qwen3NextDecoderLayer): experts unless listed
+        # in mlp_only_layers, on every decoder_sparse_step-th layer
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)
         dense = set(getattr(config, "mlp_only_layers", None) or [])
         experts = int(config.num_experts)
@@ -150,6 +157,21 @@ def read_architecture(config: Any) -> ArchitectureFacts:
             experts_per_token=int(config.num_experts_per_tok),
             expert_intermediate_size=int(config.moe_intermediate_size),
             norm_topk_prob=bool(config.norm_topk_prob),
+        )
+    if model_type == "qwen3_next":  # Qwen3NextSparseMoeBlock's gated shared expert
+        moe.update(
+            shared_expert_intermediate_size=int(config.shared_expert_intermediate_size),
+            shared_expert_gated=True,
+        )
+    if model_type == "qwen3_5_moe_text":  # Qwen3_5MoeSparseMoeBlock on every layer
+        moe = dict(
+            moe_layers=tuple(range(num_layers)),
+            num_experts=int(config.num_experts),
+            experts_per_token=int(config.num_experts_per_tok),
+            expert_intermediate_size=int(config.moe_intermediate_size),
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=int(config.shared_expert_intermediate_size),
+            shared_expert_gated=True,
         )
     if model_type == "mixtral":  # every layer's MLP is experts; the chosen weights sum to 1
         moe = dict(
@@ -175,9 +197,18 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         layer_types=layer_types[:num_layers],
         sliding_window=int(config.sliding_window) if uses_sliding else None,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
-        intermediate_size=int(config.intermediate_size),
+        intermediate_size=_intermediate_size(config),
         **moe,
     )
+
+
+def _intermediate_size(config: Any) -> int:
+    """A dense layer's MLP channels; Qwen3.5-MoE has no dense layer (and no such field): its
+    shared expert's."""
+    size = getattr(config, "intermediate_size", None)
+    if size is None:
+        size = config.shared_expert_intermediate_size
+    return int(size)
 
 
 def _glm4_moe(config: Any, num_layers: int) -> dict[str, Any]:

@@ -282,9 +282,11 @@ class _Resolved:
         from exporter.weights import (
             FusedProjections,
             GGUFSource,
+            GroupedLinearProjections,
             LanguageModelNames,
             MixtralNames,
             SafetensorsSource,
+            StackedExperts,
         )
 
         source: WeightSource
@@ -303,7 +305,9 @@ class _Resolved:
         if self.facts.model_type == "mixtral" and self.source.kind != "gguf":
             source = MixtralNames(source)
         if self.facts.model_type in HYBRID and self.source.kind != "gguf":
-            source = LanguageModelNames(source)
+            source = StackedExperts(LanguageModelNames(source))
+        if self.facts.model_type == "qwen3_next" and self.source.kind != "gguf":
+            source = GroupedLinearProjections(source, self.config)
         return source
 
 

@@ -161,7 +161,8 @@ class _Builder:
         Glm4MoeMoE (sigmoid router, see :meth:`sigmoid_routing`) computes it, in the tiled form
         (every expert's gate, up and down as one batched matmul over a dense routing matrix)
         that the CPU plugin turns into GatherMatmul nodes computing only the chosen experts;
-        plus a shared expert, ungated, where the model has one (GLM)."""
+        plus a shared expert where the model has one: ungated (GLM), or scaled by
+        sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE, Qwen3-Next)."""
         f = self.f
         experts, k, hidden = f.num_experts, f.experts_per_token, f.hidden_size
         rows = ops.reshape(x, _i64([-1, hidden]), False)  # [N, H]
@@ -199,7 +200,13 @@ class _Builder:
         shared = f.shared_expert_intermediate_size
         if not shared:
             return routed
-        return ops.add(routed, self.mlp(x, f"{prefix}.shared_experts", 0, shared, shared)).output(0)
+        if not f.shared_expert_gated:
+            return ops.add(
+                routed, self.mlp(x, f"{prefix}.shared_experts", 0, shared, shared)
+            ).output(0)
+        expert = self.mlp(x, f"{prefix}.shared_expert", 0, shared, shared)
+        gate = ops.sigmoid(self.proj(x, f"{prefix}.shared_expert_gate"))  # [B, T, 1]
+        return ops.add(routed, ops.multiply(expert, gate)).output(0)
 
     def sigmoid_routing(self, logits: Output, prefix: str) -> tuple[Output, Output, Output]:
         """Glm4MoeMoE.route_tokens_to_experts: sigmoid scores; the experts are chosen by the

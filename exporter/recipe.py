@@ -153,7 +153,7 @@ def read_recipe(config: Any, context: int | None = None) -> Recipe:
     scale = float(config.query_pre_attn_scalar) ** -0.5 if gemma else facts.head_dim**-0.5
     return Recipe(
         facts=facts,
-        intermediate_size=int(config.intermediate_size),
+        intermediate_size=facts.intermediate_size,
         rms_eps=float(config.rms_norm_eps),
         activation=_ACTIVATIONS[act_name],
         attention_scale=scale,

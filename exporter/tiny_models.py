@@ -131,6 +131,16 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
         from transformers import Qwen3_5TextConfig
 
         return Qwen3_5TextConfig(**qwen3_5_fields(common))
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        fields = {k: v for k, v in qwen3_5_fields(common).items() if k != "intermediate_size"}
+        return Qwen3_5MoeTextConfig(**fields, **hybrid_experts())
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        # layer 2 keeps a dense MLP (mlp_only_layers), as Qwen3-MoE's tiny model
+        return Qwen3NextConfig(**qwen3_5_fields(common), **hybrid_experts(), mlp_only_layers=[2])
     if arch == "phi3-longrope":
         from transformers import Phi3Config
 
@@ -209,9 +219,20 @@ def qwen3_5_fields(common: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def hybrid_experts() -> dict[str, Any]:
+    """Qwen3.5-MoE's and Qwen3-Next's experts, tiny: 8 of 32 channels, 2 a token, and the
+    shared expert (64 channels) every token runs, scaled by its sigmoid gate."""
+    return dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    )
+
+
 # Architectures whose vectors (norm weights around 1 as (1 + w), the Gated DeltaNet's decay and
 # time-step bias) start at constants: randomized, so that the tests see each of them count.
-_RANDOM_VECTORS = ("qwen3_5",)
+_RANDOM_VECTORS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def randomize_vectors(model: Any) -> None:

@@ -407,3 +407,110 @@ class LanguageModelNames:
 
     def tensor(self, name: str) -> Weight:
         return self.inner.tensor(self._name(name))
+
+
+# -- Qwen3.5-MoE's stacked experts -------------------------------------------------------------
+
+
+class StackedExperts:
+    """Experts stored as one 3-D tensor a layer (Qwen3.5-MoE's Hugging Face checkpoints:
+    ``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows then up rows, and ``mlp.experts.
+    down_proj`` [E, H, I]) under the stacked names the graph asks for (``mlp.experts.
+    gate_proj.weight`` [E * I, H], as a GGUF's ``ffn_gate_exps``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @staticmethod
+    def _source(name: str) -> tuple[str, str] | None:
+        """(the stored tensor's name, the part asked for) or None for any other tensor."""
+        stem, dot, part = name.rpartition(".experts.")
+        if not dot or part not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            return None
+        stored = "down_proj" if part == "down_proj.weight" else "gate_up_proj"
+        return f"{stem}.experts.{stored}", part.split(".")[0]
+
+    def has(self, name: str) -> bool:
+        found = self._source(name)
+        if found is not None and self.inner.has(found[0]):
+            return True
+        return bool(self.inner.has(name))
+
+    def tensor(self, name: str) -> Weight:
+        found = self._source(name)
+        if found is None or not self.inner.has(found[0]):
+            return self.inner.tensor(name)
+        stored, part = found
+        weight = self.inner.tensor(stored)
+        if not isinstance(weight, DenseWeight) or weight.array.ndim != 3:
+            raise ExportError(f"{stored}: expected a 3-D float tensor [experts, rows, cols]")
+        array = weight.array
+        if part != "down_proj":
+            half = array.shape[1] // 2
+            array = array[:, :half] if part == "gate_proj" else array[:, half:]
+        experts, rows, cols = array.shape
+        return DenseWeight(np.ascontiguousarray(array).reshape(experts * rows, cols))
+
+
+# -- Qwen3-Next's fused linear-attention projections ---------------------------------------------
+
+
+class GroupedLinearProjections:
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, whose rows are grouped by key head
+    (each group: q, k, then its value heads' v and z; b then a), as the separate projections
+    of Qwen3.5 that the graph asks for (``in_proj_qkv``: every q row, every k row, every v
+    row; ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), as transformers'
+    ``fix_query_key_value_ordering`` regroups their outputs. Rows are only reordered and
+    taken, never touched (quantized blocks run along the input columns)."""
+
+    def __init__(self, inner: Any, config: Any) -> None:
+        self.inner = inner
+        hk, hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        group = hv // hk
+        width = 2 * dk + 2 * group * dv
+        span = np.arange(width)
+        parts = [span[:dk], span[dk : 2 * dk], span[2 * dk : 2 * dk + group * dv]]
+        parts.append(span[2 * dk + group * dv :])
+        self.qkvz = np.concatenate([g * width + p for p in parts for g in range(hk)])
+        self.qkv_rows = 2 * hk * dk + hv * dv
+        ba = np.arange(2 * group)
+        self.ba = np.concatenate(
+            [g * 2 * group + p for p in (ba[:group], ba[group:]) for g in range(hk)]
+        )
+        self.value_heads = hv
+
+    @staticmethod
+    def _split(name: str) -> tuple[str, str] | None:
+        stem, dot, part = name.rpartition(".linear_attn.")
+        if not dot:
+            return None
+        if part in ("in_proj_qkv.weight", "in_proj_z.weight"):
+            return f"{stem}.linear_attn.in_proj_qkvz.weight", part
+        if part in ("in_proj_b.weight", "in_proj_a.weight"):
+            return f"{stem}.linear_attn.in_proj_ba.weight", part
+        return None
+
+    def has(self, name: str) -> bool:
+        found = self._split(name)
+        return bool(self.inner.has(found[0] if found else name))
+
+    def tensor(self, name: str) -> Weight:
+        found = self._split(name)
+        if found is None:
+            return self.inner.tensor(name)
+        fused_name, part = found
+        fused: Weight = self.inner.tensor(fused_name)
+        order = self.qkvz if "qkvz" in fused_name else self.ba
+        if weight_shape(fused)[0] != len(order):
+            raise ExportError(
+                f"{fused_name}: {weight_shape(fused)[0]} rows, the config makes it {len(order)}"
+            )
+        grouped = fused.permute_rows(order)
+        if part == "in_proj_qkv.weight":
+            return grouped.take_rows(0, self.qkv_rows)
+        if part == "in_proj_z.weight":
+            return grouped.take_rows(self.qkv_rows, len(order))
+        if part == "in_proj_b.weight":
+            return grouped.take_rows(0, self.value_heads)
+        return grouped.take_rows(self.value_heads, 2 * self.value_heads)

@@ -108,7 +108,8 @@ def test_bad_input_exits_with_one_line(
         capsys,
         ["export", str(gpt2), "--out", str(tmp_path / "o2")],
         "architecture 'gpt2' is not supported; "
-        "supported: gemma3_text, glm4_moe, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe",
+        "supported: gemma3_text, glm4_moe, llama, mistral, mixtral, phi3, qwen2, qwen3, "
+        "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next",
     )
     gpt_oss = tmp_path / "gpt-oss"
     gpt_oss.mkdir()

@@ -38,18 +38,20 @@ def _chunked_greedy(
     return tokens, np.stack(rows)
 
 
-@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize(
+    ("arch", "stages"), [("qwen3_5", 1), ("qwen3_5", 3), ("qwen3_5_moe", 2), ("qwen3_next", 2)]
+)
 def test_a_chunked_prefill_equals_transformers(
-    tiny_export: ExportFn, tiny_model: Callable[..., Path], stages: int
+    tiny_export: ExportFn, tiny_model: Callable[..., Path], arch: str, stages: int
 ) -> None:
     """A prompt fed in chunks (of 4, 1 and 7 positions; one at a time; chunks shorter than the
     convolution's kernel) carries the conv and recurrent states from chunk to chunk: the
     greedy tokens are transformers' for the whole prompt at once, token for token."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("qwen3_5"))).eval()
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch))).eval()
     expected, expected_logits = reference_greedy(reference, PROMPT, 24)
-    chain = LocalChain(tiny_export("qwen3_5", stages), EXACT)
+    chain = LocalChain(tiny_export(arch, stages), EXACT)
     for n, chunks in enumerate(([4, 1, 7], [1] * len(PROMPT), [2, 2, 8])):
         tokens, logits = _chunked_greedy(chain, f"s{n}", PROMPT, chunks, 24)
         chain.release(f"s{n}")
