@@ -306,7 +306,7 @@ class _Resolved:
             source = MixtralNames(source)
         if self.facts.model_type in HYBRID and self.source.kind != "gguf":
             source = StackedExperts(LanguageModelNames(source))
-        if self.facts.model_type == "qwen3_next" and self.source.kind != "gguf":
+        if self.facts.model_type == "qwen3_next":
             source = GroupedLinearProjections(source, self.config)
         return source
 

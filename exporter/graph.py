@@ -423,15 +423,18 @@ class _Builder:
                 t, ops.divide(_const(1.0), ops.sqrt(ops.add(total, _const(1e-6))))
             ).output(0)
 
-        def per_value_head(t: Output) -> Output:  # repeat_interleave over the value heads
+        # A value head's q and k: its key head's, the value heads grouped by key head
+        # (transformers' repeat_interleave) or, in a GGUF whose converter reordered them,
+        # tiled (value head i: key head i % Hk)
+        tiled = bool(getattr(self.src, "value_heads_tiled", False))
+
+        def per_value_head(t: Output) -> Output:
             if hv == hk:
                 return t
+            batch_time = ops.gather(ops.shape_of(t), _i64([0, 1]), _i64(0))
+            axis, copies = (2, [hv // hk, hk]) if tiled else (3, [hk, hv // hk])
             wide = ops.broadcast(
-                ops.unsqueeze(t, _i64(3)),
-                ops.concat(
-                    [ops.gather(ops.shape_of(t), _i64([0, 1]), _i64(0)), _i64([hk, hv // hk, dk])],
-                    0,
-                ),
+                ops.unsqueeze(t, _i64(axis)), ops.concat([batch_time, _i64([*copies, dk])], 0)
             )
             return ops.reshape(wide, _i64([0, 0, hv, dk]), True).output(0)
 

@@ -91,8 +91,9 @@ class ModelSource:
 
     def _cached_path(self, kind: str, suffix: str = "") -> Path | None:
         """Where something read from this GGUF is cached: keyed by its content hash (or, where
-        there is none, by its path, size and modification time) and by the transformers
-        version that read it; None for Hugging Face folders (their files are read directly)."""
+        there is none, by its path, size and modification time) and by the versions of
+        transformers and exporter.gguf_reader that read it; None for Hugging Face folders
+        (their files are read directly)."""
         if self.kind != "gguf" or self.cache is None:
             return None
         import transformers
@@ -105,7 +106,10 @@ class ModelSource:
                 return None
             ident = f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
             key = hashlib.sha256(ident.encode()).hexdigest()
-        return self.cache / kind / f"{key}-transformers-{transformers.__version__}{suffix}"
+        from exporter.gguf_reader import READER_VERSION
+
+        version = f"transformers-{transformers.__version__}-reader-{READER_VERSION}"
+        return self.cache / kind / f"{key}-{version}{suffix}"
 
     def load_model(self, progress: bool = True) -> Any:
         import torch

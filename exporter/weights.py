@@ -115,10 +115,34 @@ _GGUF_LAYER = {
     # Phi-3's fused projections (llama.cpp keeps them fused: ffn_up holds gate and up)
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
+    # Qwen3.5's / Qwen3-Next's Gated DeltaNet (conversion/qwen.py's Qwen3NextModel) and gated
+    # shared expert
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_ba": "ssm_ba",  # Qwen3-Next: b and a grouped by key head
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# The Gated DeltaNet's per-head vectors, which transformers names without a .weight: llama.cpp's
+# ssm_a holds -exp(A_log), ssm_dt.bias the dt_bias
+_GGUF_LINEAR_VECTORS = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
+# GGUF architectures whose converter reorders a Gated DeltaNet's value heads from grouped by key
+# head (Hugging Face: v0..v{r-1} of key head 0, then of key head 1, ...) to tiled (v0 of every
+# key head, then v1 of every key head, ...): conversion/qwen.py's _LinearAttentionVReorderBase
+TILED_VALUE_HEADS = ("qwen35", "qwen35moe")
 # Architectures whose post_attention_layernorm llama.cpp stores as post_attention_norm: Gemma
 # normalises the attention's output with it, GLM-4.5 the MLP's input (the others: ffn_norm).
-_POST_ATTENTION_NORM = ("gemma3_text", "glm4_moe")
+_POST_ATTENTION_NORM = ("gemma3_text", "glm4_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# Architectures whose norm weights llama.cpp stores plus one (their RMSNorm scales by 1 + w);
+# not the Gated DeltaNet's output norm (ssm_norm), which scales by w
+_NORMS_PLUS_ONE = ("gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _GGUF_GLOBAL = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -137,6 +161,8 @@ def gguf_name(hf_name: str, model_type: str) -> str:
     layer, rest = parts[2], ".".join(parts[3:])
     if rest == "mlp.gate" and kind == "e_score_correction_bias":  # GLM's router bias
         return f"blk.{layer}.exp_probs_b.bias"
+    if f"{rest}.{kind}" in _GGUF_LINEAR_VECTORS:
+        return f"blk.{layer}.{_GGUF_LINEAR_VECTORS[f'{rest}.{kind}']}"
     if rest == "post_attention_layernorm":
         rest_name = "post_attention_norm" if model_type in _POST_ATTENTION_NORM else "ffn_norm"
     elif rest == "pre_feedforward_layernorm":
@@ -166,6 +192,8 @@ class GGUFSource:
         arch_field = reader.fields.get("general.architecture")
         self.arch = arch_field.contents() if arch_field else "unknown"
         self.tensors = {t.name: t for t in reader.tensors}
+        # exporter.graph repeats the key heads tiled (not interleaved) for such a file
+        self.value_heads_tiled = self.arch in TILED_VALUE_HEADS
 
     def has(self, name: str) -> bool:
         try:
@@ -202,8 +230,12 @@ class GGUFSource:
                 weight = weight.permute_rows(_unpermute_order(shape[0], self.num_heads))
             elif ".attn_k." in key:
                 weight = weight.permute_rows(_unpermute_order(shape[0], self.num_kv_heads))
-        if self.model_type == "gemma3_text" and "norm" in key and isinstance(weight, DenseWeight):
+        plus_one = self.model_type in _NORMS_PLUS_ONE and key.endswith("norm.weight")
+        if plus_one and ".ssm_norm." not in key and isinstance(weight, DenseWeight):
             weight = DenseWeight(np.asarray(weight.array, np.float32) - np.float32(1), weight.note)
+        if key.endswith(".ssm_a") and isinstance(weight, DenseWeight):  # -exp(A_log) -> A_log
+            decay = np.asarray(weight.array, np.float64)
+            weight = DenseWeight(np.log(-decay).astype(np.float32), weight.note)
         return weight
 
 
@@ -491,12 +523,18 @@ class GroupedLinearProjections:
             return f"{stem}.linear_attn.in_proj_ba.weight", part
         return None
 
-    def has(self, name: str) -> bool:
+    def _fused(self, name: str) -> tuple[str, str] | None:
+        """Where ``name`` is to be cut from a fused tensor: a GGUF holds in_proj_qkv and _z
+        as they are (llama.cpp's converter regroups in_proj_qkvz) and b and a fused."""
         found = self._split(name)
+        return None if found is None or self.inner.has(name) else found
+
+    def has(self, name: str) -> bool:
+        found = self._fused(name)
         return bool(self.inner.has(found[0] if found else name))
 
     def tensor(self, name: str) -> Weight:
-        found = self._split(name)
+        found = self._fused(name)
         if found is None:
             return self.inner.tensor(name)
         fused_name, part = found
