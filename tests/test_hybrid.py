@@ -131,3 +131,98 @@ def test_what_the_stack_cannot_do_for_hybrids_yet_is_refused(
         TestClient(app),
     ):
         pass
+
+
+def test_a_published_vision_language_folder_exports_its_text_model(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Qwen3.5 as published: a vision-language config (model_type qwen3_5, the text model's
+    config under text_config), the text weights under model.language_model., a vision tower and
+    MTP weights beside them (never read): 2 stages give transformers' greedy tokens."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config
+
+    from exporter.export import ExportOptions, export_model
+    from exporter.verify import verify_export
+    from protos.manifest import WeightSpec, load_manifest
+
+    folder = tmp_path / "qwen3_5-vl"
+    shutil.copytree(tiny_model("qwen3_5"), folder)
+    text = json.loads((folder / "config.json").read_text())
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+    Qwen3_5Config(
+        text_config=text, vision_config={**vision, "out_hidden_size": 64}
+    ).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen3_5"
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.visual.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 16, 16)
+    weights["mtp.fc.weight"] = torch.randn(64, 128)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    out = tmp_path / "out"
+    export_model(
+        ExportOptions(
+            model=str(folder), out=out, stages=2, weights=WeightSpec(format="fp32"), quiet=True
+        )
+    )
+    assert load_manifest(out).model.architecture == "qwen3_5_text"
+    report = verify_export(out, steps=16, options=EXACT, atol=1e-4)
+    assert report.failures() == []
+    assert all(r.reference is not None and r.reference.matched == 16 for r in report.results)
+
+
+def test_stage_processes_pick_the_stateful_backend_and_refuse_paged(
+    tiny_export: ExportFn, tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """`pipeshard stage` on a hybrid's stages: --kv-backend auto (paged for several sessions
+    elsewhere) serves them stateful, and a ring of them gives transformers' greedy tokens;
+    --kv-backend paged exits with the reason before serving."""
+    import asyncio
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from protos.sampling import SamplingParams
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+    from server.metrics import GatewayMetrics
+    from server.ring.grpc_client import PipelineClient
+    from tests.processes import PIPESHARD, free_port, start_stages
+
+    export = tiny_export("qwen3_5", 2)
+    stage = [PIPESHARD, "stage", "--shards", str(export), "--stage", "0"]
+    refused = subprocess.run(
+        [*stage, "--kv-backend", "paged", "--listen", f"127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0
+    assert "linear-attention layers [0, 1, 2]" in refused.stderr + refused.stdout
+
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("qwen3_5"))).eval()
+    expected = reference_greedy(reference, PROMPT, 12)[0]
+    procs, addresses = start_stages(export, tmp_path, extra=["--hidden-dtype", "fp32"])
+    try:
+
+        async def generate() -> tuple[list[int], bool]:
+            client = PipelineClient(addresses)
+            await client.start()
+            engine = Engine(client, frozenset(), 256, SchedulerConfig(), GatewayMetrics())
+            try:
+                request = GenerationRequest("r", PROMPT, 12, SamplingParams())
+                return [t.token_id async for t in engine.generate(request)], client.paged
+            finally:
+                await engine.close()
+                await client.close()
+
+        tokens, paged = asyncio.run(generate())
+    finally:
+        for proc in procs:
+            proc.stop()
+    assert not paged
+    assert tokens == expected
