@@ -226,3 +226,22 @@ def test_stage_processes_pick_the_stateful_backend_and_refuse_paged(
             proc.stop()
     assert not paged
     assert tokens == expected
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_split_int4_equals_unsplit_int4(tiny_export: ExportFn, arch: str) -> None:
+    """NNCF's int4 compresses a hybrid's layers (the Gated DeltaNet projections, the experts)
+    the same whatever the split: 3 stages give the 1-stage export's logits exactly."""
+    from exporter.verify import verify_export
+
+    report = verify_export(
+        tiny_export(arch, 3, "int4"),
+        steps=24,
+        against=tiny_export(arch, 1, "int4"),
+        reference=False,
+        options=EXACT,
+    )
+    for result in report.results:
+        assert result.against is not None
+        assert result.against.identical
+        assert result.against.max_abs_diff == 0.0
