@@ -97,18 +97,92 @@ def test_concurrent_sequences_each_equal_transformers(
         assert tokens == reference_greedy(reference, prompt, 12)[0], f"prompt {prompt}"
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_rollback_within_the_last_chunk_equals_never_feeding_its_tail(
+    tiny_export: ExportFn, stage: int
+) -> None:
+    """A hybrid's stage rolls back into its last chunk of several positions (a speculative
+    verification's rejected tokens): back to the states before it, its accepted part fed again.
+    The session then computes what a session never fed the rolled-back positions computes,
+    also when the chunk was the session's first."""
+    from shard_runtime.runner import ShardRunner
+
+    runner = ShardRunner(tiny_export("qwen3_5", 2), stage, EXACT)
+    rng = np.random.default_rng(1)
+    if stage == 0:
+        data = rng.integers(3, 250, 12)
+    else:
+        data = rng.standard_normal((12, 64)).astype(np.float32)
+
+    def run(session: str, chunks: list[tuple[int, int]], rollback: int = 0) -> np.ndarray:
+        for lo, hi in chunks:
+            runner.forward(session, data[lo:hi])
+        if rollback:
+            runner.rollback(session, rollback)
+        return runner.forward(session, data[9:12])
+
+    plain = run("plain", [(0, 4), (4, 5)])
+    assert np.array_equal(run("rolled", [(0, 4), (4, 9)], rollback=4), plain)
+    assert runner.session_length("rolled") == 8
+    assert np.array_equal(run("first", [(0, 7)], rollback=2), run("alone", [(0, 5)]))
+
+
+def test_speculation_equals_plain_decoding(tiny_export: ExportFn) -> None:
+    """Prompt-lookup speculation on 2 stateful stages of a hybrid: the verifications' rejected
+    tokens are rolled back out of the recurrent states; greedy output equals decoding without
+    speculation token for token, with tokens both accepted and rejected."""
+    import asyncio
+
+    from protos.sampling import SamplingParams
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+    from server.engine.speculative import NgramProposer
+    from server.metrics import GatewayMetrics
+    from server.ring.local import LocalRing
+
+    export = tiny_export("qwen3_5", 2)
+    prompts = [PROMPT + PROMPT[:6], [9, 8, 7, 9, 8, 7, 9, 8], [3, 1, 4, 1, 5, 9, 2, 6] * 2]
+
+    def generate(speculate: bool, metrics: GatewayMetrics) -> list[list[int]]:
+        ring = LocalRing(export, EXACT, "stateful", hidden_dtype="fp32")
+
+        async def run() -> list[list[int]]:
+            engine = Engine(
+                ring,
+                frozenset(),
+                256,
+                SchedulerConfig(),
+                metrics,
+                proposer=NgramProposer() if speculate else None,
+                spec_k=4 if speculate else 0,
+            )
+            try:
+                out = []
+                for n, prompt in enumerate(prompts):
+                    request = GenerationRequest(f"r{n}", prompt, 32, SamplingParams())
+                    out.append([t.token_id async for t in engine.generate(request)])
+                return out
+            finally:
+                await engine.close()
+                await ring.close()
+
+        return asyncio.run(run())
+
+    metrics = GatewayMetrics()
+    assert generate(True, metrics) == generate(False, GatewayMetrics())
+    proposed = metrics.registry.get_sample_value("pipeshard_gateway_spec_proposed_tokens_total")
+    accepted = metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
+    assert proposed and accepted is not None
+    assert 0 < accepted < proposed
+
+
 def test_what_the_stack_cannot_do_for_hybrids_yet_is_refused(
     tiny_export: ExportFn,
 ) -> None:
     """Not supported yet, refused with the reason rather than computed wrong: the paged
-    backend (and so its prefix cache) at stage start, a partial rollback (speculative
-    decoding's rejected tokens) at the request, speculation at the gateway's start. A whole
-    rollback (a fresh start of the session) stays exact."""
-    from fastapi.testclient import TestClient
-
-    from server.api.app import StartFailed, create_app
-    from server.ring.local import LocalRing
-    from server.settings import GatewaySettings
+    backend (and so its prefix cache) at stage start, a rollback past the last chunk of
+    several positions at the request. A whole rollback (a fresh start of the session) stays
+    exact."""
     from shard_runtime.paged import PagedRunner
     from shard_runtime.runner import InvalidStageInput, ShardRunner
 
@@ -116,21 +190,14 @@ def test_what_the_stack_cannot_do_for_hybrids_yet_is_refused(
     with pytest.raises(ValueError, match=r"linear-attention layers \[0, 1, 2\].*stateful"):
         PagedRunner(export, 0, EXACT, kv_cache_bytes=1 << 22)
     runner = ShardRunner(export, 1, EXACT)
-    hidden = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
-    first = runner.forward("s", hidden)
+    hidden = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    first = runner.forward("s", hidden[:6])
+    runner.forward("s", hidden[6:7])
     with pytest.raises(InvalidStageInput, match="recurrent state"):
-        runner.rollback("s", 2)
-    assert runner.session_length("s") == 6  # the session is left as it was
-    runner.rollback("s", 6)
-    assert np.array_equal(runner.forward("s", hidden), first)
-
-    ring = LocalRing(export, EXACT, "stateful")
-    app = create_app(GatewaySettings(stages=["127.0.0.1:9"], speculation="ngram"), ring)
-    with (
-        pytest.raises(StartFailed, match="speculative decoding is not supported"),
-        TestClient(app),
-    ):
-        pass
+        runner.rollback("s", 2)  # past the last chunk of several positions
+    assert runner.session_length("s") == 7  # the session is left as it was
+    runner.rollback("s", 7)
+    assert np.array_equal(runner.forward("s", hidden[:6]), first)
 
 
 def test_a_published_vision_language_folder_exports_its_text_model(

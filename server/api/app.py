@@ -266,12 +266,6 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
         starting.cancel()  # a draft still compiling runs out in its thread
         drafting.cancel()
         raise
-    if proposer is not None and (recurrent := manifest.model.recurrent_layers()):
-        raise ValueError(
-            f"speculative decoding is not supported for {manifest.model.model_id} yet: its "
-            f"linear-attention layers {recurrent} keep a recurrent state that the stages cannot "
-            "roll back past rejected draft tokens (use --speculation off)"
-        )
     if isinstance(proposer, DraftProposer):
         proposer.check_target(manifest.model.vocab_size)
     if settings.tokenizer is not None:
