@@ -312,3 +312,55 @@ def test_split_int4_equals_unsplit_int4(tiny_export: ExportFn, arch: str) -> Non
         assert result.against is not None
         assert result.against.identical
         assert result.against.max_abs_diff == 0.0
+
+
+def test_a_lost_session_re_prefills_and_ends_with_the_same_tokens(tiny_export: ExportFn) -> None:
+    """A stage loses a hybrid's session mid-stream (as a restart does): the engine re-prefills
+    it on a fresh session (fresh recurrent states from position 0, the prompt and what was
+    generated) and ends with the tokens of an uninterrupted run."""
+    import asyncio
+    from collections.abc import AsyncGenerator
+
+    from protos.sampling import SamplingParams
+    from protos.step import StepRequest
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+    from server.metrics import GatewayMetrics
+    from server.ring import SessionLost, StepOutput
+    from server.ring.local import LocalRing
+
+    export = tiny_export("qwen3_5", 2)
+
+    class LosingRing(LocalRing):
+        """Drops the session at its 4th decode step, failing that step."""
+
+        decode_steps = 0
+
+        async def steps(
+            self, step: StepRequest, timeout: float | None = None
+        ) -> AsyncGenerator[StepOutput, None]:
+            if step.start_position >= len(PROMPT):
+                self.decode_steps += 1
+                if self.decode_steps == 4:
+                    await self.release(step.session_id)
+                    raise SessionLost("stage 1 restarted", 1)
+            async for out in super().steps(step, timeout):
+                yield out
+
+    def generate(ring: LocalRing) -> tuple[list[int], int]:
+        async def run() -> tuple[list[int], int]:
+            engine = Engine(ring, frozenset(), 256, SchedulerConfig(), GatewayMetrics())
+            try:
+                request = GenerationRequest("r", PROMPT, 16, SamplingParams())
+                tokens = [t.token_id async for t in engine.generate(request)]
+                return tokens, engine.scheduler.resumes
+            finally:
+                await engine.close()
+                await ring.close()
+
+        return asyncio.run(run())
+
+    plain, _ = generate(LocalRing(export, EXACT, "stateful", hidden_dtype="fp32"))
+    resumed, resumes = generate(LosingRing(export, EXACT, "stateful", hidden_dtype="fp32"))
+    assert resumes == 1
+    assert resumed == plain
