@@ -9,9 +9,12 @@ Inputs (in this order, batch B, new tokens T, past P, total S = P + T):
   ``attention_mask`` [B, S] i64   (1 = visible slot; 0 masks a physical slot out)
   ``position_ids``   [B, T] i64   (absolute, logical positions of the new tokens)
   last stage only: ``num_logits`` [] i64 (logits are computed for the last ``num_logits`` tokens)
-  ``past_key_values.{i}.key`` / ``.value`` [B, kv_heads, P, head_dim] for each local layer i
+  ``past_key_values.{i}.key`` / ``.value`` [B, kv_heads, P, head_dim] for each local attention
+  layer i; ``cache_params.past.conv.{i}`` [B, C, K] and ``cache_params.past.ssm.{i}``
+  [B, Hv, Dk, Dv] for each local linear-attention (Gated DeltaNet) layer i
 Outputs: ``logits`` [B, num_logits, V] (last stage) or ``hidden_states`` [B, T, H] ([B, T, 2H]
-when its last layer's MLP is cut), then ``present.{i}.key`` / ``.value``.
+when its last layer's MLP is cut), then ``present.{i}.key`` / ``.value`` and
+``cache_params.present.conv.{i}`` / ``.ssm.{i}``.
 
 The masks are built in the graph: a key slot is visible to a query when its physical index is not
 after the query's and its attention_mask is 1; sliding-window layers also need the logical
