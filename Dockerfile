@@ -6,7 +6,9 @@
 #   docker run pipeshard:latest up ...
 #   docker build --target export -t pipeshard:export .     # + the export extra (CPU torch)
 #   docker run -v "$PWD/exports:/exports" pipeshard:export export default --stages 2 --draft default-draft --out /exports/default
-# See deploy/compose.yaml for a whole fleet.
+# See deploy/compose.yaml for a whole fleet. With podman: `podman build --format docker ...` (its
+# default OCI format drops the HEALTHCHECK); without a registry, deploy/base-image.sh builds the
+# base from Debian packages (docs/deployment.md).
 
 # --- builder: the pipeshard wheel. setup.py generates the gRPC stubs during the build, with
 # grpcio-tools from pyproject's build-system requires (pip installs it in the build env).
@@ -30,9 +32,12 @@ ENV VIRTUAL_ENV=/opt/pipeshard/.venv \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIPESHARD_STAGE_OV_CACHE_DIR=/var/cache/pipeshard/ov-cache
-RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    python -m venv /opt/pipeshard/.venv \
-    && pip install --no-cache-dir /wheels/*.whl
+# The wheel is copied (300 KB), not bind-mounted from the builder: podman's build cache does not
+# see a changed file behind a `RUN --mount=...,from=builder` and would keep the old install.
+COPY --from=builder /wheels /tmp/wheels
+RUN python -m venv /opt/pipeshard/.venv \
+    && pip install --no-cache-dir /tmp/wheels/*.whl \
+    && rm -rf /tmp/wheels
 # The OpenVINO cache dir exists and belongs to the user, so a fresh named volume mounted on
 # /var/cache/pipeshard inherits that ownership.
 RUN useradd --system --create-home --home-dir /home/pipeshard --shell /usr/sbin/nologin pipeshard \
@@ -65,9 +70,10 @@ CMD ["--help"]
 FROM base AS export
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 USER root
-RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" "$(ls /wheels/pipeshard-*.whl)[export]" \
-    && pip uninstall -y torchvision
+COPY --from=builder /wheels /tmp/wheels
+RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" "$(ls /tmp/wheels/pipeshard-*.whl)[export]" \
+    && pip uninstall -y torchvision \
+    && rm -rf /tmp/wheels
 USER pipeshard
 
 # --- runtime (default target, last): the stage nodes and the gateway. No torch.

@@ -5,6 +5,7 @@ models here (the export extra: torch, transformers)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ def make_tokenizer(
     vocab: int = VOCAB,
     chat_template: str | None = None,
     corpus: list[str] = CORPUS,
+    special_tokens: Sequence[str] = (),
 ) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -43,13 +45,15 @@ def make_tokenizer(
     # decodes to readable text, which the gateway tests (stop strings, streaming) need.
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
-        special_tokens=["<unk>", "<s>", "</s>"],
+        special_tokens=["<unk>", "<s>", "</s>", *special_tokens],
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    if special_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     if chat_template:
         fast.chat_template = chat_template
     fast.save_pretrained(folder)
@@ -274,6 +278,32 @@ THINK_TEMPLATE = (
 )
 
 
+# A harmony chat template in the shape of gpt-oss's: tools offered in a developer message,
+# calls and their results as commentary messages, the turn left at ``<|start|>assistant``.
+HARMONY_TOKENS = (
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+)
+HARMONY_TEMPLATE = (
+    "{% if tools %}<|start|>developer<|message|>namespace functions { "
+    "{% for t in tools %}type {{ t['function']['name'] }} = (_: any) => any; {% endfor %}}"
+    "<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m.get('tool_calls') %}"
+    "{% for c in m['tool_calls'] %}<|start|>assistant to=functions.{{ c['function']['name'] }}"
+    "<|channel|>commentary json<|message|>{{ c['function']['arguments'] }}<|call|>{% endfor %}"
+    "{% elif m['role'] == 'tool' %}<|start|>functions to=assistant<|channel|>commentary"
+    "<|message|>{{ m['content'] }}<|end|>"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
 def make_model(
     arch: str,
     folder: Path,
@@ -282,9 +312,10 @@ def make_model(
     vocab: int = VOCAB,
     chat_template: str | None = None,
     corpus: list[str] = CORPUS,
+    special_tokens: Sequence[str] = (),
 ) -> Path:
     """Save a random model of ``arch`` with the tiny tokenizer (trained on ``corpus``: its
-    alphabet is the corpus's characters) into ``folder``."""
+    alphabet is the corpus's characters; ``special_tokens`` beside its own) into ``folder``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -299,7 +330,7 @@ def make_model(
     if arch in _RANDOM_VECTORS:
         randomize_vectors(model)
     model.save_pretrained(folder)
-    make_tokenizer(folder, min(vocab, VOCAB), chat_template, corpus)
+    make_tokenizer(folder, min(vocab, VOCAB), chat_template, corpus, special_tokens)
     return folder
 
 

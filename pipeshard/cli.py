@@ -73,6 +73,77 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        parents=[COMMON],
+        help="plan a known big model over your PCs without its file: each stage's weights, "
+        "KV cache and export memory",
+        description="Plan a real model from its published shape (no file, no download): the "
+        "GGUF a quantization makes of it, what each stage holds at run time (weights, KV "
+        "cache, recurrent state), what exporting a stage needs, and whether it fits each set "
+        "of hosts; where it does not, what would. `pipeshard export` prints the plan of a "
+        "model file.",
+    )
+    p.add_argument("preset", nargs="?", metavar="MODEL", help="the model (see --list)")
+    p.add_argument(
+        "--list", action="store_true", help="list the models and where their numbers come from"
+    )
+    p.add_argument(
+        "--quant",
+        action="append",
+        default=None,
+        help="GGUF quantization, e.g. Q4_K_M, Q8_0, MXFP4 (repeatable or comma-separated; "
+        "default: the model's common ones)",
+    )
+    p.add_argument(
+        "--hosts",
+        action="append",
+        default=None,
+        help="a set of hosts: NxSIZE (3x32GB) or one size each (64GB,32GB); repeatable "
+        "(default: the sets the model is commonly split over)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=32768,
+        help="positions of KV cache per sequence (default 32768)",
+    )
+    p.add_argument("--sequences", type=int, default=1, help="sequences held at once (default 1)")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from exporter.presets import (
+        PRESETS,
+        describe_preset,
+        find_preset,
+        format_preset_plan,
+        plan_preset,
+        summary_table,
+    )
+
+    if args.list:
+        for preset in PRESETS.values():
+            print(f"{preset.name}: {preset.title}, {describe_preset(preset)}")
+            print(f"  quantizations: {', '.join(preset.quants)}")
+            print(f"  source: {preset.source}")
+        return 0
+    if not args.preset:
+        raise ValueError(f"name a model ({', '.join(PRESETS)}) or give --list")
+    preset = find_preset(args.preset)
+    quants = [q.strip().upper() for given in args.quant or [] for q in given.split(",")]
+    hosts = args.hosts or list(preset.default_hosts)
+    plans = [
+        plan_preset(preset, quant, spec, args.context, args.sequences)
+        for quant in quants or preset.default_quants
+        for spec in hosts
+    ]
+    print(f"### {preset.title}\n\n{describe_preset(preset)}.\n\n{summary_table(plans)}")
+    for plan in plans:
+        print(f"\n{format_preset_plan(plan)}")
+    return 0
+
+
 def _verify_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify", parents=[COMMON], help="compare the chained stages with the unsplit model"
@@ -249,6 +320,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--responses-store-size",
         type=int,
         help="/v1/responses kept for previous_response_id ({default}; 0: none)",
+    )
+    p.add_argument(
+        "--stream-keepalive-s",
+        type=float,
+        help="a stream whose first token is slower than this starts anyway and sends "
+        "keep-alives this often ({default} s; 0: wait for the first token)",
     )
     p.add_argument("--tokenizer", type=Path, help="local tokenizer folder (default: from stages)")
     p.add_argument("--secret", help="the stages' shared secret")
@@ -579,6 +656,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "export": _run_export,
+    "plan": _run_plan,
     "verify": _run_verify,
     "stage": _run_stage,
     "serve": _run_serve,
@@ -598,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_export_parser(sub)
+    _plan_parser(sub)
     _verify_parser(sub)
     _stage_parser(sub)
     _serve_parser(sub)

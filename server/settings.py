@@ -52,6 +52,15 @@ class GatewaySettings(BaseSettings):
         description="other model names every endpoint accepts for the served model (the "
         "names clients such as Claude Code send); /v1/models lists the model id only",
     )
+    stream_keepalive_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="a streamed request whose first token takes longer than this (a long "
+        "prompt's prefill) starts its stream anyway (the opening events of its API) and sends a "
+        "keep-alive (an SSE comment, Anthropic's ping) this often until the output comes, so "
+        "clients with a read timeout keep waiting; failures before that are plain HTTP errors; "
+        "0: wait for the first token before answering",
+    )
     responses_store_size: int = Field(
         default=1000,
         ge=0,

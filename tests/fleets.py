@@ -17,6 +17,7 @@ import openai
 from exporter.export import ExportOptions, export_model
 from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 from protos.manifest import WeightSpec
+from server.ring import Ring
 from server.ring.grpc_client import PipelineClient
 from tests.processes import Proc, start_gateway, start_stages
 
@@ -106,12 +107,19 @@ def export_chat_model(
     json: bool = False,
     draft: bool = False,
     max_context: int | None = None,
+    special_tokens: Sequence[str] = (),
 ) -> tuple[Path, Path]:
     """A tiny Qwen2 with a chat template, exported to fp32 stages: (source, export). ``json``:
     its tokenizer can write JSON and tool calls; ``draft``: a draft (its weights plus noise)
-    exported beside it."""
+    exported beside it; ``special_tokens``: the template's markup tokens."""
     corpus = CORPUS + JSON_CORPUS if json else CORPUS
-    source = make_model("qwen2", base / name, chat_template=chat_template, corpus=corpus)
+    source = make_model(
+        "qwen2",
+        base / name,
+        chat_template=chat_template,
+        corpus=corpus,
+        special_tokens=special_tokens,
+    )
     drafted = make_draft(source, base / f"{name}-draft", noise=0.3) if draft else None
     export = base / "export"
     export_model(
@@ -147,10 +155,15 @@ def hermes_fleet(
 
 @contextlib.contextmanager
 def local_gateway(
-    export: Path, model: str, keys: Sequence[str] = (KEY,), **settings: object
+    export: Path,
+    model: str,
+    keys: Sequence[str] = (KEY,),
+    ring: Ring | None = None,
+    **settings: object,
 ) -> Iterator[Fleet]:
-    """The real gateway app over the in-process ring of ``export`` (no stage processes),
-    served over HTTP by uvicorn on a free loopback port in a thread, serving ``model``."""
+    """The real gateway app over the in-process ring of ``export`` (no stage processes; or
+    over ``ring``), served over HTTP by uvicorn on a free loopback port in a thread, serving
+    ``model``."""
     import socket
     import threading
 
@@ -171,7 +184,7 @@ def local_gateway(
         api_keys=list(keys),  # type: ignore[arg-type]
         **settings,  # type: ignore[arg-type]
     )
-    app = create_app(config, LocalRing(export))
+    app = create_app(config, ring or LocalRing(export))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

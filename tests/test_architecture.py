@@ -23,10 +23,15 @@ lazy ones inside functions, read from the source with ast):
 from __future__ import annotations
 
 import ast
+import sys
+import tomllib
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 pytestmark = pytest.mark.unit
 
@@ -237,3 +242,59 @@ def test_the_gateways_layers_import_only_downwards() -> None:
     # every gateway module is in a layer or one of the shared ones beside them
     shared = {"server", "server.settings", "server.metrics", "server.options", "server.hosts"}
     assert {n for n in MODULES if n.split(".")[0] == "server" and layer(n) is None} == shared
+
+
+# The packages a runtime install (gateway and stages: `pip install pipeshard`, the container
+# image) imports; the exporter, the benchmarks and the build-time stub generator need extras.
+RUNTIME_PACKAGES = ("pipeshard", "common", "shard_runtime", "server", "stage_node", "protos")
+BUILD_TIME_MODULES = {"protos.codegen"}
+
+
+def third_party_imports(path: Path) -> Iterator[tuple[str, int]]:
+    """The top-level names of the absolute imports in ``path`` that are not the project's nor
+    the standard library's, lazy ones included."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top not in PACKAGES and top not in sys.stdlib_module_names:
+                yield top, node.lineno
+
+
+def runtime_distributions() -> set[str]:
+    """pyproject's runtime dependencies and, as installed here, everything they require
+    (without extras): what `pip install pipeshard` brings."""
+    pending = [
+        Requirement(spec)
+        for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    ]
+    found: set[str] = set()
+    while pending:
+        req = pending.pop()
+        name = canonicalize_name(req.name)
+        if name in found or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        found.add(name)
+        pending.extend(Requirement(spec) for spec in metadata.requires(req.name) or [])
+    return found
+
+
+def test_the_runtime_imports_only_its_declared_dependencies() -> None:
+    """A module the gateway or a stage imports (even lazily) comes from a runtime dependency,
+    or a runtime install (the container image) fails on it: the dev environment hides that,
+    since the extras (torch, ...) bring much more."""
+    allowed = runtime_distributions()
+    provides = metadata.packages_distributions()
+    broken = [
+        f"{path.relative_to(ROOT)}:{line} imports {top} ({', '.join(provides.get(top, []))})"
+        for name, path in MODULES.items()
+        if name.split(".")[0] in RUNTIME_PACKAGES and name not in BUILD_TIME_MODULES
+        for top, line in third_party_imports(path)
+        if not {canonicalize_name(d) for d in provides.get(top, [])} & allowed
+    ]
+    assert broken == []

@@ -390,13 +390,13 @@ def test_compose_services() -> None:
     for address in env["PIPESHARD_GATEWAY_STAGES"].split(","):
         host, _, port = address.partition(":")
         assert port_of(service_env(services[host])["PIPESHARD_STAGE_LISTEN"]) == int(port)
-    assert "8000:8000" in [str(p) for p in gateway["ports"]]
+    assert "${PIPESHARD_PORT:-8000}:8000" in [str(p) for p in gateway["ports"]]
     assert port_of(env["PIPESHARD_GATEWAY_LISTEN"]) == 8000
     # the image's HEALTHCHECK (test_dockerfile_healthcheck_works_for_both_roles), which
     # follows the listen port and TLS; compose sets only its timing
     assert "healthcheck" in gateway and "test" not in gateway["healthcheck"]
     prometheus = services["prometheus"]
-    assert prometheus["image"].startswith("prom/prometheus")
+    assert prometheus["image"].startswith("docker.io/prom/prometheus")  # podman: no short names
     mounts = [v for v in prometheus["volumes"] if str(v).startswith("./prometheus.yml:")]
     assert mounts, "prometheus does not mount ./prometheus.yml"
     assert (DEPLOY / "prometheus.yml").is_file()

@@ -250,6 +250,25 @@ def test_stop_prefix_held_back_while_ambiguous(byte_bpe: Tokenizer) -> None:
     assert not det.stopped
 
 
+def test_min_tokens_holds_back_the_stop_sequences(byte_bpe: Tokenizer) -> None:
+    text = "a </end> b </end> c"
+    ids = encode(byte_bpe, text)
+    first = next(n for n in range(len(ids)) if "</end>" in byte_bpe.decode(ids[: n + 1])) + 1
+    second = (
+        next(
+            n for n in range(first, len(ids)) if byte_bpe.decode(ids[: n + 1]).count("</end>") == 2
+        )
+        + 1
+    )
+    # before min_tokens tokens are out, a stop sequence is text; from then on it stops
+    det = IncrementalDetokenizer(byte_bpe, stop=["</end>"], min_tokens=first + 1)
+    assert "".join(stream(det, ids)) == det.text == "a </end> b "
+    assert det.stopped and det.num_tokens == second
+    # the stop completed by the min_tokens-th token itself counts
+    det = IncrementalDetokenizer(byte_bpe, stop=["</end>"], min_tokens=first)
+    assert "".join(stream(det, ids)) == "a " and det.num_tokens == first
+
+
 def test_text_after_stop_in_same_token_is_dropped(byte_bpe: Tokenizer) -> None:
     ids = encode(byte_bpe, "The marker and tokens")
     tokens = [byte_bpe.decode([i]) for i in ids]

@@ -138,19 +138,20 @@ def test_split_inside_an_mlp_equals_unsplit(
     assert report.failures() == []
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3])
 def test_glm4_moe_on_the_paged_backend_equals_transformers(
-    tiny_export: ExportFn, tiny_model: Callable[..., Path]
+    tiny_export: ExportFn, tiny_model: Callable[..., Path], stages: int
 ) -> None:
-    """GLM-4.5's routing (sigmoid, correction bias, groups, shared expert) on 2 stages of the
-    paged backend (block tables, the paged attention transformation): transformers' greedy
-    tokens."""
+    """GLM-4.5's routing (sigmoid, correction bias, groups, shared expert) on 1, 2 and 3
+    stages of the paged backend (block tables, the paged attention transformation):
+    transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     from exporter.verify import reference_greedy
     from protos.manifest import load_manifest
     from shard_runtime.chain import LocalChain
 
-    export = tiny_export("glm4_moe", 2)
+    export = tiny_export("glm4_moe", stages)
     assert load_manifest(export).model.num_layers == 6
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("glm4_moe"))).eval()
     prompts = [[5, 17, 33, 99, 100, 7, 42, 8], [200, 150, 100, 50], [9, 9, 9, 9, 9, 9]]
@@ -158,3 +159,42 @@ def test_glm4_moe_on_the_paged_backend_equals_transformers(
     for i, prompt in enumerate(prompts):
         tokens, _ = chain.greedy(f"p{i}", prompt, 24)
         assert tokens == reference_greedy(reference, prompt, 24)[0]
+
+
+def test_glm4_moe_sessions_interleaved_on_the_stateful_backend_equal_each_alone(
+    tiny_export: ExportFn, tiny_model: Callable[..., Path]
+) -> None:
+    """Eight GLM sessions on 3 stateful stages, decoded in turn (a step of each before the
+    next step of any, so that every stage switches its KV state between sessions at every
+    call): each one's tokens are transformers' greedy tokens for its prompt alone."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from exporter.verify import reference_greedy
+    from shard_runtime.chain import LocalChain
+
+    prompts = [
+        [5, 17, 33, 99, 100, 7, 42, 8],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+        [200, 150, 100, 50],
+        [9, 9, 9, 9, 9, 9],
+        [77, 31, 12, 140, 141, 142, 3],
+        [250, 3, 250, 3, 250],
+        [60, 61, 62],
+        [18, 180, 81, 118, 181, 8, 88, 188],
+    ]
+    steps = 12
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("glm4_moe"))).eval()
+    expected = [reference_greedy(reference, p, steps)[0] for p in prompts]
+    assert len({tuple(t) for t in expected}) > 1  # the prompts lead to different outputs
+    chain = LocalChain(tiny_export("glm4_moe", 3), EXACT)
+    logits = [chain.forward(f"s{i}", np.asarray(p))[-1] for i, p in enumerate(prompts)]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps):
+        for i in range(len(prompts)):
+            tokens[i].append(int(np.argmax(logits[i])))
+            if step + 1 < steps:
+                logits[i] = chain.forward(f"s{i}", np.asarray(tokens[i][-1:]))[-1]
+    assert tokens == expected
+    for i in range(len(prompts)):
+        chain.release(f"s{i}")

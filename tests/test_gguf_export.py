@@ -27,6 +27,7 @@ from exporter.verify import verify_export
 from pipeshard.cli import main
 from protos.manifest import ShardManifest, load_manifest, manifest_hash
 from shard_runtime.chain import LocalChain
+from shard_runtime.paged import PagedRunner
 from shard_runtime.runner import RunnerOptions
 
 pytestmark = pytest.mark.component
@@ -425,15 +426,17 @@ def test_header_reader_steps_over_arrays_to_the_same_tensors(
             assert [bytes(p) for p in fast.fields[key].parts] == [bytes(p) for p in field.parts]
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3])
 def test_a_glm4moe_gguf_equals_the_hugging_face_model_it_was_written_from(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stages: int
 ) -> None:
     """GLM-4.5 from GGUF (llama.cpp's glm4moe: post_attention_norm before the MLP, stacked
     experts, ffn_*_shexp, exp_probs_b, a NextN block after the last layer), which transformers
     cannot read: its config and tokenizer come from exporter.gguf_reader. The Hugging Face
     weights are first rounded to what Q8_0 holds, so that the Q8_0 file and the folder hold the
-    same values: 2 stages of the file (i8 codes, experts as GatherMatmul) give the folder's
-    greedy tokens in transformers; the NextN block is skipped and the plan says so."""
+    same values: 1, 2 and 3 stages of the file (i8 codes, every expert layer as GatherMatmul on
+    both KV backends) give the folder's greedy tokens in transformers, stateful and paged; the
+    NextN block is skipped and the plan says so."""
     import torch
     from gguf import GGUFReader
     from safetensors.torch import load_file, save_file
@@ -457,22 +460,28 @@ def test_a_glm4moe_gguf_equals_the_hugging_face_model_it_was_written_from(
     assert "blk.4.nextn.eh_proj.weight" in names  # the NextN block after layers 0-3
 
     out = tmp_path / "out"
-    export_model(ExportOptions(model=str(gguf), out=out, stages=2))
+    export_model(ExportOptions(model=str(gguf), out=out, stages=stages))
     printed = capsys.readouterr().out
     assert "skipped: 1 NextN/MTP layer(s) stored after layer 3" in printed
     manifest = load_manifest(out)
     assert manifest.model.architecture == "glm4_moe" and manifest.model.num_layers == 4
+    assert manifest.num_stages == stages
     core = ov.Core()
     for stage in manifest.stages:
         compiled = core.compile_model(
             out / stage.model_xml, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
         )
-        ops = compiled.get_runtime_model().get_ops()
-        types = Counter(op.get_rt_info()["layerType"].astype(str) for op in ops)
+        paged = PagedRunner(out, stage.index, EXACT_GGUF, kv_cache_bytes=1 << 22)
         experts = len(set(range(1, 4)) & set(range(stage.layer_start, stage.layer_end)))
-        assert types["GatherMatmul"] == 3 * experts, types  # layer 0 is dense
-        gather = [op for op in ops if op.get_rt_info()["layerType"].astype(str) == "GatherMatmul"]
-        assert {op.input_value(1).get_element_type().get_type_name() for op in gather} == {"i8"}
+        for ops in (
+            compiled.get_runtime_model().get_ops(),
+            paged.compiled.get_runtime_model().get_ops(),
+        ):
+            kinds = [str(op.get_rt_info()["layerType"].astype(str)) for op in ops]
+            assert Counter(kinds)["GatherMatmul"] == 3 * experts, Counter(kinds)  # layer 0 dense
+            gather = [op for op, kind in zip(ops, kinds, strict=True) if kind == "GatherMatmul"]
+            codes = {op.input_value(1).get_element_type().get_type_name() for op in gather}
+            assert codes == ({"i8"} if experts else set())
     reference = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     for backend in ("stateful", "paged"):
         chain = LocalChain(out, EXACT_GGUF, kv_backend=backend)
@@ -480,6 +489,45 @@ def test_a_glm4moe_gguf_equals_the_hugging_face_model_it_was_written_from(
             tokens, _ = chain.greedy(f"p{i}", prompt, 16)
             expected, _ = reference_greedy(reference, prompt, 16)
             assert tokens == expected, f"{backend}: {tokens} != {expected}"
+
+
+def test_pipeshard_plans_tensors_are_a_glm4moe_gguf_s(tmp_path: Path) -> None:
+    """`pipeshard plan`'s GLM tensors, names and shapes, are those of a glm4moe GGUF written as
+    llama.cpp writes one (exporter/tiny_gguf.py), given the tiny model's shape: the NextN
+    block after the last layer aside."""
+    import dataclasses
+    import json
+
+    from gguf import GGUFReader
+
+    from exporter.presets import PRESETS, tensors
+    from exporter.tiny_gguf import make_hf_model, write_gguf
+
+    hf = make_hf_model("glm4_moe", tmp_path / "hf", layers=4)
+    path = write_gguf(hf, tmp_path / "glm.gguf", "Q8_0")
+    stored = {
+        t.name: tuple(int(d) for d in reversed(t.shape.tolist()))
+        for t in GGUFReader(path).tensors
+        if not t.name.startswith("blk.4.")  # the NextN block
+    }
+    config = json.loads((hf / "config.json").read_text())
+    tiny = dataclasses.replace(
+        PRESETS["glm-4.7"],
+        layers=config["num_hidden_layers"],
+        hidden=config["hidden_size"],
+        heads=config["num_attention_heads"],
+        kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        vocab=config["vocab_size"],
+        intermediate=config["intermediate_size"],
+        experts=config["n_routed_experts"],
+        experts_per_token=config["num_experts_per_tok"],
+        expert_intermediate=config["moe_intermediate_size"],
+        shared_expert_intermediate=config["moe_intermediate_size"],
+        first_dense=config["first_k_dense_replace"],
+    )
+    planned = {t.name: t.shape for t in tensors(tiny)}
+    assert planned == stored
 
 
 @pytest.mark.parametrize(

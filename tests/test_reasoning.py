@@ -6,6 +6,7 @@ constrain an answer only after the reasoning (walked over a tiny tokenizer)."""
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import llguidance
@@ -21,7 +22,8 @@ from server.api.reasoning import (
     opened_by_prompt,
     template_reads,
 )
-from server.api.tools import HERMES
+from server.api.tools import HARMONY as HARMONY_FORMAT
+from server.api.tools import HERMES, detect_tool_format, parse_tool_calls
 from server.engine.constraints import (
     Constraint,
     Grammars,
@@ -125,6 +127,32 @@ def test_harmony_channels(size: int) -> None:
     assert all("<|" not in c for _, c in out)
 
 
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_harmony_calls_reach_the_answer_as_calls_when_tools_are_offered(size: int) -> None:
+    parser = make_parser("harmony", calls=True)
+    before = "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant"
+    reasoning, content, _ = _run(parser, _splits(before + HARMONY, size))
+    assert reasoning == "User asks weather. Use tool."
+    text, calls = parse_tool_calls(content, HARMONY_FORMAT, parallel=True)
+    assert text == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    # recipient before the channel, arguments that are not JSON, no end token (the turn ended)
+    other = " to=functions.run<|channel|>commentary<|message|>ls -l"
+    _, content, _ = _run(make_parser("harmony", calls=True), _splits(other, size))
+    _, calls = parse_tool_calls(content, HARMONY_FORMAT, parallel=True)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run", {"input": "ls -l"})]
+
+
+def test_a_harmony_template_gets_harmony_s_tool_format() -> None:
+    template = (
+        "{{ '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary' }}"
+        "{% if tools %}namespace functions{% endif %}"
+    )
+    assert detect_tool_format(template) is HARMONY_FORMAT
+
+
 def test_harmony_preamble_is_answer_and_text_without_markup_too() -> None:
     text = "<|channel|>commentary<|message|>Checking.<|end|>"
     assert _run(HarmonyParser(), [text])[:2] == ("", "Checking.")
@@ -190,7 +218,15 @@ def test_every_split_of_a_think_output_gives_the_same_text() -> None:
 
 # --- constraints after the reasoning (server/engine/constraints.py) ----------------------------
 
-HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+HARMONY_TOKENS = [
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +301,38 @@ def test_a_required_call_after_a_think_block(grammar_tokenizer: Any) -> None:
     text = 'hmm</think>\n<tool_call>\n{"name":"lookup","arguments":{"q":"x"}}\n</tool_call>'
     assert _walk(grammar_tokenizer, constraint, text) == (True, True)
     assert _walk(grammar_tokenizer, constraint, "hmm</think>\nthe")[0] is False
+
+
+def test_a_forced_harmony_call_after_an_optional_analysis(grammar_tokenizer: Any) -> None:
+    from types import SimpleNamespace
+
+    def tool(name: str, properties: dict[str, Any]) -> Any:
+        schema = {"type": "object", "properties": properties, "required": list(properties)}
+        return SimpleNamespace(function=SimpleNamespace(name=name, parameters=schema))
+
+    tools = [
+        tool("get_weather", {"city": {"type": "string"}}),
+        tool("add", {"a": {"type": "integer"}}),
+    ]
+    vocab = dict(grammar_tokenizer.get_vocab())
+    constraint = tool_call_constraint(tools, HARMONY_FORMAT, parallel=True, vocab=vocab)
+    header = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    call = header + '{"city":"Paris"}'
+    analysed = "<|channel|>analysis<|message|>the fox<|end|><|start|>assistant" + call
+    assert _walk(grammar_tokenizer, constraint, analysed) == (True, True)
+    assert _walk(grammar_tokenizer, constraint, call) == (True, True)
+    other = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a":1}'
+    assert _walk(grammar_tokenizer, constraint, other) == (True, True)
+    extra = call.replace('"Paris"}', '"Paris","b":1}')  # a key the schema does not name
+    assert _walk(grammar_tokenizer, constraint, extra)[0] is False
+    unknown = call.replace("get_weather", "get_time")
+    assert _walk(grammar_tokenizer, constraint, unknown)[0] is False
+    final = '<|channel|>final<|message|>{"city":"Paris"}'  # an answer instead of the call
+    assert _walk(grammar_tokenizer, constraint, final)[0] is False
+    # the call, read back by the parser the served choice uses
+    _, content, _ = _run(make_parser("harmony", calls=True), [analysed])
+    _, calls = parse_tool_calls(content, HARMONY_FORMAT, parallel=True)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
 
 
 def test_a_schema_in_harmony_s_final_channel(grammar_tokenizer: Any) -> None:

@@ -326,11 +326,23 @@ def test_a_draft_of_another_vocabulary_is_refused(exports: dict[int, Path]) -> N
         later.check_target(vocab + 44)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "qwen3_moe", "mixtral", "glm4_moe"])
-def test_speculation_with_a_draft_of_the_same_architecture(arch: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("arch", "backend"),
+    [
+        ("mistral", "paged"),
+        ("phi3", "paged"),
+        ("qwen3_moe", "paged"),
+        ("mixtral", "paged"),
+        ("glm4_moe", "paged"),
+        ("glm4_moe", "stateful"),
+    ],
+)
+def test_speculation_with_a_draft_of_the_same_architecture(
+    arch: str, backend: str, tmp_path: Path
+) -> None:
     """The newer architectures (every layer sliding, fused projections, sparse experts) on 2
-    paged stages: greedy with a draft of the same vocabulary (its weights plus noise) equals
-    plain greedy decoding, alone and 4 requests at once."""
+    paged stages, GLM's also on 2 stateful ones: greedy with a draft of the same vocabulary
+    (its weights plus noise) equals plain greedy decoding, alone and 4 requests at once."""
     target = make_model(arch, tmp_path / "target", chat_template=CHAT_TEMPLATE)
     draft = make_draft(target, tmp_path / "draft-model", noise=0.3)
     export = tmp_path / "export"
@@ -345,7 +357,7 @@ def test_speculation_with_a_draft_of_the_same_architecture(arch: str, tmp_path: 
         )
     )
     expected = plain_greedy(export)
-    procs, addresses = start_stages(export, tmp_path)
+    procs, addresses = start_stages(export, tmp_path, ["--kv-backend", backend])
     try:
         vocab = load_manifest(export).model.vocab_size
         proposer = DraftProposer(export / "draft", EXACT, vocab, DRAFT_CHUNK)

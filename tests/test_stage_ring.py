@@ -120,10 +120,11 @@ def test_ring_equals_chain_and_transformers(
         assert tokens == in_process == expected
 
 
-@pytest.mark.parametrize("ring", ["qwen", "mistral", "phi3", "moe", "mixtral"])
+@pytest.mark.parametrize("ring", ["qwen", "mistral", "phi3", "moe", "mixtral", "glm"])
 def test_interleaved_sessions_equal_each_alone(ring: str, ring_of: Callable[[str], Ring]) -> None:
-    """Sessions decoded together (one paged inference call per step) equal each decoded alone;
-    for Mistral and Phi-3 every layer's sliding window is applied per row."""
+    """Eight sessions decoded together (one paged inference call per step) equal each decoded
+    alone; for Mistral and Phi-3 every layer's sliding window is applied per row, for the MoE
+    models (GLM's grouped sigmoid routing too) every row picks its own experts."""
     _, addresses = ring_of(ring)
 
     async def run() -> tuple[list[list[int]], list[list[int]], list[int]]:

@@ -506,7 +506,7 @@ async def open_stream(
 ) -> AsyncIterator[bytes]:
     """Start the generation (errors before any output are raised here, as plain HTTP errors)
     and return Anthropic's event stream."""
-    reader, batches = await read_pieces(service, prep)
+    reader, batches = await read_pieces(service, prep, stream=True)
     return _stream(service, prep, model, reader.outcome, batches)
 
 
@@ -556,6 +556,8 @@ async def _stream(
 
     try:
         async for batch in batches:
+            if not batch:  # still reading the prompt
+                yield named_event("ping", {"type": "ping"})
             for piece in batch:
                 if piece.kind == "call":
                     assert piece.call is not None

@@ -308,6 +308,7 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
         architecture=manifest.model.architecture,
         close_schemas=settings.json_schema_additional_properties == "closed",
         aliases=settings.model_aliases,
+        keepalive_s=settings.stream_keepalive_s,
     )
     if gateway.service.reasoning != "none":
         log.info("reasoning parser: %s", gateway.service.reasoning)
@@ -335,14 +336,24 @@ def _add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in the OpenAI envelope (Anthropic's on /v1/messages); an unexpected
     one is a logged 500."""
 
+    def refused(request: Request, exc: APIError) -> JSONResponse:
+        # the reason beside the access log's status line (a client's 400 says why to its
+        # operator too); the message names fields and limits, never a prompt
+        log.info(
+            "request %s refused (%d): %s",
+            getattr(request.state, "request_id", "?"),
+            exc.status,
+            exc.message[:300],
+        )
+        return error_response_for(request.url.path, exc)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response_for(request.url.path, exc)
+        return refused(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = errors_to_api_error(exc.errors(), strip_body=True)
-        return error_response_for(request.url.path, error)
+        return refused(request, errors_to_api_error(exc.errors(), strip_body=True))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -47,8 +47,11 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        # stop sequences are looked for from the min_tokens-th token's text on (as vLLM does)
+        self._min_tokens = min_tokens
         self._skip_special_tokens = skip_special_tokens
         # Empty stop strings would match everywhere; OpenAI ignores them too.
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
@@ -155,6 +158,15 @@ class IncrementalDetokenizer:
         """
         if not self._stops:
             out = new_text
+        elif self._num_tokens < self._min_tokens and not final:
+            # too early to stop: a stop sequence completed now is text; the end of the text
+            # that may still become one is held back as usual
+            self._pending += new_text
+            ends = [self._pending.rfind(s) + len(s) for s in self._stops if s in self._pending]
+            keep = max(ends, default=0)
+            rest = self._pending[keep:]
+            keep += len(rest) - self._held_length(rest)
+            out, self._pending = self._pending[:keep], self._pending[keep:]
         else:
             self._pending += new_text
             candidate = self._pending + lookahead

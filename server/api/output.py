@@ -9,6 +9,7 @@ does with the same tool-call parser.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -100,14 +101,52 @@ class OutputReader:
 
 
 async def read_pieces(
-    service: CompletionService, prep: Prepared
+    service: CompletionService, prep: Prepared, *, stream: bool = False
 ) -> tuple[OutputReader, AsyncIterator[list[Piece]]]:
     """Start the generation (errors before any output raise here, as :class:`APIError`) and
     return the reader and the pieces of each event; the reader's ``outcome`` is complete once
-    the iteration ends. Leaving the iteration early ends the generation."""
+    the iteration ends. Leaving the iteration early ends the generation.
+
+    With ``stream``, a first token slower than the service's ``keepalive_s`` (a long prefill)
+    is not waited for here: the iteration then yields an empty batch every ``keepalive_s``
+    until the output comes (the caller sends its keep-alive event), and a failure before it
+    is raised by the iteration instead."""
     reader = OutputReader(service, prep)
-    events = await service.open_events(prep, reader.tally)
-    return reader, _pieces(reader, events)
+    patience = service.keepalive_s if stream else 0.0
+    if patience <= 0:
+        events = await service.open_events(prep, reader.tally)
+        return reader, _pieces(reader, events)
+    opening = asyncio.ensure_future(service.open_events(prep, reader.tally))
+    try:
+        await asyncio.wait({opening}, timeout=patience)
+    except BaseException:
+        opening.cancel()
+        raise
+    if opening.done():
+        return reader, _pieces(reader, opening.result())
+    return reader, _waiting(reader, opening, patience)
+
+
+async def _waiting(
+    reader: OutputReader,
+    opening: asyncio.Future[AsyncGenerator[ChoiceEvent, None]],
+    interval: float,
+) -> AsyncIterator[list[Piece]]:
+    events: AsyncGenerator[ChoiceEvent, None] | None = None
+    try:
+        while not opening.done():
+            done, _ = await asyncio.wait({opening}, timeout=interval)
+            if not done:
+                yield []
+        events = opening.result()
+    finally:
+        if events is None:  # the client left while the prompt was read
+            opening.cancel()
+            with contextlib.suppress(BaseException):
+                started = await opening
+                await started.aclose()  # it had opened the generation all the same
+    async for pieces in _pieces(reader, events):
+        yield pieces
 
 
 async def _pieces(

@@ -13,7 +13,8 @@ The parsers:
 * ``harmony`` (gpt-oss): messages ``<|channel|>NAME<|message|>...<|end|>``, each after
   ``<|start|>assistant``; the ``analysis`` channel is reasoning, ``final`` the answer,
   ``commentary`` with a recipient (``to=functions.NAME``) a tool call (kept in
-  :attr:`HarmonyParser.calls`, never in the answer) and without one a preamble, which is answer.
+  :attr:`HarmonyParser.calls`; when tools were offered, handed to the answer as a call block
+  that the tool-call parser reads, never as text) and without one a preamble, which is answer.
   The markup tokens are special tokens: the decoder must keep them (:attr:`keeps_special`).
 * ``none``: everything is answer.
 
@@ -200,7 +201,10 @@ class HarmonyParser:
 
     keeps_special = True
 
-    def __init__(self) -> None:
+    def __init__(self, calls_in_answer: bool = False) -> None:
+        # each call also goes into the answer, as a block the tool-call parser reads
+        # (server/api/tools.py HARMONY)
+        self.calls_in_answer = calls_in_answer
         self._phase = "header"  # header (up to <|message|>) -> body (up to an end) -> header
         self._held = ""
         self._channel = ""
@@ -230,16 +234,23 @@ class HarmonyParser:
             return "", ""
         return "", text
 
-    def _close(self) -> None:
+    def _close(self) -> str:
+        """End the message; a call's block for the answer (with ``calls_in_answer``)."""
+        block = ""
         if self._recipient:
             name = self._recipient.removeprefix("functions.")
             arguments = self._call.strip()
             try:
-                json.loads(arguments)
+                parsed = json.loads(arguments)
             except ValueError:
-                arguments = json.dumps({"input": arguments}) if arguments else "{}"
+                parsed = {"input": arguments} if arguments else {}
+                arguments = json.dumps(parsed)
             self.calls.append(HarmonyCall(name, arguments))
+            if self.calls_in_answer:
+                body = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
+                block = f"<tool_call>\n{body}\n</tool_call>"
         self._recipient = self._call = ""
+        return block
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text
@@ -269,8 +280,7 @@ class HarmonyParser:
                 break
             at, tag = min(ends)
             r, c = self._route(self._held[:at])
-            reasoning, content = reasoning + r, content + c
-            self._close()
+            reasoning, content = reasoning + r, content + c + self._close()
             self._held = self._held[at + len(tag) :]
             self._phase = "header"
         return reasoning, content
@@ -281,17 +291,17 @@ class HarmonyParser:
             # an unfinished header is markup; text without any is the answer
             return ("", "") if "<|" in held else ("", held)
         reasoning, content = self._route(held)
-        self._close()
-        return reasoning, content
+        return reasoning, content + self._close()
 
 
-def make_parser(name: str, opened: bool = False) -> ReasoningParser:
+def make_parser(name: str, opened: bool = False, calls: bool = False) -> ReasoningParser:
     """A fresh parser for one choice; ``opened``: the prompt ends inside a ``<think>`` the
-    template opened (:func:`opened_by_prompt`)."""
+    template opened (:func:`opened_by_prompt`); ``calls``: harmony's tool calls go into the
+    answer as call blocks for the tool-call parser (tools were offered)."""
     if name == "think":
         return ThinkParser(opened=opened)
     if name == "harmony":
-        return HarmonyParser()
+        return HarmonyParser(calls_in_answer=calls)
     if name == "none":
         return NoReasoning()
     raise ValueError(f"unknown reasoning parser {name!r}")

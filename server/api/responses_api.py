@@ -45,6 +45,7 @@ from server.api.requests import (
     parse_request,
 )
 from server.api.serving import CompletionService, Prepared
+from server.api.sse import sse_keepalive
 from server.api.tools import new_call_id
 
 log = logging.getLogger(__name__)
@@ -691,7 +692,7 @@ async def open_stream(
 ) -> AsyncIterator[bytes]:
     """Start the generation (errors before any output are raised here, as plain HTTP errors)
     and return the event stream."""
-    reader, batches = await read_pieces(service, prep)
+    reader, batches = await read_pieces(service, prep, stream=True)
     return _Stream(Shaper(req, _id("resp")), store, reader.outcome, turn).run(batches)
 
 
@@ -824,6 +825,8 @@ class _Stream:
         yield self.event("response.in_progress", response=shaper.response("in_progress", []))
         try:
             async for batch in batches:
+                if not batch:  # still reading the prompt
+                    yield sse_keepalive()
                 for piece in batch:
                     for chunk in self.piece(piece):
                         yield chunk

@@ -63,6 +63,7 @@ from server.api.sse import (
     sse_done,
     sse_error,
     sse_event,
+    sse_keepalive,
 )
 from server.api.tokenization import TextCodec
 from server.api.tools import (
@@ -216,8 +217,11 @@ class CompletionService:
         architecture: str = "",
         close_schemas: bool = True,
         aliases: Sequence[str] = (),
+        keepalive_s: float = 0.0,
     ) -> None:
         self.engine = engine
+        # streams: how long the first token may take before the stream starts without it
+        self.keepalive_s = keepalive_s
         # tool arguments and strict schemas: objects take only the keys they name
         self.close_schemas = close_schemas
         self.codec = codec
@@ -319,7 +323,8 @@ class CompletionService:
                 # free inside the reasoning, constrained from its end
                 try:
                     if reasoning == "harmony":
-                        constraint = after_analysis(constraint)
+                        if not (constraint.kind == "tool_call" and fmt is not None and fmt.harmony):
+                            constraint = after_analysis(constraint)  # (a harmony call has it)
                     elif not closed_by_prompt(text):
                         constraint = after_reasoning(constraint, thinking_open)
                 except ConstraintError as exc:
@@ -403,7 +408,11 @@ class CompletionService:
         """Text pieces of one choice as they become safe to emit (the answer in ``text``, the
         reasoning in ``reasoning``), then its finish reason; ``tally`` counts its reasoning
         tokens."""
-        parser = make_parser(prep.reasoning, prep.thinking_open)
+        parser = make_parser(
+            prep.reasoning,
+            prep.thinking_open,
+            calls=prep.tools is not None and prep.tools.format.harmony,
+        )
         # (a tool format whose call marker is a special token needs it in the text; so do
         # harmony's channels)
         keep_special = parser.keeps_special or (
@@ -414,6 +423,7 @@ class CompletionService:
             prep.generation.prompt_ids,
             prep.stop,
             skip_special_tokens=not keep_special,
+            min_tokens=prep.generation.min_tokens,
         )
         stats = GenerationStats()
         received = time.perf_counter()
@@ -639,15 +649,22 @@ class CompletionService:
     # -- streaming ------------------------------------------------------------------------
     async def open_stream(self, prep: Prepared) -> AsyncIterator[bytes]:
         """Start every choice and wait for its first event, so that errors before any output
-        are raised here (and become plain HTTP errors); then return the SSE byte stream."""
+        are raised here (and become plain HTTP errors); then return the SSE byte stream. A
+        first event slower than ``keepalive_s`` (a long prefill) is not waited for: the stream
+        starts, keep-alive comments hold it open, and a failure comes as an error event."""
         self.metrics.prompt_tokens.inc(len(prep.generation.prompt_ids) * prep.generation.n)
         tallies = [ChoiceTally() for _ in range(prep.generation.n)]
         streams = [self._choice_events(prep, i, t) for i, t in enumerate(tallies)]
-        firsts: list[ChoiceEvent] = []
+        firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
         try:
-            for stream in streams:
-                firsts.append(await anext(stream))
+            await asyncio.wait(firsts, timeout=self.keepalive_s or None)
+            for first in firsts:
+                if first.done():
+                    first.result()  # raises its failure
         except BaseException as exc:
+            for first in firsts:
+                first.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
             for stream in streams:
                 await stream.aclose()
             error = generation_api_error(exc)
@@ -660,13 +677,16 @@ class CompletionService:
         self,
         prep: Prepared,
         streams: list[AsyncGenerator[ChoiceEvent, None]],
-        firsts: list[ChoiceEvent],
+        firsts: Sequence[asyncio.Future[ChoiceEvent]],
         tallies: list[ChoiceTally],
     ) -> AsyncIterator[bytes]:
         queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
-        async def pump(stream: AsyncGenerator[ChoiceEvent, None]) -> None:
+        async def pump(
+            first: asyncio.Future[ChoiceEvent], stream: AsyncGenerator[ChoiceEvent, None]
+        ) -> None:
             try:
+                await queue.put(await first)
                 async for event in stream:
                     await queue.put(event)
             except BaseException as exc:  # surfaced on the stream as one error event
@@ -674,9 +694,7 @@ class CompletionService:
                 return
             await queue.put(None)
 
-        for first in firsts:
-            queue.put_nowait(first)
-        tasks = [asyncio.create_task(pump(s)) for s in streams]
+        tasks = [asyncio.create_task(pump(f, s)) for f, s in zip(firsts, streams, strict=True)]
         results = [ChoiceResult(i) for i in range(len(streams))]
         pending = len(streams)
         try:
@@ -688,7 +706,11 @@ class CompletionService:
                     )
                     yield sse_event(opening)
             while pending:
-                item = await queue.get()
+                try:  # a keep-alive comment while nothing comes (a long prefill)
+                    item = await asyncio.wait_for(queue.get(), self.keepalive_s or None)
+                except TimeoutError:
+                    yield sse_keepalive()
+                    continue
                 if item is None:
                     pending -= 1
                     continue
@@ -716,6 +738,7 @@ class CompletionService:
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, *firsts, return_exceptions=True)
             for stream in streams:
                 with contextlib.suppress(BaseException):
                     await stream.aclose()

@@ -83,6 +83,11 @@ def sse_done() -> bytes:
     return _DONE
 
 
+def sse_keepalive() -> bytes:
+    """An SSE comment: clients ignore it, and it tells their read timeout the server is alive."""
+    return b": keep-alive\n\n"
+
+
 def sse_error(error: APIError) -> bytes:
     """An error event ``data: {"error": {...}}`` for a failure after the stream started."""
     return sse_event(error.response())

@@ -72,6 +72,9 @@ class ToolFormat:
     short_call_ids: bool = False
     # the arguments are <arg_key>/<arg_value> pairs after the name, not JSON (GLM's)
     xml_arguments: bool = False
+    # calls are harmony messages in the commentary channel (gpt-oss): the reasoning parser
+    # reads them and hands each on to the answer as this format's call text
+    harmony: bool = False
 
     def write_call(self, name: str, arguments: Mapping[str, Any]) -> str:
         """One call as the model writes it (what the parser reads back)."""
@@ -139,7 +142,21 @@ GLM = ToolFormat(
     keep_special_tokens=True,
     xml_arguments=True,
 )
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GLM)}
+# gpt-oss writes ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS
+# <|call|>``; server/api/reasoning.py's HarmonyParser turns each such message into a call
+# block of this format in the answer's text, which the ToolCallParser then reads.
+HARMONY = ToolFormat(
+    name="harmony",
+    calls_start="",
+    call_start="<tool_call>\n",
+    call_end="\n</tool_call>",
+    call_separator="\n",
+    calls_end="",
+    arguments_key="arguments",
+    keep_special_tokens=True,
+    harmony=True,
+)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GLM, HARMONY)}
 
 
 def _template_texts(template: Any) -> str:
@@ -161,6 +178,8 @@ def detect_tool_format(template: Any) -> ToolFormat | None:
     text = _template_texts(template)
     if not text or "tools" not in text:
         return None
+    if "<|channel|>" in text and "to=functions" in text:  # harmony (gpt-oss)
+        return HARMONY
     if "<arg_key>" in text and "<tool_call>" in text:  # before hermes: GLM also has <tool_call>
         return GLM
     if "<tool_call>" in text:

@@ -160,6 +160,8 @@ def tool_call_constraint(
 
     if getattr(tool_format, "xml_arguments", False):
         return _xml_tool_call_constraint(tools, tool_format, parallel, vocab)
+    if getattr(tool_format, "harmony", False):
+        return _harmony_tool_call_constraint(tools, vocab, closed)
     body = _tool_body_schema(tools, tool_format.arguments_key, closed)
 
     def literal(text: str) -> str:
@@ -199,6 +201,42 @@ def tool_call_constraint(
     except (ValueError, TypeError) as exc:
         raise ConstraintError(f"the tools' schemas cannot be enforced: {exc}") from None
     _check_grammar(grammar, "the tools' schemas")
+    return Constraint(grammar, "tool_call")
+
+
+def _harmony_tool_call_constraint(
+    tools: Sequence[Any], vocab: dict[str, int] | None, closed: bool
+) -> Constraint:
+    """gpt-oss's call: first, if the model wants, an ``analysis`` message (free text), then
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`` and arguments
+    valid for NAME's schema; the model's end of turn (``<|call|>``, one of its end tokens)
+    follows. One call per turn, as harmony has it. The markup is the model's special tokens,
+    by name; without ``<|constrain|>`` in the vocabulary the header says ``json`` in text."""
+    import llguidance
+
+    constrain = '" " <|constrain|> "json"' if "<|constrain|>" in (vocab or {}) else '" json"'
+    lines = [
+        "%llguidance {}",
+        "start: analysis? call",
+        'analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"',
+        'call: <|channel|> "commentary to=functions." ('
+        + " | ".join(f"call{i}" for i in range(len(tools)))
+        + ")",
+    ]
+    grammars: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        parameters = tool.function.parameters or {"type": "object", "properties": {}}
+        if closed:
+            parameters = close_objects(parameters)
+        schema = {**parameters, "x-guidance": {"whitespace_flexible": False}}
+        lines.append(f"call{i}: {json.dumps(tool.function.name)} {constrain} <|message|> args{i}")
+        lines.append(f"args{i}: %json {json.dumps(schema)}")
+    lines.append(r"TEXT: /(.|\n)*/")
+    grammars.append({"name": "call", "lark_grammar": "\n".join(lines) + "\n"})
+    grammar = json.dumps({"grammars": grammars})
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ConstraintError(f"the tools' schemas cannot be enforced: {error}")
     return Constraint(grammar, "tool_call")
 
 
