@@ -22,7 +22,18 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "a shared expert, dense first layers, partial rotary; NextN/MTP layers skipped)",
     "gpt_oss": "gpt-oss 20b, 120b (experts computed sparsely, MXFP4 experts kept exact; "
     "attention sinks, alternating sliding/full attention, YaRN RoPE)",
+    "qwen3_5_text": "Qwen3.5 / 3.6 dense (hybrid: Gated DeltaNet linear attention, gated full "
+    "attention; MTP layers skipped)",
+    "qwen3_5_moe_text": "Qwen3.5 / 3.6 MoE (the hybrid of qwen3_5_text, experts computed "
+    "sparsely, a gated shared expert)",
+    "qwen3_next": "Qwen3-Next (the hybrid of qwen3_5_text with fused in_proj_qkvz/ba, experts "
+    "computed sparsely, a gated shared expert)",
 }
+# Hugging Face folders of these types are vision-language wrappers: their text model's config
+# is ``text_config`` and its tensors are under ``model.language_model.`` (exporter.source).
+TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# Hybrid architectures: Gated DeltaNet ("linear_attention") layers beside gated full attention
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 # Architectures whose attention and MLP input projections are stored fused (qkv_proj,
 # gate_up_proj): the exporter reads each part as its own projection (exporter.weights).
@@ -64,8 +75,11 @@ class ArchitectureFacts:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
-    # channels of the expert every token also runs, ungated, beside the routed ones (0: none)
+    # channels of the expert every token also runs beside the routed ones (0: none), ungated
+    # (GLM's ``shared_experts``) or scaled by sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE's and
+    # Qwen3-Next's ``shared_expert``)
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False
     # NextN / multi-token-prediction layers stored after the last layer: not part of the
     # model's output, not exported
     nextn_layers: int = 0
@@ -74,9 +88,28 @@ class ArchitectureFacts:
     # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
     attention_sinks: bool = False
     clamped_swiglu: bool = False
+    # Hybrids (Gated DeltaNet): the linear-attention layers' key/value heads, their widths and
+    # the causal convolution's kernel; full attention gated by a second half of q_proj
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: bool = False
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer: a fixed-size state per sequence instead of a KV cache."""
+        return self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """Channels of a linear-attention layer's causal convolution (q, k and v)."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + (
+            self.linear_value_heads * self.linear_value_dim
+        )
 
 
 # Mixture-of-experts families people ask for that the export does not build, and why: refused
@@ -114,9 +147,9 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         layer_types = ["sliding_attention" if every else "full_attention"] * num_layers
     uses_sliding = "sliding_attention" in layer_types
     moe: dict[str, Any] = {}
-    if model_type == "qwen3_moe":
-        # transformers' Qwen3MoeDecoderLayer: experts unless listed in mlp_only_layers, on
-        # every decoder_sparse_step-th layer
+    if model_type in ("qwen3_moe", "qwen3_next"):
+        # transformers' Qwen3MoeDecoderLayer (and Qwen3NextDecoderLayer): experts unless listed
+        # in mlp_only_layers, on every decoder_sparse_step-th layer
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)
         dense = set(getattr(config, "mlp_only_layers", None) or [])
         experts = int(config.num_experts)
@@ -130,6 +163,21 @@ def read_architecture(config: Any) -> ArchitectureFacts:
             experts_per_token=int(config.num_experts_per_tok),
             expert_intermediate_size=int(config.moe_intermediate_size),
             norm_topk_prob=bool(config.norm_topk_prob),
+        )
+    if model_type == "qwen3_next":  # Qwen3NextSparseMoeBlock's gated shared expert
+        moe.update(
+            shared_expert_intermediate_size=int(config.shared_expert_intermediate_size),
+            shared_expert_gated=True,
+        )
+    if model_type == "qwen3_5_moe_text":  # Qwen3_5MoeSparseMoeBlock on every layer
+        moe = dict(
+            moe_layers=tuple(range(num_layers)),
+            num_experts=int(config.num_experts),
+            experts_per_token=int(config.num_experts_per_tok),
+            expert_intermediate_size=int(config.moe_intermediate_size),
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=int(config.shared_expert_intermediate_size),
+            shared_expert_gated=True,
         )
     if model_type == "mixtral":  # every layer's MLP is experts; the chosen weights sum to 1
         moe = dict(
@@ -151,6 +199,8 @@ def read_architecture(config: Any) -> ArchitectureFacts:
             attention_sinks=True,
             clamped_swiglu=True,
         )
+    if model_type in HYBRID:
+        moe.update(_hybrid(config, model_type, layer_types[:num_layers]))
     return ArchitectureFacts(
         model_type=model_type,
         num_layers=num_layers,
@@ -163,9 +213,18 @@ def read_architecture(config: Any) -> ArchitectureFacts:
         layer_types=layer_types[:num_layers],
         sliding_window=int(config.sliding_window) if uses_sliding else None,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
-        intermediate_size=int(config.intermediate_size),
+        intermediate_size=_intermediate_size(config),
         **moe,
     )
+
+
+def _intermediate_size(config: Any) -> int:
+    """A dense layer's MLP channels; Qwen3.5-MoE has no dense layer (and no such field): its
+    shared expert's."""
+    size = getattr(config, "intermediate_size", None)
+    if size is None:
+        size = config.shared_expert_intermediate_size
+    return int(size)
 
 
 def _glm4_moe(config: Any, num_layers: int) -> dict[str, Any]:
@@ -192,4 +251,27 @@ def _glm4_moe(config: Any, num_layers: int) -> dict[str, Any]:
         topk_group=used_groups,
         shared_expert_intermediate_size=width * int(getattr(config, "n_shared_experts", 0) or 0),
         nextn_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0),
+    )
+
+
+def _hybrid(config: Any, model_type: str, layer_types: list[str]) -> dict[str, Any]:
+    """Qwen3.5's Gated DeltaNet sizes (Qwen3_5GatedDeltaNet) and its gated attention."""
+    unknown = sorted(set(layer_types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ExportError(f"{model_type}: layer types {unknown} are not supported")
+    key_heads = int(config.linear_num_key_heads)
+    value_heads = int(config.linear_num_value_heads)
+    if value_heads % key_heads:
+        raise ExportError(
+            f"{model_type}: {value_heads} linear value heads are not a multiple of "
+            f"{key_heads} key heads"
+        )
+    return dict(
+        linear_key_heads=key_heads,
+        linear_value_heads=value_heads,
+        linear_key_dim=int(config.linear_key_head_dim),
+        linear_value_dim=int(config.linear_value_head_dim),
+        linear_conv_kernel=int(config.linear_conv_kernel_dim),
+        attention_output_gate=True,
+        nextn_layers=int(getattr(config, "mtp_num_hidden_layers", 0) or 0),
     )

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exporter.architectures import FUSED_PROJECTIONS, ArchitectureFacts, read_architecture
+from exporter.architectures import (
+    FUSED_PROJECTIONS,
+    HYBRID,
+    ArchitectureFacts,
+    read_architecture,
+)
 from exporter.errors import ExportError
 from exporter.plan import (
     StagePlan,
@@ -278,8 +283,11 @@ class _Resolved:
             FusedProjections,
             GGUFSource,
             GptOssExperts,
+            GroupedLinearProjections,
+            LanguageModelNames,
             MixtralNames,
             SafetensorsSource,
+            StackedExperts,
         )
 
         source: WeightSource
@@ -299,6 +307,10 @@ class _Resolved:
             source = MixtralNames(source)
         if self.facts.model_type == "gpt_oss":
             source = GptOssExperts(source, self.config)
+        if self.facts.model_type in HYBRID and self.source.kind != "gguf":
+            source = StackedExperts(LanguageModelNames(source))
+        if self.facts.model_type == "qwen3_next":
+            source = GroupedLinearProjections(source, self.config)
         return source
 
 

@@ -31,6 +31,11 @@ import numpy as np
 
 from exporter.errors import ExportError
 
+# Part of the key under which exporter.source caches a config read from a GGUF: raised when
+# this reader reads a file differently, so a cached config of an earlier reading is not reused
+# (2: the MTP layers of Qwen3.5 files as mtp_num_hidden_layers)
+READER_VERSION = 2
+
 # llama.cpp architecture -> transformers model_type (only where the two names differ).
 MODEL_TYPES = {
     "qwen3moe": "qwen3_moe",
@@ -244,6 +249,8 @@ def read_config(path: Path | str) -> dict[str, Any]:
         config.update(_gpt_oss(meta))
     elif arch in _HYBRID:
         config.update(_hybrid(meta, layers))
+        if nextn:  # as Qwen3.5's config.json names its MTP layers (skipped by the export)
+            config["mtp_num_hidden_layers"] = nextn
     return config
 
 

@@ -9,9 +9,12 @@ Inputs (in this order, batch B, new tokens T, past P, total S = P + T):
   ``attention_mask`` [B, S] i64   (1 = visible slot; 0 masks a physical slot out)
   ``position_ids``   [B, T] i64   (absolute, logical positions of the new tokens)
   last stage only: ``num_logits`` [] i64 (logits are computed for the last ``num_logits`` tokens)
-  ``past_key_values.{i}.key`` / ``.value`` [B, kv_heads, P, head_dim] for each local layer i
+  ``past_key_values.{i}.key`` / ``.value`` [B, kv_heads, P, head_dim] for each local attention
+  layer i; ``cache_params.past.conv.{i}`` [B, C, K] and ``cache_params.past.ssm.{i}``
+  [B, Hv, Dk, Dv] for each local linear-attention (Gated DeltaNet) layer i
 Outputs: ``logits`` [B, num_logits, V] (last stage) or ``hidden_states`` [B, T, H] ([B, T, 2H]
-when its last layer's MLP is cut), then ``present.{i}.key`` / ``.value``.
+when its last layer's MLP is cut), then ``present.{i}.key`` / ``.value`` and
+``cache_params.present.conv.{i}`` / ``.ssm.{i}``.
 
 The masks are built in the graph: a key slot is visible to a query when its physical index is not
 after the query's and its attention_mask is 1; sliding-window layers also need the logical
@@ -99,9 +102,11 @@ class _Builder:
         self.last = stage.end == self.f.num_layers
 
     # -- small pieces ----------------------------------------------------------------------
-    def norm(self, x: Output, name: str) -> Output:
-        """RMSNorm as transformers computes it: x / sqrt(mean(x^2) + eps) * (offset + w)."""
-        weight = _vector(self.src, name) + np.float32(self.r.norm_offset)
+    def norm(self, x: Output, name: str, offset: float | None = None) -> Output:
+        """RMSNorm as transformers computes it: x / sqrt(mean(x^2) + eps) * (offset + w)
+        (the recipe's offset unless given)."""
+        offset = self.r.norm_offset if offset is None else offset
+        weight = _vector(self.src, name) + np.float32(offset)
         mean = ops.reduce_mean(ops.power(x, _const(2.0)), _i64([-1]), keep_dims=True)
         inv = ops.divide(_const(1.0), ops.sqrt(ops.add(mean, _const(self.r.rms_eps))))
         return ops.multiply(_const(weight.astype(np.float32)), ops.multiply(x, inv)).output(0)
@@ -164,7 +169,8 @@ class _Builder:
         Glm4MoeMoE (sigmoid router, see :meth:`sigmoid_routing`) computes it, in the tiled form
         (every expert's gate, up and down as one batched matmul over a dense routing matrix)
         that the CPU plugin turns into GatherMatmul nodes computing only the chosen experts;
-        plus a shared expert, ungated, where the model has one (GLM)."""
+        plus a shared expert where the model has one: ungated (GLM), or scaled by
+        sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE, Qwen3-Next)."""
         f = self.f
         experts, k, hidden = f.num_experts, f.experts_per_token, f.hidden_size
         rows = ops.reshape(x, _i64([-1, hidden]), False)  # [N, H]
@@ -212,7 +218,13 @@ class _Builder:
         shared = f.shared_expert_intermediate_size
         if not shared:
             return routed
-        return ops.add(routed, self.mlp(x, f"{prefix}.shared_experts", 0, shared, shared)).output(0)
+        if not f.shared_expert_gated:
+            return ops.add(
+                routed, self.mlp(x, f"{prefix}.shared_experts", 0, shared, shared)
+            ).output(0)
+        expert = self.mlp(x, f"{prefix}.shared_expert", 0, shared, shared)
+        gate = ops.sigmoid(self.proj(x, f"{prefix}.shared_expert_gate"))  # [B, T, 1]
+        return ops.add(routed, ops.multiply(expert, gate)).output(0)
 
     def expert_bias(self, prefix: str, name: str, width: int) -> Output:
         """Every expert's ``name`` bias as a constant [E, 1, width] (the CPU plugin folds only
@@ -365,7 +377,15 @@ class _Builder:
         presents: list[Output],
     ) -> Output:
         f, prefix = self.f, f"model.layers.{layer}.self_attn"
-        q = self.heads(self.proj(x, f"{prefix}.q_proj"), f.num_heads)
+        gate: Output | None = None
+        if f.attention_output_gate:  # Qwen3.5: q_proj gives each head's [query | gate]
+            both = self.proj(x, f"{prefix}.q_proj")
+            q = ops.reshape(both, _i64([0, 0, f.num_heads, 2 * f.head_dim]), True).output(0)
+            half = ops.slice(q, _i64([f.head_dim]), _i64([2 * f.head_dim]), _i64([1]), _i64([3]))
+            gate = ops.reshape(half, _i64([0, 0, f.num_heads * f.head_dim]), True).output(0)
+            q = ops.slice(q, _i64([0]), _i64([f.head_dim]), _i64([1]), _i64([3])).output(0)
+        else:
+            q = self.heads(self.proj(x, f"{prefix}.q_proj"), f.num_heads)
         k = self.heads(self.proj(x, f"{prefix}.k_proj"), f.num_kv_heads)
         v = self.heads(self.proj(x, f"{prefix}.v_proj"), f.num_kv_heads)
         if self.r.qk_norm:
@@ -402,7 +422,107 @@ class _Builder:
             ).output(0)
         attended = ops.transpose(attended, to_heads_first)
         flat = ops.reshape(attended, _i64([0, 0, f.num_heads * f.head_dim]), True).output(0)
+        if gate is not None:
+            flat = ops.multiply(flat, ops.sigmoid(gate)).output(0)
         return self.proj(flat, f"{prefix}.o_proj")
+
+    def state_port(self, name: str, shape: list[int], params: list[ov.Node]) -> ov.Node:
+        """A past-state input ``cache_params.past.{name}`` (exporter.stateful makes it state)."""
+        port = ops.parameter(
+            ov.PartialShape([-1, *shape]), ov.Type.f32, name=f"cache_params.past.{name}"
+        )
+        port.output(0).get_tensor().set_names({f"cache_params.past.{name}"})
+        params.append(port)
+        return port
+
+    def linear_attention(
+        self, x: Output, layer: int, local: int, params: list[ov.Node], presents: list[Output]
+    ) -> Output:
+        """Qwen3_5GatedDeltaNet: a causal depthwise convolution over [q | k | v] with its last
+        ``K`` inputs as state (``cache_params.past.conv.{local}`` [B, C, K]), SiLU, l2-normed
+        q and k (repeated per value-head group), the gated delta rule over a recurrent state
+        (``cache_params.past.ssm.{local}`` [B, Hv, Dk, Dv]), then an RMSNorm of each head
+        gated by SiLU(z) and the output projection. The ops follow optimum-intel's export of
+        this layer, which OpenVINO fuses (exporter.gated_delta; the conv state's name holds
+        ``.past.conv.``, which its paged transformation looks for)."""
+        from exporter.gated_delta import gated_delta_rule
+
+        f, prefix = self.f, f"model.layers.{layer}.linear_attn"
+        hk, hv, dk, dv = (
+            f.linear_key_heads,
+            f.linear_value_heads,
+            f.linear_key_dim,
+            f.linear_value_dim,
+        )
+        channels, kernel = f.linear_conv_channels, f.linear_conv_kernel
+        mixed = ops.transpose(self.proj(x, f"{prefix}.in_proj_qkv"), _i64([0, 2, 1]))  # [B, C, T]
+        past = self.state_port(f"conv.{local}", [channels, kernel], params)
+        joined = ops.concat([past, mixed], -1)  # [B, C, K + T]
+        end = np.iinfo(np.int64).max
+        present = ops.slice(joined, _i64([-kernel]), _i64([end]), _i64([1]), _i64([2])).output(0)
+        present.get_tensor().set_names({f"cache_params.present.conv.{local}"})
+        presents.append(present)
+        conv_w = self.src.tensor(f"{prefix}.conv1d.weight")
+        if not isinstance(conv_w, DenseWeight):
+            raise ValueError(f"{prefix}.conv1d.weight: expected a plain tensor")
+        kernel_w = np.asarray(conv_w.array, np.float32).reshape(channels, 1, 1, kernel)
+        conv = ops.group_convolution(joined, _const(kernel_w), [1], [0], [0], [1])
+        conv.set_friendly_name(f"{prefix}.conv1d/aten::_convolution/GroupConvolution")
+        count = ops.gather(ops.shape_of(mixed), _i64(2), _i64(0))
+        conv = ops.slice(
+            conv, ops.negative(ops.unsqueeze(count, _i64(0))), _i64([end]), _i64([1]), _i64([2])
+        )
+        act = ops.transpose(ops.swish(conv), _i64([0, 2, 1]))  # [B, T, C]
+
+        def part(lo: int, hi: int, heads: int, width: int) -> Output:
+            piece = ops.slice(act, _i64([lo]), _i64([hi]), _i64([1]), _i64([2]))
+            return ops.reshape(piece, _i64([0, 0, heads, width]), True).output(0)
+
+        def l2(t: Output) -> Output:  # transformers' l2norm (eps 1e-6)
+            total = ops.reduce_sum(ops.multiply(t, t), _i64(-1), True)
+            return ops.multiply(
+                t, ops.divide(_const(1.0), ops.sqrt(ops.add(total, _const(1e-6))))
+            ).output(0)
+
+        # A value head's q and k: its key head's, the value heads grouped by key head
+        # (transformers' repeat_interleave) or, in a GGUF whose converter reordered them,
+        # tiled (value head i: key head i % Hk)
+        tiled = bool(getattr(self.src, "value_heads_tiled", False))
+
+        def per_value_head(t: Output) -> Output:
+            if hv == hk:
+                return t
+            batch_time = ops.gather(ops.shape_of(t), _i64([0, 1]), _i64(0))
+            axis, copies = (2, [hv // hk, hk]) if tiled else (3, [hk, hv // hk])
+            wide = ops.broadcast(
+                ops.unsqueeze(t, _i64(axis)), ops.concat([batch_time, _i64([*copies, dk])], 0)
+            )
+            return ops.reshape(wide, _i64([0, 0, hv, dk]), True).output(0)
+
+        key_width = hk * dk
+        q = per_value_head(l2(part(0, key_width, hk, dk)))
+        k = per_value_head(l2(part(key_width, 2 * key_width, hk, dk)))
+        v = part(2 * key_width, channels, hv, dv)
+        heads_first = _i64([0, 2, 1, 3])
+        q, k, v = (ops.transpose(t, heads_first).output(0) for t in (q, k, v))
+        beta = ops.transpose(ops.sigmoid(self.proj(x, f"{prefix}.in_proj_b")), _i64([0, 2, 1]))
+        decay = -np.exp(_vector(self.src, f"{prefix}.A_log"))
+        a = ops.add(
+            self.proj(x, f"{prefix}.in_proj_a"), _const(_vector(self.src, f"{prefix}.dt_bias"))
+        )
+        g = ops.transpose(
+            ops.multiply(_const(decay.astype(np.float32)), ops.softplus(a)), _i64([0, 2, 1])
+        )
+        state = self.state_port(f"ssm.{local}", [hv, dk, dv], params)
+        out, new_state = gated_delta_rule(q, k, v, g.output(0), beta.output(0), state.output(0))
+        new_state.get_tensor().set_names({f"cache_params.present.ssm.{local}"})
+        presents.append(new_state)
+        out = ops.transpose(out, heads_first).output(0)  # [B, T, Hv, Dv]
+        z = ops.reshape(self.proj(x, f"{prefix}.in_proj_z"), _i64([0, 0, hv, dv]), True)
+        normed = self.norm(out, f"{prefix}.norm.weight", offset=0.0)
+        gated = ops.multiply(normed, ops.swish(z))
+        flat = ops.reshape(gated, _i64([0, 0, hv * dv]), True).output(0)
+        return self.proj(flat, f"{prefix}.out_proj")
 
     def expand_kv(self, kv: Output) -> Output:
         """Grouped-query attention: repeat each KV head for its query heads (``repeat_kv``)."""
@@ -471,14 +591,23 @@ class _Builder:
 
         masks = self.masks(attention_mask.output(0), position_ids.output(0))
         layer_types = f.layer_types[stage.start : stage.end]
-        rotary = {t: self.rotary(position_ids.output(0), t) for t in dict.fromkeys(layer_types)}
+        rotary = {
+            t: self.rotary(position_ids.output(0), t)
+            for t in dict.fromkeys(layer_types)
+            if t != "linear_attention"
+        }
         presents: list[Output] = []
         mlp_seen: Output | None = None
         for local, layer in enumerate(range(stage.start, stage.end)):
             kind = layer_types[local]
             prefix = f"model.layers.{layer}"
             normed = self.norm(hidden, f"{prefix}.input_layernorm.weight")
-            attn = self.attention(normed, layer, local, masks[kind], rotary[kind], params, presents)
+            if kind == "linear_attention":
+                attn = self.linear_attention(normed, layer, local, params, presents)
+            else:
+                attn = self.attention(
+                    normed, layer, local, masks[kind], rotary[kind], params, presents
+                )
             if r.sandwich_norms:
                 attn = self.norm(attn, f"{prefix}.post_attention_layernorm.weight")
                 hidden = ops.add(hidden, attn).output(0)

@@ -86,13 +86,16 @@ def layer_params(
     """Weights of a decoder layer; of ``layer`` in particular where layers differ (an MoE
     model's expert layers hold every expert and the router, and a decoded token reads only
     ``active`` ones: its experts_per_token, and the shared expert where there is one)."""
+    mixer = attention_params(facts)
+    if layer is not None and facts.layer_types and facts.is_linear(layer):
+        mixer = linear_attention_params(facts)
     if layer is not None and facts.is_moe(layer):
         experts = facts.experts_per_token if active else facts.num_experts
         expert = mlp_params(facts, facts.expert_intermediate_size)
         shared = mlp_params(facts, facts.shared_expert_intermediate_size)
         router = facts.num_experts * facts.hidden_size
-        return attention_params(facts) + experts * expert + shared + router
-    return attention_params(facts) + mlp_params(facts, intermediate_size)
+        return mixer + experts * expert + shared + router
+    return mixer + mlp_params(facts, intermediate_size)
 
 
 def _layer_params_over_model(facts: ArchitectureFacts, intermediate_size: int) -> list[int]:
@@ -118,7 +121,32 @@ def _layer_bytes_over_model(
 def attention_params(facts: ArchitectureFacts) -> int:
     q = facts.num_heads * facts.head_dim
     kv = facts.num_kv_heads * facts.head_dim
-    return facts.hidden_size * (q + 2 * kv) + q * facts.hidden_size
+    gate = q if facts.attention_output_gate else 0  # Qwen3.5: q_proj also gives the gate
+    return facts.hidden_size * (q + gate + 2 * kv) + q * facts.hidden_size
+
+
+def linear_attention_params(facts: ArchitectureFacts) -> int:
+    """A Gated DeltaNet layer's matrices: in_proj_qkv, in_proj_z, in_proj_a/b, out_proj (the
+    convolution and the per-head vectors are small)."""
+    value = facts.linear_value_heads * facts.linear_value_dim
+    into = facts.linear_conv_channels + value + 2 * facts.linear_value_heads
+    return facts.hidden_size * (into + value)
+
+
+def recurrent_state_bytes(facts: ArchitectureFacts) -> int:
+    """A linear-attention layer's state per sequence, whatever the context: the convolution's
+    last inputs [C, K] and the recurrent state [Hv, Dk, Dv], in f32."""
+    conv = facts.linear_conv_channels * facts.linear_conv_kernel
+    state = facts.linear_value_heads * facts.linear_key_dim * facts.linear_value_dim
+    return 4 * (conv + state)
+
+
+def cache_bytes_of_layer(facts: ArchitectureFacts, layer: int, context: int) -> int:
+    """What a sequence of ``context`` positions keeps in ``layer``: its KV cache, or a
+    linear-attention layer's fixed state."""
+    if facts.layer_types and facts.is_linear(layer):
+        return recurrent_state_bytes(facts)
+    return kv_bytes_per_layer(facts, context)
 
 
 def mlp_params(facts: ArchitectureFacts, intermediate_size: int) -> int:
@@ -271,7 +299,6 @@ def plan_stages(
     plans = []
     bounds = split_bounds(facts.num_layers, split, intermediate_size, channel_step)
     for index, (start, end, mlp_in, mlp_out) in enumerate(bounds):
-        count = end - start
         weight = sum(layers[start:end])
         if mlp_in is not None:  # the rest of the layer before
             weight += per_channel * (intermediate_size - mlp_in)
@@ -287,7 +314,7 @@ def plan_stages(
                 layer_start=start,
                 layer_end=end,
                 weight_bytes=int(weight),
-                kv_bytes=kv_bytes_per_layer(facts, context) * count,
+                kv_bytes=sum(cache_bytes_of_layer(facts, i, context) for i in range(start, end)),
                 mlp_in=mlp_in,
                 mlp_out=mlp_out,
             )
@@ -305,7 +332,7 @@ def split_for_memory(
     """Give each node layers in proportion to what its memory budget holds; refuse if none fits.
     Layers of different sizes (an MoE model's dense ones) are all counted as the largest."""
     per_layer = max(_layer_bytes_over_model(facts, intermediate_size, weight_format))
-    per_layer += kv_bytes_per_layer(facts, context)
+    per_layer += max(cache_bytes_of_layer(facts, i, context) for i in range(facts.num_layers))
     edge = facts.vocab_size * facts.hidden_size * _EDGE_BYTES[weight_format]
     capacity = []
     for index, budget in enumerate(budgets):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from exporter.architectures import ArchitectureFacts, read_architecture
+from exporter.architectures import HYBRID, ArchitectureFacts, read_architecture
 from exporter.errors import ExportError
 
 # transformers' names of the activations the supported MLPs use
@@ -176,8 +176,11 @@ def read_recipe(config: Any, context: int | None = None) -> Recipe:
     if act_name not in _ACTIVATIONS:
         raise ExportError(f"{model_type}: activation {act_name!r} is not supported")
     gemma = model_type == "gemma3_text"
+    hybrid = model_type in HYBRID
     rope = {}
     for layer_type in dict.fromkeys(facts.layer_types):
+        if layer_type == "linear_attention":  # no positions: a recurrence
+            continue
         params = _rope_params(config, layer_type)
         # Phi-3's family rotates the first head_dim * partial_rotary_factor channels of each
         # head, the rest pass through (transformers' apply_rotary_pos_emb)
@@ -193,14 +196,16 @@ def read_recipe(config: Any, context: int | None = None) -> Recipe:
     scale = float(config.query_pre_attn_scalar) ** -0.5 if gemma else facts.head_dim**-0.5
     return Recipe(
         facts=facts,
-        intermediate_size=int(config.intermediate_size),
+        intermediate_size=facts.intermediate_size,
         rms_eps=float(config.rms_norm_eps),
         activation=_ACTIVATIONS[act_name],
         attention_scale=scale,
         rope=rope,
         qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+        or hybrid
         or (model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
         sandwich_norms=gemma,
-        norm_offset=1.0 if gemma else 0.0,
+        # Gemma, Qwen3.5: (1 + weight) (not the Gated DeltaNet's output norm: exporter.graph)
+        norm_offset=1.0 if gemma or hybrid else 0.0,
         embed_scale=math.sqrt(facts.hidden_size) if gemma else None,
     )

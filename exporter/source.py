@@ -47,7 +47,7 @@ class ModelSource:
         config = self._load_config()
         if self.kind == "gguf":
             config = _gguf_mixtral(self.path, config)
-        return config
+        return _text_config(config)
 
     def _load_config(self) -> Any:
         from transformers import AutoConfig
@@ -93,8 +93,9 @@ class ModelSource:
 
     def _cached_path(self, kind: str, suffix: str = "") -> Path | None:
         """Where something read from this GGUF is cached: keyed by its content hash (or, where
-        there is none, by its path, size and modification time) and by the transformers
-        version that read it; None for Hugging Face folders (their files are read directly)."""
+        there is none, by its path, size and modification time) and by the versions of
+        transformers and exporter.gguf_reader that read it; None for Hugging Face folders
+        (their files are read directly)."""
         if self.kind != "gguf" or self.cache is None:
             return None
         import transformers
@@ -107,7 +108,10 @@ class ModelSource:
                 return None
             ident = f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
             key = hashlib.sha256(ident.encode()).hexdigest()
-        return self.cache / kind / f"{key}-transformers-{transformers.__version__}{suffix}"
+        from exporter.gguf_reader import READER_VERSION
+
+        version = f"transformers-{transformers.__version__}-reader-{READER_VERSION}"
+        return self.cache / kind / f"{key}-{version}{suffix}"
 
     def load_model(self, progress: bool = True) -> Any:
         import torch
@@ -224,6 +228,18 @@ def _cache_tokenizer(tokenizer: Any, folder: Path) -> None:
         log.debug("cannot cache the tokenizer in %s: %s", folder, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _text_config(config: Any) -> Any:
+    """A vision-language checkpoint's text model config (Qwen3.5's ``text_config``): the
+    model the export splits (exporter.weights.LanguageModelNames finds its tensors)."""
+    from exporter.architectures import TEXT_CONFIGS
+
+    if getattr(config, "model_type", None) not in TEXT_CONFIGS:
+        return config
+    text = config.text_config
+    text._name_or_path = getattr(config, "_name_or_path", "")
+    return text
 
 
 def _gguf_mixtral(path: Path, config: Any) -> Any:

@@ -1,5 +1,8 @@
 """KV ports -> OpenVINO state, with the ``beam_idx`` Gather that makes the CPU plugin fuse it.
 
+A hybrid's linear-attention states (``cache_params.past.conv.*`` / ``.ssm.*``) go the same way:
+behind the same Gather (without it the CPU plugin fails to compile such a graph).
+
 What optimum-intel's ``patch_stateful`` does for a decoder (``fuse_cache_reorder`` +
 ``make_stateful``), without its torch-importing package: a ``beam_idx`` input and a Gather of
 every past KV port by it, then ``apply_make_stateful_transformation`` (past/present pairs ->
@@ -33,6 +36,8 @@ def make_stateful(model: ov.Model, beam_idx: bool = True) -> None:
         name = port.get_any_name()
         if name.startswith("past_key_values."):
             pairs[name] = "present." + name[len("past_key_values.") :]
+        elif name.startswith("cache_params.past."):  # a linear-attention layer's conv/ssm state
+            pairs[name] = "cache_params.present." + name[len("cache_params.past.") :]
     if beam_idx:
         batch = _main_input(model).get_partial_shape()[0]
         beam = ops.parameter(ov.PartialShape([batch]), ov.Type.i32, name="beam_idx")
@@ -47,12 +52,13 @@ def make_stateful(model: ov.Model, beam_idx: bool = True) -> None:
         model.validate_nodes_and_infer_types()
     apply_make_stateful_transformation(model, pairs)
     _initialise_states(model)
-    if any(p.get_any_name().startswith("past_key_values") for p in model.inputs):
+    if any(p.get_any_name().startswith(("past_key_values", "cache_params")) for p in model.inputs):
         raise ExportError("internal error: the KV cache was not made stateful")
 
 
 def _initialise_states(model: ov.Model) -> None:
-    """Each ReadValue starts as an empty cache [batch, kv_heads, 0, head_dim]."""
+    """Each ReadValue starts as an empty cache [batch, kv_heads, 0, head_dim], or a
+    linear-attention layer's state as zeros of its fixed shape [batch, ...]."""
     main = _main_input(model)
     batch = ops.gather(ops.shape_of(main, "i64"), ops.constant(np.array([0])), ops.constant(0))
     for op in model.get_ops():

@@ -37,7 +37,11 @@ GGUF_ARCH = {
     "mixtral": "llama",  # llama.cpp's Mixtral: a llama file with experts
     "glm4_moe": "glm4moe",
     "gpt_oss": "gpt-oss",
+    "qwen3_5_text": "qwen35",
+    "qwen3_5_moe_text": "qwen35moe",
+    "qwen3_next": "qwen3next",
 }
+_HYBRID_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
 TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
 # general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 14, "Q4_K_M": 15, "Q6_K": 18}
@@ -178,8 +182,15 @@ def tensor_type(name: str, shape: tuple[int, ...], types: str | dict[str, str]) 
     F16). A dict maps name substrings to types, the longest match winning and unmatched 2-D
     weights staying F32: ``{"": "Q8_0", "ffn_down": "Q6_K"}`` is Q8_0 but for ffn_down.
     """
-    if len(shape) < 2 or ".ffn_gate_inp." in name or name.endswith(".bias"):
-        return "F32"  # llama-quantize keeps MoE routers and biases (gpt-oss's: [E, rows]) F32
+    # llama-quantize keeps MoE routers (and the shared expert's gate), convolutions and biases
+    # (gpt-oss's: [E, rows]) F32
+    if (
+        len(shape) < 2
+        or ".ffn_gate_inp" in name
+        or ".ssm_conv1d." in name
+        or name.endswith(".bias")
+    ):
+        return "F32"
     if isinstance(types, dict):
         hits = [key for key in types if key in name]
         return types[max(hits, key=len)] if hits else "F32"
@@ -298,6 +309,92 @@ def _nextn_block(config: Any, first: int, count: int) -> dict[str, Any]:
     return out
 
 
+def _mtp_block(state: dict[str, Any], layer: int, last_full: int) -> dict[str, Any]:
+    """A Qwen3.5 MTP layer as llama.cpp writes it after the trunk (block ``layer``): here a
+    copy of the trunk's last full-attention layer with random norms, which a reader must skip."""
+    import torch
+
+    generator = torch.Generator().manual_seed(11)
+    prefix = f"model.layers.{last_full}."
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith(prefix):
+            copy = tensor.clone()
+            if copy.dim() == 1:
+                copy = torch.randn(copy.shape, generator=generator)
+            out[f"model.layers.{layer}." + name[len(prefix) :]] = copy
+    return out
+
+
+def _tiled(w: Any, dim: int, key_heads: int, per_key: int, head_dim: int) -> Any:
+    """conversion/qwen.py's _reorder_v_heads: value heads along ``dim`` from grouped by key
+    head (Hugging Face's order) to tiled (the first value head of every key head, ...)."""
+    shape = list(w.shape)
+    grouped = w.reshape(*shape[:dim], key_heads, per_key, head_dim, *shape[dim + 1 :])
+    return grouped.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def _hybrid_tensors(state: dict[str, Any], config: Any, arch: str) -> dict[str, Any]:
+    """What llama.cpp's converter does to Qwen3.5's and Qwen3-Next's tensors (conversion/qwen.py:
+    Qwen3NextModel, _LinearAttentionVReorderBase): the text model's names; value heads tiled
+    (qwen35, qwen35moe, where there are more value heads than key heads); A_log stored as
+    -exp(A_log), dt_bias as dt_proj.bias, the convolution squeezed, the norms plus one (not the
+    Gated DeltaNet's own); Qwen3-Next's in_proj_qkvz regrouped into qkv and z; stacked experts
+    (Qwen3.5-MoE's gate_up_proj) split into gate and up."""
+    import torch
+
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    per_key = hv // hk
+    tile = arch in ("qwen35", "qwen35moe") and hk != hv
+    out: dict[str, Any] = {}
+    for name, w in state.items():
+        name = name.replace("model.language_model.", "model.")
+        w = w.float()
+        if tile and ".linear_attn." in name:
+            if ".in_proj_qkv." in name:
+                w = torch.cat([w[: 2 * hk * dk], _tiled(w[2 * hk * dk :], 0, hk, per_key, dv)])
+            elif ".in_proj_z." in name:
+                w = _tiled(w, 0, hk, per_key, dv)
+            elif ".in_proj_a." in name or ".in_proj_b." in name:
+                w = _tiled(w, 0, hk, per_key, 1)
+            elif name.endswith((".A_log", ".dt_bias")):
+                w = _tiled(w[:, None], 0, hk, per_key, 1)[:, 0]
+            elif ".conv1d." in name:
+                w = torch.cat([w[: 2 * hk * dk], _tiled(w[2 * hk * dk :], 0, hk, per_key, dv)])
+            elif ".out_proj." in name:
+                w = _tiled(w, 1, hk, per_key, dv)
+        if name.endswith(".A_log"):
+            w = -torch.exp(w)
+        elif name.endswith(".dt_bias"):
+            name = name.replace(".dt_bias", ".dt_proj.bias")
+        elif ".conv1d." in name:
+            w = w.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            w = w + 1
+        if name.endswith(".in_proj_qkvz.weight"):  # [q, k, v, z] per key head -> qkv, z
+            widths = [dk, dk, per_key * dv, per_key * dv]
+            q, k, v, z = torch.split(w.reshape(hk, sum(widths), -1), widths, dim=1)
+            stem = name.replace(".in_proj_qkvz.weight", "")
+            out[f"{stem}.in_proj_qkv.weight"] = torch.cat(
+                [t.reshape(-1, w.shape[1]) for t in (q, k, v)]
+            )
+            out[f"{stem}.in_proj_z.weight"] = z.reshape(-1, w.shape[1])
+            continue
+        if name.endswith(".experts.gate_up_proj"):
+            half = w.shape[1] // 2
+            stem = name.replace(".gate_up_proj", "")
+            out[f"{stem}.gate_proj.weight"], out[f"{stem}.up_proj.weight"] = (
+                w[:, :half],
+                w[:, half:],
+            )
+            continue
+        if name.endswith(".experts.down_proj"):
+            name += ".weight"
+        out[name] = w
+    return out
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf's LlamaModel.permute: HF's half-split rotary rows -> interleaved."""
     return (
@@ -384,12 +481,16 @@ def write_gguf(
 
     # GLM's NextN/MTP layers: llama.cpp writes them as blocks after the trunk's
     nextn = int(getattr(config, "num_nextn_predict_layers", 0) or 0) if arch == "glm4moe" else 0
+    if arch in _HYBRID_ARCHES[:2]:
+        nextn = 1  # Qwen3.5's checkpoints hold an MTP layer, which llama.cpp writes after
+    intermediate = getattr(config, "intermediate_size", None)
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(f"tiny-{arch}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(n_layers + nextn)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if intermediate is not None:
+        writer.add_feed_forward_length(intermediate)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
@@ -431,6 +532,22 @@ def write_gguf(
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if arch in _HYBRID_ARCHES:  # Qwen3NextModel.set_gguf_parameters (+ Qwen2MoeModel's)
+        writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+        writer.add_ssm_state_size(config.linear_key_head_dim)
+        writer.add_ssm_group_count(config.linear_num_key_heads)
+        writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+        writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+        writer.add_full_attention_interval(4)
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+        if arch != "qwen3next":
+            writer.add_rope_dimension_sections([11, 11, 10, 0])
+            writer.add_nextn_predict_layers(nextn)
+        if arch != "qwen35":
+            writer.add_expert_count(config.num_experts)
+            writer.add_expert_used_count(config.num_experts_per_tok)
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
@@ -458,6 +575,11 @@ def write_gguf(
         state.update(_nextn_block(config, n_layers, nextn))
     if arch == "gpt-oss":
         state = _gpt_oss_experts(state)
+    if arch in _HYBRID_ARCHES:
+        state = _hybrid_tensors(state, config, arch)
+        if nextn:
+            last_full = max(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+            state.update(_mtp_block(state, n_layers, last_full))
     for hf_name, tensor in state.items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reuses token_embd as the output head
@@ -564,6 +686,30 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
         return Glm4MoeConfig(
             **{**glm4_moe_fields(common), "head_dim": 64, "moe_intermediate_size": 256}
         )
+    if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        from exporter.tiny_models import hybrid_experts, qwen3_5_fields
+
+        # the tiny Hugging Face hybrid's heads, with value heads of 32 channels (out_proj's
+        # columns move by whole value heads when llama.cpp tiles them: whole Q8_0 blocks)
+        fields = {
+            **qwen3_5_fields(common),
+            "head_dim": 64,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+        }
+        if arch == "qwen3_5":
+            from transformers import Qwen3_5TextConfig
+
+            return Qwen3_5TextConfig(**fields)
+        experts = {**hybrid_experts(), "moe_intermediate_size": 256}
+        if arch == "qwen3_next":
+            from transformers import Qwen3NextConfig
+
+            return Qwen3NextConfig(**fields, **experts)
+        from transformers import Qwen3_5MoeTextConfig
+
+        del fields["intermediate_size"]
+        return Qwen3_5MoeTextConfig(**fields, **experts)
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 

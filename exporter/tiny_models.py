@@ -135,6 +135,20 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
         from transformers import GptOssConfig
 
         return GptOssConfig(**gpt_oss_fields(common))
+    if arch == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**qwen3_5_fields(common))
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        fields = {k: v for k, v in qwen3_5_fields(common).items() if k != "intermediate_size"}
+        return Qwen3_5MoeTextConfig(**fields, **hybrid_experts())
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        # layer 2 keeps a dense MLP (mlp_only_layers), as Qwen3-MoE's tiny model
+        return Qwen3NextConfig(**qwen3_5_fields(common), **hybrid_experts(), mlp_only_layers=[2])
     if arch == "phi3-longrope":
         from transformers import Phi3Config
 
@@ -220,6 +234,46 @@ def gpt_oss_fields(common: dict[str, Any]) -> dict[str, Any]:
             "original_max_position_embeddings": 8,
         },
     )
+
+
+def qwen3_5_fields(common: dict[str, Any]) -> dict[str, Any]:
+    """A tiny Qwen3.5: its default layer pattern (3 Gated DeltaNet layers, then one of gated
+    full attention: 6 layers are L L L F L L), 2 key heads of 4 value heads in the linear
+    layers (grouped, as the real ones), a quarter of each attention head rotating."""
+    return dict(
+        common,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
+
+
+def hybrid_experts() -> dict[str, Any]:
+    """Qwen3.5-MoE's and Qwen3-Next's experts, tiny: 8 of 32 channels, 2 a token, and the
+    shared expert (64 channels) every token runs, scaled by its sigmoid gate."""
+    return dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    )
+
+
+# Architectures whose vectors (norm weights around 1 as (1 + w), the Gated DeltaNet's decay and
+# time-step bias) start at constants: randomized, so that the tests see each of them count.
+_RANDOM_VECTORS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def randomize_vectors(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.2)
 
 
 def randomize_buffers(model: Any) -> None:
@@ -311,6 +365,8 @@ def make_model(
             if param.dim() == 2:
                 param.mul_(2.0)
     randomize_buffers(model)
+    if arch in _RANDOM_VECTORS:
+        randomize_vectors(model)
     model.save_pretrained(folder)
     make_tokenizer(folder, min(vocab, VOCAB), chat_template, corpus, special_tokens)
     return folder

@@ -127,10 +127,41 @@ _GGUF_LAYER = {
     # Phi-3's fused projections (llama.cpp keeps them fused: ffn_up holds gate and up)
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
+    # Qwen3.5's / Qwen3-Next's Gated DeltaNet (conversion/qwen.py's Qwen3NextModel) and gated
+    # shared expert
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_ba": "ssm_ba",  # Qwen3-Next: b and a grouped by key head
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# The Gated DeltaNet's per-head vectors, which transformers names without a .weight: llama.cpp's
+# ssm_a holds -exp(A_log), ssm_dt.bias the dt_bias
+_GGUF_LINEAR_VECTORS = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
+# GGUF architectures whose converter reorders a Gated DeltaNet's value heads from grouped by key
+# head (Hugging Face: v0..v{r-1} of key head 0, then of key head 1, ...) to tiled (v0 of every
+# key head, then v1 of every key head, ...): conversion/qwen.py's _LinearAttentionVReorderBase
+TILED_VALUE_HEADS = ("qwen35", "qwen35moe")
 # Architectures whose post_attention_layernorm llama.cpp stores as post_attention_norm: Gemma
 # normalises the attention's output with it, GLM-4.5 the MLP's input (the others: ffn_norm).
-_POST_ATTENTION_NORM = ("gemma3_text", "glm4_moe", "gpt_oss")
+_POST_ATTENTION_NORM = (
+    "gemma3_text",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+)
+# Architectures whose norm weights llama.cpp stores plus one (their RMSNorm scales by 1 + w);
+# not the Gated DeltaNet's output norm (ssm_norm), which scales by w
+_NORMS_PLUS_ONE = ("gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _GGUF_GLOBAL = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -151,6 +182,8 @@ def gguf_name(hf_name: str, model_type: str) -> str:
         return f"blk.{layer}.exp_probs_b.bias"
     if rest == "self_attn" and kind == "sinks":  # gpt-oss's attention sinks
         return f"blk.{layer}.attn_sinks.weight"
+    if f"{rest}.{kind}" in _GGUF_LINEAR_VECTORS:
+        return f"blk.{layer}.{_GGUF_LINEAR_VECTORS[f'{rest}.{kind}']}"
     if rest == "post_attention_layernorm":
         rest_name = "post_attention_norm" if model_type in _POST_ATTENTION_NORM else "ffn_norm"
     elif rest == "pre_feedforward_layernorm":
@@ -180,6 +213,8 @@ class GGUFSource:
         arch_field = reader.fields.get("general.architecture")
         self.arch = arch_field.contents() if arch_field else "unknown"
         self.tensors = {t.name: t for t in reader.tensors}
+        # exporter.graph repeats the key heads tiled (not interleaved) for such a file
+        self.value_heads_tiled = self.arch in TILED_VALUE_HEADS
 
     def has(self, name: str) -> bool:
         try:
@@ -216,8 +251,12 @@ class GGUFSource:
                 weight = weight.permute_rows(_unpermute_order(shape[0], self.num_heads))
             elif ".attn_k." in key:
                 weight = weight.permute_rows(_unpermute_order(shape[0], self.num_kv_heads))
-        if self.model_type == "gemma3_text" and "norm" in key and isinstance(weight, DenseWeight):
+        plus_one = self.model_type in _NORMS_PLUS_ONE and key.endswith("norm.weight")
+        if plus_one and ".ssm_norm." not in key and isinstance(weight, DenseWeight):
             weight = DenseWeight(np.asarray(weight.array, np.float32) - np.float32(1), weight.note)
+        if key.endswith(".ssm_a") and isinstance(weight, DenseWeight):  # -exp(A_log) -> A_log
+            decay = np.asarray(weight.array, np.float64)
+            weight = DenseWeight(np.log(-decay).astype(np.float32), weight.note)
         return weight
 
 
@@ -514,3 +553,141 @@ def _fused_order(experts: int, width: int) -> np.ndarray:
     i = np.arange(width).reshape(1, -1)
     gate, up = e * 2 * width + i, e * 2 * width + width + i
     return np.stack([gate, up], axis=-1).reshape(-1)
+
+
+# -- vision-language wrappers ------------------------------------------------------------------
+
+
+class LanguageModelNames:
+    """A text model stored inside a vision-language checkpoint (Qwen3.5: ``model.language_model.
+    layers.3...``; transformers also saves its text-only Qwen3.5 so) under the names the graph
+    asks for (``model.layers.3...``); the vision tower and the MTP layers are never asked for."""
+
+    PREFIX = "model.language_model."
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def _name(self, name: str) -> str:
+        if name.startswith("model.") and not self.inner.has(name):
+            return self.PREFIX + name[len("model.") :]
+        return name
+
+    def has(self, name: str) -> bool:
+        return bool(self.inner.has(self._name(name)))
+
+    def tensor(self, name: str) -> Weight:
+        return self.inner.tensor(self._name(name))
+
+
+# -- Qwen3.5-MoE's stacked experts -------------------------------------------------------------
+
+
+class StackedExperts:
+    """Experts stored as one 3-D tensor a layer (Qwen3.5-MoE's Hugging Face checkpoints:
+    ``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows then up rows, and ``mlp.experts.
+    down_proj`` [E, H, I]) under the stacked names the graph asks for (``mlp.experts.
+    gate_proj.weight`` [E * I, H], as a GGUF's ``ffn_gate_exps``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @staticmethod
+    def _source(name: str) -> tuple[str, str] | None:
+        """(the stored tensor's name, the part asked for) or None for any other tensor."""
+        stem, dot, part = name.rpartition(".experts.")
+        if not dot or part not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            return None
+        stored = "down_proj" if part == "down_proj.weight" else "gate_up_proj"
+        return f"{stem}.experts.{stored}", part.split(".")[0]
+
+    def has(self, name: str) -> bool:
+        found = self._source(name)
+        if found is not None and self.inner.has(found[0]):
+            return True
+        return bool(self.inner.has(name))
+
+    def tensor(self, name: str) -> Weight:
+        found = self._source(name)
+        if found is None or not self.inner.has(found[0]):
+            return self.inner.tensor(name)
+        stored, part = found
+        weight = self.inner.tensor(stored)
+        if not isinstance(weight, DenseWeight) or weight.array.ndim != 3:
+            raise ExportError(f"{stored}: expected a 3-D float tensor [experts, rows, cols]")
+        array = weight.array
+        if part != "down_proj":
+            half = array.shape[1] // 2
+            array = array[:, :half] if part == "gate_proj" else array[:, half:]
+        experts, rows, cols = array.shape
+        return DenseWeight(np.ascontiguousarray(array).reshape(experts * rows, cols))
+
+
+# -- Qwen3-Next's fused linear-attention projections ---------------------------------------------
+
+
+class GroupedLinearProjections:
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, whose rows are grouped by key head
+    (each group: q, k, then its value heads' v and z; b then a), as the separate projections
+    of Qwen3.5 that the graph asks for (``in_proj_qkv``: every q row, every k row, every v
+    row; ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), as transformers'
+    ``fix_query_key_value_ordering`` regroups their outputs. Rows are only reordered and
+    taken, never touched (quantized blocks run along the input columns)."""
+
+    def __init__(self, inner: Any, config: Any) -> None:
+        self.inner = inner
+        hk, hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        group = hv // hk
+        width = 2 * dk + 2 * group * dv
+        span = np.arange(width)
+        parts = [span[:dk], span[dk : 2 * dk], span[2 * dk : 2 * dk + group * dv]]
+        parts.append(span[2 * dk + group * dv :])
+        self.qkvz = np.concatenate([g * width + p for p in parts for g in range(hk)])
+        self.qkv_rows = 2 * hk * dk + hv * dv
+        ba = np.arange(2 * group)
+        self.ba = np.concatenate(
+            [g * 2 * group + p for p in (ba[:group], ba[group:]) for g in range(hk)]
+        )
+        self.value_heads = hv
+
+    @staticmethod
+    def _split(name: str) -> tuple[str, str] | None:
+        stem, dot, part = name.rpartition(".linear_attn.")
+        if not dot:
+            return None
+        if part in ("in_proj_qkv.weight", "in_proj_z.weight"):
+            return f"{stem}.linear_attn.in_proj_qkvz.weight", part
+        if part in ("in_proj_b.weight", "in_proj_a.weight"):
+            return f"{stem}.linear_attn.in_proj_ba.weight", part
+        return None
+
+    def _fused(self, name: str) -> tuple[str, str] | None:
+        """Where ``name`` is to be cut from a fused tensor: a GGUF holds in_proj_qkv and _z
+        as they are (llama.cpp's converter regroups in_proj_qkvz) and b and a fused."""
+        found = self._split(name)
+        return None if found is None or self.inner.has(name) else found
+
+    def has(self, name: str) -> bool:
+        found = self._fused(name)
+        return bool(self.inner.has(found[0] if found else name))
+
+    def tensor(self, name: str) -> Weight:
+        found = self._fused(name)
+        if found is None:
+            return self.inner.tensor(name)
+        fused_name, part = found
+        fused: Weight = self.inner.tensor(fused_name)
+        order = self.qkvz if "qkvz" in fused_name else self.ba
+        if weight_shape(fused)[0] != len(order):
+            raise ExportError(
+                f"{fused_name}: {weight_shape(fused)[0]} rows, the config makes it {len(order)}"
+            )
+        grouped = fused.permute_rows(order)
+        if part == "in_proj_qkv.weight":
+            return grouped.take_rows(0, self.qkv_rows)
+        if part == "in_proj_z.weight":
+            return grouped.take_rows(self.qkv_rows, len(order))
+        if part == "in_proj_b.weight":
+            return grouped.take_rows(0, self.value_heads)
+        return grouped.take_rows(self.value_heads, 2 * self.value_heads)

@@ -151,9 +151,17 @@ class ModelSpec(_Frozen):
     head_dim: int
     vocab_size: int
     max_context: int
-    layer_types: list[str] = Field(description="full_attention / sliding_attention per layer")
+    layer_types: list[str] = Field(
+        description="full_attention / sliding_attention / linear_attention per layer"
+    )
     sliding_window: int | None = None
     intermediate_size: int | None = Field(default=None, description="MLP channels per layer")
+
+    def recurrent_layers(self, start: int = 0, end: int | None = None) -> list[int]:
+        """The linear-attention (Gated DeltaNet) layers among ``[start, end)``: each keeps a
+        fixed-size recurrent state per sequence, which cannot be trimmed back by position."""
+        stop = self.num_layers if end is None else end
+        return [i for i in range(start, stop) if self.layer_types[i] == "linear_attention"]
 
 
 class TokenizerSpec(_Frozen):

@@ -312,6 +312,13 @@ class PagedRunner(ShardBase):
         """``prefix_cache_blocks``: cached blocks no session holds kept at most (None: as many
         as are free; 0: no prefix cache)."""
         super().__init__(export_dir, stage_index, options, manifest=manifest)
+        if self.recurrent_layers:
+            raise ValueError(
+                f"stage {self.stage.index} of {self.manifest.model.model_id} holds "
+                f"linear-attention layers {self.recurrent_layers} (a hybrid model's recurrent "
+                "state): the paged KV backend does not serve them yet (nor its prefix cache); "
+                "use --kv-backend stateful"
+            )
         core = core or ov.Core()
         facts = self.manifest.model
         layer_types = facts.layer_types[self.stage.layer_start : self.stage.layer_end]

@@ -6,7 +6,10 @@ Each sequence (``session``) owns an infer request and so its own KV state; sessi
 a request (``AsyncInferQueue`` would hand out any idle one and break that affinity). The compiled
 model is shared: memory grows by a KV cache per session, not by a model copy.
 Rollback trims the tail of every state tensor, so the session continues exactly as if the
-rolled-back positions had never been fed.
+rolled-back positions had never been fed. A hybrid model's recurrent (linear-attention) state
+has no positions to trim: such a stage keeps a copy of it from before each chunk of several
+positions, and rolls back within that chunk (a speculative verification's rejected tokens) by
+restoring the copy and feeding the chunk's accepted part again; further back it refuses.
 """
 
 from __future__ import annotations
@@ -115,6 +118,25 @@ class StageSession:
         self.length = 0
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
+        # A hybrid model's stage: its linear-attention states before the last chunk of more
+        # than one position, and that chunk (see ShardRunner.rollback)
+        self.checkpoint: Checkpoint | None = None
+
+
+@dataclass
+class Checkpoint:
+    """A session's linear-attention states (by variable name) as they were before ``chunk``
+    was fed at position ``start``."""
+
+    states: dict[str, np.ndarray]
+    chunk: np.ndarray
+    start: int
+
+
+def is_recurrent_state(name: str) -> bool:
+    """A linear-attention layer's conv or recurrent state (exporter.graph's
+    ``cache_params.*`` ports), not a KV cache."""
+    return "cache_params." in name
 
 
 class ShardBase:
@@ -142,6 +164,11 @@ class ShardBase:
             raise ValueError(
                 f"{self.model_xml} is missing: copy the stage folder with its manifest"
             )
+        # Hybrid models' linear-attention layers on this stage: each keeps a recurrent state per
+        # session (and its convolution's last inputs) that a rollback by position cannot undo
+        self.recurrent_layers = self.manifest.model.recurrent_layers(
+            self.stage.layer_start, self.stage.layer_end
+        )
         self.hidden_size = self.manifest.model.hidden_size
         # hidden states in: twice as wide after a cut inside an MLP (protos.manifest.StageEntry)
         self.input_width = self.stage.input_width(self.hidden_size)
@@ -297,20 +324,40 @@ class ShardRunner(ShardBase):
                     f"for {count} tokens"
                 )
             self.check_step(session_id, session.length, count, session.length, num_logits)
-            total = session.length + count
-            inputs: dict[str, Any] = {
-                "input_ids" if self.is_first else "inputs_embeds": chunk[None],
-                "attention_mask": np.ones((1, total), dtype=np.int64),
-                "position_ids": positions.astype(np.int64, copy=False)[None, :],
-            }
-            if self.is_last:
-                inputs["num_logits"] = np.array(num_logits, dtype=np.int64)
-            if "beam_idx" in self._input_names:
-                inputs["beam_idx"] = np.zeros(1, dtype=np.int32)
-            result = session.request.infer(inputs)
-            session.length = total
-            session.last_used = time.monotonic()
-            return np.asarray(result[0])[0]
+            return self._feed(session, chunk, num_logits)
+
+    def _feed(self, session: StageSession, chunk: np.ndarray, num_logits: int = 1) -> np.ndarray:
+        """Run ``chunk`` (checked) on top of the session, holding its lock."""
+        count = len(chunk)
+        total = session.length + count
+        positions = np.arange(session.length, total, dtype=np.int64)
+        inputs: dict[str, Any] = {
+            "input_ids" if self.is_first else "inputs_embeds": chunk[None],
+            "attention_mask": np.ones((1, total), dtype=np.int64),
+            "position_ids": positions[None, :],
+        }
+        if self.is_last:
+            inputs["num_logits"] = np.array(num_logits, dtype=np.int64)
+        if "beam_idx" in self._input_names:
+            inputs["beam_idx"] = np.zeros(1, dtype=np.int32)
+        if self.recurrent_layers:
+            session.checkpoint = None
+            if count > 1:  # a speculative verification may be rolled back into
+                # (a session's first chunk starts from the initial states: nothing to copy)
+                states = self._recurrent_states(session) if session.length else {}
+                session.checkpoint = Checkpoint(states, chunk.copy(), session.length)
+        result = session.request.infer(inputs)
+        session.length = total
+        session.last_used = time.monotonic()
+        return np.asarray(result[0])[0]
+
+    @staticmethod
+    def _recurrent_states(session: StageSession) -> dict[str, np.ndarray]:
+        return {
+            s.name: s.state.data.copy()
+            for s in session.request.query_state()
+            if is_recurrent_state(s.name)
+        }
 
     def rollback(self, session_id: str, count: int) -> None:
         """Forget the last ``count`` positions of a session (rejected draft tokens)."""
@@ -325,13 +372,51 @@ class ShardRunner(ShardBase):
             keep = session.length - count
             if keep == 0:
                 session.request.reset_state()
+                session.checkpoint = None
+            elif self.recurrent_layers:
+                self._rollback_recurrent(session, count)
+                return
             else:
-                # A region of interest of the state tensor: one copy (in set_state), not three.
-                # Still O(context): a copy of every layer's kept positions.
-                for state in session.request.query_state():
-                    current = state.state
-                    end = list(current.shape)
-                    end[2] = keep
-                    begin = ov.Coordinate([0] * len(end))
-                    state.state = ov.Tensor(current, begin, ov.Coordinate(end))
+                self._trim(session, keep)
             session.length = keep
+
+    @staticmethod
+    def _trim(session: StageSession, keep: int) -> None:
+        """Keep the first ``keep`` positions of every KV state. A region of interest of the
+        state tensor: one copy (in set_state), not three. Still O(context): a copy of every
+        layer's kept positions."""
+        for state in session.request.query_state():
+            if is_recurrent_state(state.name):
+                continue
+            current = state.state
+            end = list(current.shape)
+            end[2] = keep
+            begin = ov.Coordinate([0] * len(end))
+            state.state = ov.Tensor(current, begin, ov.Coordinate(end))
+
+    def _rollback_recurrent(self, session: StageSession, count: int) -> None:
+        """A hybrid's stage: a recurrent state has no positions to trim. A rollback within the
+        last chunk of several positions (a speculative verification's rejected tokens) goes
+        back to the states before that chunk and feeds its accepted part again (output
+        dropped): the session is then what feeding only that part would have made it."""
+        checkpoint = session.checkpoint
+        fed = 0 if checkpoint is None else len(checkpoint.chunk)
+        if checkpoint is None or count > fed or session.length != checkpoint.start + fed:
+            raise InvalidStageInput(
+                f"stage {self.stage.index} cannot roll back {count} positions: its "
+                f"linear-attention layers {self.recurrent_layers} hold a recurrent state, "
+                "which only goes back to before the session's last chunk of several positions "
+                f"({fed} positions)"
+            )
+        if checkpoint.start == 0:
+            session.request.reset_state()
+        else:
+            for state in session.request.query_state():
+                if is_recurrent_state(state.name):
+                    state.state = ov.Tensor(checkpoint.states[state.name].copy())
+            self._trim(session, checkpoint.start)
+        session.length = checkpoint.start
+        session.checkpoint = None
+        accepted = checkpoint.chunk[: fed - count]
+        if len(accepted):
+            self._feed(session, accepted)

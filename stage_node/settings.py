@@ -37,7 +37,8 @@ class StageSettings(BaseSettings):
         default="auto",
         description="KV cache: an infer request per session (stateful), or a shared block pool "
         "with every ready session in one inference call (paged); auto: paged unless "
-        "max_sessions is 1",
+        "max_sessions is 1 or the stage holds a hybrid model's linear-attention layers, which "
+        "only stateful serves",
     )
     kv_cache_size: float = Field(
         default=1.0, gt=0, description="paged backend: GiB of KV blocks this stage holds"

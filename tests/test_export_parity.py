@@ -49,6 +49,19 @@ CASES = [
     ("gpt_oss", 1, "fp32"),
     ("gpt_oss", 2, "fp16"),
     ("gpt_oss", 3, "fp32"),
+    # hybrid: Gated DeltaNet layers (L L L F L L) with gated full attention; 2 and 3 stages cut
+    # inside the pattern (L L L | F L L and L L | L F | L L)
+    ("qwen3_5", 1, "fp32"),
+    ("qwen3_5", 2, "fp16"),
+    ("qwen3_5", 3, "fp32"),
+    # the same hybrid with experts on every layer (stacked 3-D in the checkpoint) and a gated
+    # shared expert; Qwen3-Next's with fused in_proj_qkvz/ba and a dense layer 2
+    ("qwen3_5_moe", 1, "fp32"),
+    ("qwen3_5_moe", 2, "fp16"),
+    ("qwen3_5_moe", 3, "fp32"),
+    ("qwen3_next", 1, "fp16"),
+    ("qwen3_next", 2, "fp32"),
+    ("qwen3_next", 3, "fp32"),
 ]
 # fp32: only the runtime differs from torch. fp16: the reference weights are rounded to fp16 too,
 # so the remaining difference is fp16 storage of small constants (norm weights, embedding scale).

@@ -104,6 +104,40 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
             assert kinds["PagedAttention"] == stage.num_layers
 
 
+@pytest.mark.parametrize(
+    ("arch", "weights"),
+    [
+        ("qwen3_5", "fp32"),
+        ("qwen3_5", "int4"),
+        ("qwen3_5_moe", "fp32"),
+        ("qwen3_5_moe", "int4"),
+        ("qwen3_next", "fp32"),
+    ],
+)
+def test_linear_attention_layers_compile_to_gated_delta_net(
+    tiny_export: ExportFn, arch: str, weights: str
+) -> None:
+    """Every Gated DeltaNet layer of every stage of a hybrid compiles to one fused
+    GatedDeltaNet node (no TensorIterator stepping token by token), its states behind the
+    beam_idx Gather; every gated full-attention layer to SDPA; every expert layer to 3
+    GatherMatmul (the gated shared expert is a plain MLP beside them)."""
+    export_dir = tiny_export(arch, 3, weights)
+    manifest = load_manifest(export_dir)
+    layer_types = manifest.model.layer_types
+    # exporter.tiny_models: qwen3_5_moe's every layer is experts, qwen3_next's but layer 2
+    moe_layers = {"qwen3_5": set(), "qwen3_5_moe": set(range(6)), "qwen3_next": {0, 1, 3, 4, 5}}
+    for stage in manifest.stages:
+        xml = str(export_dir / stage.model_xml)
+        assert ir_has_beam_gather(xml)
+        kinds = layer_types[stage.layer_start : stage.layer_end]
+        types = runtime_layer_types(xml)
+        assert types["GatedDeltaNet"] == kinds.count("linear_attention"), f"{stage.index}: {types}"
+        assert types["TensorIterator"] == types["Loop"] == 0
+        assert types["ScaledDotProductAttention"] == kinds.count("full_attention")
+        local = moe_layers[arch] & set(range(stage.layer_start, stage.layer_end))
+        assert types["GatherMatmul"] == 3 * len(local), f"stage {stage.index}: {types}"
+
+
 def test_the_benchmarks_dense_moe_form_computes_every_expert_alike(
     tiny_export: ExportFn, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

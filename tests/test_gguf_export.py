@@ -687,3 +687,77 @@ def test_pipeshard_plans_tensors_are_a_glm4moe_gguf_s(tmp_path: Path) -> None:
     )
     planned = {t.name: t.shape for t in tensors(tiny)}
     assert planned == stored
+
+
+@pytest.mark.parametrize(
+    ("arch", "gguf_arch"),
+    [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe"), ("qwen3_next", "qwen3next")],
+)
+def test_a_hybrid_gguf_equals_the_hugging_face_model_it_was_written_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arch: str, gguf_arch: str
+) -> None:
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next from GGUF, written as llama.cpp's converter does:
+    A stored as -exp(A_log), dt_bias as ssm_dt.bias, norms plus one (not ssm_norm), value heads
+    tiled for Qwen3.5 (the graph repeats the key heads tiled to match), Qwen3-Next's qkvz
+    regrouped and its b/a fused in ssm_ba, an MTP block after Qwen3.5's last layer (skipped).
+    The Hugging Face weights are first rounded to what Q8_0 holds: 1, 2 (L L | L F) and 3
+    stages of the file give the folder's greedy tokens in transformers, also after a chunked
+    prefill; every linear-attention layer is one GatedDeltaNet node, every expert layer 3
+    GatherMatmul on i8 codes."""
+    import torch
+    from gguf import GGUFReader
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from exporter.tiny_gguf import dequantize, make_hf_model, quantize, write_gguf
+    from exporter.verify import reference_greedy
+
+    hf = make_hf_model(arch, tmp_path / "hf", layers=4)
+    state = load_file(str(hf / "model.safetensors"))
+    kept = ("mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight")  # F32 in the file
+    for name, tensor in state.items():
+        if tensor.dim() >= 2 and not name.endswith(kept):
+            rows = tensor.float().numpy().reshape(-1, tensor.shape[-1])
+            exact = dequantize(quantize(rows, "Q8_0"), "Q8_0").reshape(tensor.shape)
+            state[name] = torch.from_numpy(np.ascontiguousarray(exact))
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    gguf = write_gguf(hf, tmp_path / f"{gguf_arch}.gguf", "Q8_0")
+    names = {t.name for t in GGUFReader(gguf).tensors}
+    assert {"blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.attn_qkv.weight"} <= names
+    assert ("blk.0.ssm_ba.weight" in names) == (gguf_arch == "qwen3next")
+    assert ("blk.4.attn_q.weight" in names) == (gguf_arch != "qwen3next")  # the MTP block
+
+    reference = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    expected = [reference_greedy(reference, prompt, 12)[0] for prompt in PROMPTS]
+    for stages in (1, 2, 3):
+        out = tmp_path / f"out-{stages}"
+        export_model(ExportOptions(model=str(gguf), out=out, stages=stages))
+        printed = capsys.readouterr().out
+        mtp = "skipped: 1 NextN/MTP layer(s) stored after layer 3" in printed
+        assert mtp == (gguf_arch != "qwen3next")
+        manifest = load_manifest(out)
+        assert manifest.model.architecture == f"{arch}_text".replace("next_text", "next")
+        assert manifest.model.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+        core = ov.Core()
+        for stage in manifest.stages:
+            compiled = core.compile_model(
+                out / stage.model_xml, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+            )
+            ops = compiled.get_runtime_model().get_ops()
+            types = Counter(op.get_rt_info()["layerType"].astype(str) for op in ops)
+            local = range(stage.layer_start, stage.layer_end)
+            assert types["GatedDeltaNet"] == len(set(local) - {3}), types
+            experts = 0 if arch == "qwen3_5" else len(local)
+            assert types["GatherMatmul"] == 3 * experts, types
+        chain = LocalChain(out, EXACT_GGUF)
+        for i, prompt in enumerate(PROMPTS):
+            tokens, _ = chain.greedy(f"p{i}", prompt, 12)
+            assert tokens == expected[i], f"{stages} stages: {tokens} != {expected[i]}"
+            # a chunked prefill: 3 positions, 1, then the rest
+            session = f"c{i}"
+            for lo, hi in ((0, 3), (3, 4), (4, len(prompt))):
+                logits = chain.forward(session, np.asarray(prompt[lo:hi]))[-1]
+            chunked = [int(np.argmax(logits))]
+            for _ in range(11):
+                chunked.append(int(np.argmax(chain.forward(session, np.asarray(chunked[-1:]))[-1])))
+            assert chunked == expected[i], f"{stages} stages, chunked"

@@ -233,3 +233,39 @@ def test_gpt_oss_gguf_plans_its_mxfp4_experts_at_their_run_time_size() -> None:
     assert all(plan.total_bytes > 64e9 for plan in two)
     dense = plan_stages(facts, [12, 12, 12], "int8", facts.intermediate_size, 32768)
     assert dense[1].weight_bytes < plans[1].weight_bytes  # int8 experts: 8 bits + a scale a row
+
+
+def test_a_hybrids_linear_layers_keep_a_fixed_state_whatever_the_context() -> None:
+    """Qwen3.5's shapes (the config's defaults, 8 layers: L L L F L L L F): a Gated DeltaNet
+    layer keeps a conv state [C, 4] and a recurrent state [Hv, Dk, Dv] in f32 per sequence,
+    at any context; the full-attention layers their KV; its gated q_proj is twice as wide."""
+    facts = ArchitectureFacts(
+        model_type="qwen3_5_text",
+        num_layers=8,
+        hidden_size=4096,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        max_context=32768,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        sliding_window=None,
+        final_logit_softcapping=None,
+        intermediate_size=12288,
+        linear_key_heads=16,
+        linear_value_heads=32,
+        linear_key_dim=128,
+        linear_value_dim=128,
+        linear_conv_kernel=4,
+        attention_output_gate=True,
+    )
+    state = 4 * (8192 * 4 + 32 * 128 * 128)  # 128 KiB + 2 MiB
+    kv = 2 * 4 * 256 * 2  # K and V, 4 heads of 256, f16: bytes per position
+    for context in (1024, 32768):
+        first, second = plan_stages(facts, [3, 5], "fp16", 12288, context)
+        assert first.kv_bytes == 3 * state
+        assert second.kv_bytes == 3 * state + 2 * kv * context
+    mlp = 3 * 4096 * 12288
+    assert layer_params(facts, 12288, 3) == 4096 * (2 * 4096 + 2 * 1024) + 4096 * 4096 + mlp
+    linear = 4096 * (8192 + 4096 + 64) + 4096 * 4096
+    assert layer_params(facts, 12288, 0) == linear + mlp

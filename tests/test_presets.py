@@ -223,7 +223,7 @@ def test_what_does_not_fit_says_what_would() -> None:
     oss = PRESETS["gpt-oss-120b"]
     three = plan_preset(oss, "MXFP4", "3x32GB")
     assert not three.fits and three.more_hosts == "6x32GB" and three.smaller_quants == ()
-    assert plan_preset(oss, "MXFP4", "3x64GB").fits  # the exact form (9.8 bits measured) on 3 x 64 GB
+    assert plan_preset(oss, "MXFP4", "3x64GB").fits  # 9.8 bits measured: 3 x 64 GB
     assert plan_preset(oss, "MXFP4", "2x64GB").more_hosts == "3x64GB"
     air = PRESETS["glm-4.5-air"]
     q8 = plan_preset(air, "Q8_0", "4x32GB")
