@@ -28,14 +28,22 @@ class LocalChain:
         export_dir: Path,
         options: RunnerOptions | None = None,
         kv_backend: Literal["stateful", "paged"] = "stateful",
+        kv_cache_bytes: int | None = None,
     ) -> None:
+        """``kv_cache_bytes``: each paged stage's KV pool (default: PagedRunner's)."""
         self.manifest: ShardManifest = load_manifest(export_dir)
         core = ov.Core()
-        runner = PagedRunner if kv_backend == "paged" else ShardRunner
-        self.runners: list[ShardRunner | PagedRunner] = [
-            runner(export_dir, i, options, core=core, manifest=self.manifest)
-            for i in range(self.manifest.num_stages)
-        ]
+        self.runners: list[ShardRunner | PagedRunner] = []
+        for i in range(self.manifest.num_stages):
+            if kv_backend == "paged":
+                pool = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
+                self.runners.append(
+                    PagedRunner(export_dir, i, options, core=core, manifest=self.manifest, **pool)
+                )
+            else:
+                self.runners.append(
+                    ShardRunner(export_dir, i, options, core=core, manifest=self.manifest)
+                )
 
     def forward(self, session_id: str, token_ids: np.ndarray, num_logits: int = 1) -> np.ndarray:
         """Feed token ids to every stage in turn; returns logits ``[num_logits, vocab]``."""

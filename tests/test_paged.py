@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +16,9 @@ from exporter.verify import reference_greedy
 from protos import pipeshard_v1_pb2 as pb
 from protos.sampling import SampledToken
 from protos.step import StepRequest
+from server.ring import NoCapacity, StepOutput
 from server.ring.grpc_client import PipelineClient
+from server.ring.local import LocalRing
 from shard_runtime.chain import LocalChain
 from shard_runtime.paged import BlockManager, BlocksExhausted, PagedRunner, PagedStep
 from shard_runtime.runner import CapacityExceeded, RunnerOptions, ShardRunner
@@ -591,3 +593,73 @@ def test_a_gateway_unaware_of_the_pools_retries_refused_steps(
     finally:
         for proc in procs:
             proc.stop()
+
+
+class _RefusalCountingRing(LocalRing):
+    """The in-process ring on small paged pools, counting the steps its stages refuse."""
+
+    def __init__(self, export: Path, blocks: int) -> None:
+        size = max(_block_bytes(export, 0), _block_bytes(export, 1))
+        super().__init__(export, EXACT, kv_cache_bytes=int((blocks + 0.5) * size))
+        self.refused: list[str] = []
+
+    async def steps(
+        self, step: StepRequest, timeout: float | None = None
+    ) -> AsyncGenerator[StepOutput, None]:
+        try:
+            async for out in super().steps(step, timeout):
+                yield out
+        except NoCapacity as exc:
+            self.refused.append(str(exc))
+            raise
+
+
+@pytest.mark.component
+@pytest.mark.parametrize("ring_decode", [0, 4])
+def test_the_gateways_block_accounting_never_lets_a_stage_refuse_a_step(
+    tiny_export: ExportFn, ring_decode: int
+) -> None:
+    """Six sequences on in-process stages whose pools hold about two of them, the gateway
+    counting the blocks: it preempts, and no stage ever refuses a step. Its accounting must
+    not run ahead of the stages': a preempted or finished sequence's blocks are free only once
+    its release has reached the stages (the next steps may reach them first), and the decode
+    steps the ring makes on its own (ring_decode) claim their positions before they go out.
+    Every output equals the sequence alone."""
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+
+    export = tiny_export("qwen2", 2)
+    ring = _RefusalCountingRing(export, 4)
+    (block, _), *_ = ring.kv_pools
+    prompts = [p[: block - 4] * 2 for p in PROMPTS[:6]]  # each grows to 2-3 blocks
+    config = SchedulerConfig(
+        max_running=6,
+        groups=1,
+        lockstep=True,
+        ring_decode=ring_decode,
+        prefill_chunk=16,
+        max_prefill_in_flight=6,
+        busy_prefill_chunk=16,
+        kv_pools=ring.kv_pools,
+    )
+
+    async def run() -> tuple[list[list[int]], list[list[int]], int]:
+        engine = Engine(ring, frozenset(), 256, config)
+
+        async def one(i: int) -> list[int]:
+            request = GenerationRequest(f"r{i}", prompts[i], block + 8)
+            return [t.token_id async for t in engine.generate(request)]
+
+        try:
+            alone = [await one(i) for i in range(len(prompts))]
+            together = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            return alone, list(together), engine.scheduler.preemptions
+        finally:
+            await engine.close()
+            await ring.close()
+
+    alone, together, preemptions = asyncio.run(run())
+    assert together == alone
+    assert preemptions > 0  # the pools were too small for all of them at once
+    assert ring.refused == []
+    assert all(r.session_count == 0 for r in ring.chain.runners)
