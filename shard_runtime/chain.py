@@ -14,7 +14,7 @@ import openvino as ov
 from protos.manifest import ShardManifest, load_manifest
 from protos.sampling import SampledToken
 from protos.step import StepRequest
-from shard_runtime.paged import PagedRunner, PagedStep
+from shard_runtime.paged import GIB, PagedRunner, PagedStep
 from shard_runtime.runner import RunnerOptions, ShardRunner
 from shard_runtime.step import check_deadline, check_fed, last_stage_tokens
 
@@ -36,9 +36,15 @@ class LocalChain:
         self.runners: list[ShardRunner | PagedRunner] = []
         for i in range(self.manifest.num_stages):
             if kv_backend == "paged":
-                pool = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
                 self.runners.append(
-                    PagedRunner(export_dir, i, options, core=core, manifest=self.manifest, **pool)
+                    PagedRunner(
+                        export_dir,
+                        i,
+                        options,
+                        kv_cache_bytes=GIB if kv_cache_bytes is None else kv_cache_bytes,
+                        core=core,
+                        manifest=self.manifest,
+                    )
                 )
             else:
                 self.runners.append(

@@ -336,6 +336,60 @@ def test_a_solo_step_is_not_padded_and_equals_the_raw_one_row_call(
         assert np.array_equal(logits["pad"], logits["raw"])
 
 
+@pytest.mark.component
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_a_lone_row_on_an_moe_stage_is_padded_with_a_copy_of_itself(
+    tiny_export: ExportFn, arch: str
+) -> None:
+    """On a stage with MoE layers a lone row's pad row is a copy of the row (same input,
+    position and past), so it routes to the same experts instead of paying for its own: the
+    pad row's hidden states equal the row's. The row's numbers are bit for bit those of the
+    other pad (a token at position 0) and those of the same row batched with another session's,
+    at every position, across KV blocks."""
+    export = tiny_export(arch, 2)
+    options = RunnerOptions(threads=2)
+    copying = [PagedRunner(export, k, options, pad_lone_rows=True) for k in (0, 1)]
+    assert all(r.pads_lone_rows and r._pad_with_copy for r in copying)
+    zeros = [PagedRunner(export, k, options, pad_lone_rows=True) for k in (0, 1)]
+    for runner in zeros:
+        runner._pad_with_copy = False  # the pad row of a dense stage
+    rng = np.random.default_rng(3)
+    prompt, cont = rng.integers(3, 250, 29), rng.integers(3, 250, 38)
+
+    def feed(runners: list[PagedRunner], steps: list[PagedStep]) -> tuple[np.ndarray, np.ndarray]:
+        """The last stage's logits of the first step, and stage 0's every output row."""
+        for runner in runners:
+            for step in steps:
+                runner.place(step)
+            outs = runner.forward(steps)
+            if runner is runners[0]:
+                rows = np.asarray(runner.request.get_output_tensor(0).data).copy()
+            steps = [
+                PagedStep(s.session_id, o.astype(np.float32), s.start, s.num_logits)
+                for s, o in zip(steps, outs, strict=True)
+            ]
+        return outs[0], rows.reshape(-1, rows.shape[-1])
+
+    logits: dict[str, list[np.ndarray]] = {"copy": [], "zeros": [], "batched": []}
+    for name, runners in (("copy", copying), ("zeros", zeros), ("batched", zeros)):
+        feed(runners, [PagedStep(name, prompt, 0)])
+    for i, token in enumerate(cont):
+        position = len(prompt) + i
+        out, rows = feed(copying, [PagedStep("copy", np.array([token]), position)])
+        assert rows.shape[0] == 2 and np.array_equal(rows[0], rows[1])  # the same experts
+        logits["copy"].append(out)
+        out, rows = feed(zeros, [PagedStep("zeros", np.array([token]), position)])
+        assert rows.shape[0] == 2 and not np.array_equal(rows[0], rows[1])
+        logits["zeros"].append(out)
+        other = PagedStep(f"other{i}", rng.integers(3, 250, 1 + i % 3), 0)
+        out, _ = feed(zeros, [PagedStep("batched", np.array([token]), position), other])
+        logits["batched"].append(out)
+        for runner in zeros:
+            runner.release(other.session_id)
+    assert np.array_equal(np.concatenate(logits["copy"]), np.concatenate(logits["zeros"]))
+    assert np.array_equal(np.concatenate(logits["copy"]), np.concatenate(logits["batched"]))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "mode", [[], ["--side-by-side", "--stateful"]], ids=["one-process", "side-by-side-stateful"]
