@@ -14,7 +14,7 @@ import openvino as ov
 from protos.manifest import ShardManifest, load_manifest
 from protos.sampling import SampledToken
 from protos.step import StepRequest
-from shard_runtime.paged import PagedRunner, PagedStep
+from shard_runtime.paged import GIB, PagedRunner, PagedStep
 from shard_runtime.runner import RunnerOptions, ShardRunner
 from shard_runtime.step import check_deadline, check_fed, last_stage_tokens
 
@@ -28,14 +28,28 @@ class LocalChain:
         export_dir: Path,
         options: RunnerOptions | None = None,
         kv_backend: Literal["stateful", "paged"] = "stateful",
+        kv_cache_bytes: int | None = None,
     ) -> None:
+        """``kv_cache_bytes``: each paged stage's KV pool (default: PagedRunner's)."""
         self.manifest: ShardManifest = load_manifest(export_dir)
         core = ov.Core()
-        runner = PagedRunner if kv_backend == "paged" else ShardRunner
-        self.runners: list[ShardRunner | PagedRunner] = [
-            runner(export_dir, i, options, core=core, manifest=self.manifest)
-            for i in range(self.manifest.num_stages)
-        ]
+        self.runners: list[ShardRunner | PagedRunner] = []
+        for i in range(self.manifest.num_stages):
+            if kv_backend == "paged":
+                self.runners.append(
+                    PagedRunner(
+                        export_dir,
+                        i,
+                        options,
+                        kv_cache_bytes=GIB if kv_cache_bytes is None else kv_cache_bytes,
+                        core=core,
+                        manifest=self.manifest,
+                    )
+                )
+            else:
+                self.runners.append(
+                    ShardRunner(export_dir, i, options, core=core, manifest=self.manifest)
+                )
 
     def forward(self, session_id: str, token_ids: np.ndarray, num_logits: int = 1) -> np.ndarray:
         """Feed token ids to every stage in turn; returns logits ``[num_logits, vocab]``."""

@@ -308,9 +308,11 @@ class PagedRunner(ShardBase):
         prefix_cache_blocks: int | None = None,
         core: ov.Core | None = None,
         manifest: ShardManifest | None = None,
+        pad_lone_rows: bool | None = None,
     ) -> None:
         """``prefix_cache_blocks``: cached blocks no session holds kept at most (None: as many
-        as are free; 0: no prefix cache)."""
+        as are free; 0: no prefix cache). ``pad_lone_rows``: whether one-row calls are padded
+        to two (None: where this machine needs it for batch invariance, measured at load)."""
         super().__init__(export_dir, stage_index, options, manifest=manifest)
         if self.recurrent_layers:
             raise ValueError(
@@ -344,9 +346,11 @@ class PagedRunner(ShardBase):
         # key cache out transposed)
         block_size = next(v for k, v in shapes.items() if k.startswith("value_cache."))[1]
         num_blocks = max(1, kv_cache_bytes // max(1, block_bytes))
+        self._caches: list[ov.Tensor] = []
         for port in caches:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[port.get_any_name()]])
             self.request.set_tensor(port.get_any_name(), tensor)
+            self._caches.append(tensor)
         # Batch invariance (see forward) on CPU, whose kernels it was measured on (other
         # devices compute as they do; untested here): verifications split into one-position
         # subsequences, and where this machine computes a lone row differently from a row
@@ -357,9 +361,16 @@ class PagedRunner(ShardBase):
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache_blocks)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
-        if self._split_verification and num_blocks > 1 and not self.lone_row_is_invariant():
+        if pad_lone_rows is None:
+            pad_lone_rows = (
+                self._split_verification and num_blocks > 1 and not self.lone_row_is_invariant()
+            )
+        if pad_lone_rows and num_blocks > 1:
             self._scratch_block = num_blocks - 1
             self.blocks = BlockManager(num_blocks - 1, block_size, prefix_cache_blocks)
+        # On a stage with MoE layers the pad row is a copy of the lone row (see forward), so
+        # that it routes to the same experts instead of paying for its own.
+        self._pad_with_copy = self._scratch_block is not None and self._has_experts()
         log.info(
             "paged KV: %d blocks of %d positions, %.1f MiB (%s)%s",
             num_blocks,
@@ -368,6 +379,22 @@ class PagedRunner(ShardBase):
             caches[0].get_element_type(),
             "; one-row calls padded to two" if self._scratch_block is not None else "",
         )
+
+    def _has_experts(self) -> bool:
+        """Whether the compiled stage computes MoE experts (GatherMatmul nodes)."""
+        for op in self.compiled.get_runtime_model().get_ops():
+            info = op.get_rt_info()
+            if "layerType" in info and str(info["layerType"].astype(str)) == "GatherMatmul":
+                return True
+        return False
+
+    def _copy_block(self, source: int, target: int) -> None:
+        """Copy KV block ``source`` to ``target`` in every cache (its bytes, whatever their
+        precision and packing)."""
+        for tensor in self._caches:
+            raw = tensor.data.reshape(-1).view(np.uint8)
+            size = raw.size // tensor.get_shape()[0]
+            raw[target * size : (target + 1) * size] = raw[source * size : (source + 1) * size]
 
     @property
     def pads_lone_rows(self) -> bool:
@@ -542,6 +569,15 @@ class PagedRunner(ShardBase):
           gathered twice for the head). A solo step (``PagedStep.solo``: the gateway computes
           the session alone, always, with ``--no-batching``) is not padded: its rows take the
           one-row path every time, which is just as independent of load and costs less.
+
+        The pad row is a token at position 0 on the scratch block, except on a stage with MoE
+        layers, where such a row would route to experts of its own (up to twice the experts
+        of a lone decode). There it is a copy of the real row: the same input at the same
+        position over the same past, its last, partly filled block copied to the scratch
+        block, where the pad writes its own KV. It computes what the real row computes, so it
+        picks the same experts in every layer, and the real row's numbers are those of the
+        other pad (the call has the same two subsequences, and its longest past is the real
+        row's either way).
         """
         counts = [len(s.data) for s in steps]
         begins = np.zeros(len(steps) + 1, dtype=np.int32)
@@ -565,9 +601,17 @@ class PagedRunner(ShardBase):
         # solo steps come one per call and take the one-row path every time
         scratch = None if len(steps) == 1 and steps[0].solo else self._scratch_block
         if scratch is not None and int(begins[-1]) == 1:
-            subs.append((0, 1, [scratch]))
-            data.append(np.zeros_like(steps[0].data))
-            positions.append(np.zeros(1, dtype=np.int64))
+            if self._pad_with_copy:
+                (start, _, held), size = subs[0], self.blocks.block_size
+                if start % size:  # the pad's past in its last block: a copy of the real row's
+                    self._copy_block(held[start // size], scratch)
+                subs.append((start, 1, [*held[: start // size], scratch]))
+                data.append(steps[0].data)
+                positions.append(positions[0])
+            else:
+                subs.append((0, 1, [scratch]))
+                data.append(np.zeros_like(steps[0].data))
+                positions.append(np.zeros(1, dtype=np.int64))
         sub_begins = np.zeros(len(subs) + 1, dtype=np.int32)
         np.cumsum([n for _, n, _ in subs], out=sub_begins[1:])
         block_begins = np.zeros(len(subs) + 1, dtype=np.int32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +16,9 @@ from exporter.verify import reference_greedy
 from protos import pipeshard_v1_pb2 as pb
 from protos.sampling import SampledToken
 from protos.step import StepRequest
+from server.ring import NoCapacity, StepOutput
 from server.ring.grpc_client import PipelineClient
+from server.ring.local import LocalRing
 from shard_runtime.chain import LocalChain
 from shard_runtime.paged import BlockManager, BlocksExhausted, PagedRunner, PagedStep
 from shard_runtime.runner import CapacityExceeded, RunnerOptions, ShardRunner
@@ -334,6 +336,60 @@ def test_a_solo_step_is_not_padded_and_equals_the_raw_one_row_call(
         assert np.array_equal(logits["pad"], logits["raw"])
 
 
+@pytest.mark.component
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_a_lone_row_on_an_moe_stage_is_padded_with_a_copy_of_itself(
+    tiny_export: ExportFn, arch: str
+) -> None:
+    """On a stage with MoE layers a lone row's pad row is a copy of the row (same input,
+    position and past), so it routes to the same experts instead of paying for its own: the
+    pad row's hidden states equal the row's. The row's numbers are bit for bit those of the
+    other pad (a token at position 0) and those of the same row batched with another session's,
+    at every position, across KV blocks."""
+    export = tiny_export(arch, 2)
+    options = RunnerOptions(threads=2)
+    copying = [PagedRunner(export, k, options, pad_lone_rows=True) for k in (0, 1)]
+    assert all(r.pads_lone_rows and r._pad_with_copy for r in copying)
+    zeros = [PagedRunner(export, k, options, pad_lone_rows=True) for k in (0, 1)]
+    for runner in zeros:
+        runner._pad_with_copy = False  # the pad row of a dense stage
+    rng = np.random.default_rng(3)
+    prompt, cont = rng.integers(3, 250, 29), rng.integers(3, 250, 38)
+
+    def feed(runners: list[PagedRunner], steps: list[PagedStep]) -> tuple[np.ndarray, np.ndarray]:
+        """The last stage's logits of the first step, and stage 0's every output row."""
+        for runner in runners:
+            for step in steps:
+                runner.place(step)
+            outs = runner.forward(steps)
+            if runner is runners[0]:
+                rows = np.asarray(runner.request.get_output_tensor(0).data).copy()
+            steps = [
+                PagedStep(s.session_id, o.astype(np.float32), s.start, s.num_logits)
+                for s, o in zip(steps, outs, strict=True)
+            ]
+        return outs[0], rows.reshape(-1, rows.shape[-1])
+
+    logits: dict[str, list[np.ndarray]] = {"copy": [], "zeros": [], "batched": []}
+    for name, runners in (("copy", copying), ("zeros", zeros), ("batched", zeros)):
+        feed(runners, [PagedStep(name, prompt, 0)])
+    for i, token in enumerate(cont):
+        position = len(prompt) + i
+        out, rows = feed(copying, [PagedStep("copy", np.array([token]), position)])
+        assert rows.shape[0] == 2 and np.array_equal(rows[0], rows[1])  # the same experts
+        logits["copy"].append(out)
+        out, rows = feed(zeros, [PagedStep("zeros", np.array([token]), position)])
+        assert rows.shape[0] == 2 and not np.array_equal(rows[0], rows[1])
+        logits["zeros"].append(out)
+        other = PagedStep(f"other{i}", rng.integers(3, 250, 1 + i % 3), 0)
+        out, _ = feed(zeros, [PagedStep("batched", np.array([token]), position), other])
+        logits["batched"].append(out)
+        for runner in zeros:
+            runner.release(other.session_id)
+    assert np.array_equal(np.concatenate(logits["copy"]), np.concatenate(logits["zeros"]))
+    assert np.array_equal(np.concatenate(logits["copy"]), np.concatenate(logits["batched"]))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "mode", [[], ["--side-by-side", "--stateful"]], ids=["one-process", "side-by-side-stateful"]
@@ -591,3 +647,73 @@ def test_a_gateway_unaware_of_the_pools_retries_refused_steps(
     finally:
         for proc in procs:
             proc.stop()
+
+
+class _RefusalCountingRing(LocalRing):
+    """The in-process ring on small paged pools, counting the steps its stages refuse."""
+
+    def __init__(self, export: Path, blocks: int) -> None:
+        size = max(_block_bytes(export, 0), _block_bytes(export, 1))
+        super().__init__(export, EXACT, kv_cache_bytes=int((blocks + 0.5) * size))
+        self.refused: list[str] = []
+
+    async def steps(
+        self, step: StepRequest, timeout: float | None = None
+    ) -> AsyncGenerator[StepOutput, None]:
+        try:
+            async for out in super().steps(step, timeout):
+                yield out
+        except NoCapacity as exc:
+            self.refused.append(str(exc))
+            raise
+
+
+@pytest.mark.component
+@pytest.mark.parametrize("ring_decode", [0, 4])
+def test_the_gateways_block_accounting_never_lets_a_stage_refuse_a_step(
+    tiny_export: ExportFn, ring_decode: int
+) -> None:
+    """Six sequences on in-process stages whose pools hold about two of them, the gateway
+    counting the blocks: it preempts, and no stage ever refuses a step. Its accounting must
+    not run ahead of the stages': a preempted or finished sequence's blocks are free only once
+    its release has reached the stages (the next steps may reach them first), and the decode
+    steps the ring makes on its own (ring_decode) claim their positions before they go out.
+    Every output equals the sequence alone."""
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+
+    export = tiny_export("qwen2", 2)
+    ring = _RefusalCountingRing(export, 4)
+    (block, _), *_ = ring.kv_pools
+    prompts = [p[: block - 4] * 2 for p in PROMPTS[:6]]  # each grows to 2-3 blocks
+    config = SchedulerConfig(
+        max_running=6,
+        groups=1,
+        lockstep=True,
+        ring_decode=ring_decode,
+        prefill_chunk=16,
+        max_prefill_in_flight=6,
+        busy_prefill_chunk=16,
+        kv_pools=ring.kv_pools,
+    )
+
+    async def run() -> tuple[list[list[int]], list[list[int]], int]:
+        engine = Engine(ring, frozenset(), 256, config)
+
+        async def one(i: int) -> list[int]:
+            request = GenerationRequest(f"r{i}", prompts[i], block + 8)
+            return [t.token_id async for t in engine.generate(request)]
+
+        try:
+            alone = [await one(i) for i in range(len(prompts))]
+            together = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            return alone, list(together), engine.scheduler.preemptions
+        finally:
+            await engine.close()
+            await ring.close()
+
+    alone, together, preemptions = asyncio.run(run())
+    assert together == alone
+    assert preemptions > 0  # the pools were too small for all of them at once
+    assert ring.refused == []
+    assert all(r.session_count == 0 for r in ring.chain.runners)

@@ -24,8 +24,10 @@ def token_for(item: Work) -> list[int]:
 
 
 def freed(s: Scheduler) -> list[str]:
-    """Sessions the scheduler asks to free on the stages now."""
-    return [r.session_id for r in s.take_releases() if r.session_id]
+    """Sessions the scheduler asks to free on the stages now (and the stages free them)."""
+    sessions = [r.session_id for r in s.take_releases() if r.session_id]
+    s.released(sessions)
+    return sessions
 
 
 def complete(s: Scheduler, work: list[Work]) -> None:
@@ -367,11 +369,18 @@ def test_a_session_a_stage_lost_is_prefilled_again_a_few_times_then_the_error_en
 
 
 # -- micro-batch groups and paged KV pools --------------------------------------------------------
-def run_until_done(s: Scheduler, limit: int = 500) -> dict[str, list[int]]:
-    """Drive the scheduler with fabricated results (all steps of a tick return together)."""
+def run_until_done(
+    s: Scheduler, limit: int = 500, releases: list[Release] | None = None
+) -> dict[str, list[int]]:
+    """Drive the scheduler with fabricated results (all steps of a tick return together);
+    the stages free each tick's released sessions (collected in ``releases``)."""
     for _ in range(limit):
         work = s.next_work(0.0)
-        if not work and not s.in_flight:
+        done = s.take_releases()
+        s.released(r.session_id for r in done if r.session_id)
+        if releases is not None:
+            releases += done
+        if not work and not s.in_flight and not done:
             break
         complete(s, work)
     return {sid: q.generated for sid, q in s.sequences.items()}
@@ -472,7 +481,9 @@ def test_kv_pool_admission_waits_for_blocks() -> None:
     work = s.next_work(0.0)
     assert [w.seq_id for w in work] == ["a", "b"]  # c waits in the queue for blocks
     assert s.queued == 1
-    complete(s, work)  # both finish (max_tokens 1) and give their blocks back
+    complete(s, work)  # both finish (max_tokens 1) and give their blocks back...
+    assert s.next_work(0.0) == []  # ...once the stages have freed them: c's first chunk
+    assert freed(s) == ["a", "b"]  # sent before that could reach a stage first
     assert [w.seq_id for w in s.next_work(0.0)] == ["c"]
 
 
@@ -485,13 +496,59 @@ def test_decoding_beyond_the_pool_preempts_the_newest_which_resumes_and_ends_the
 
     alone = run_until_done(make(()))
     tight = make(((4, 9),))  # 36 positions for 3 sequences that grow to 16 each
-    result = run_until_done(tight)
+    releases: list[Release] = []
+    result = run_until_done(tight, releases=releases)
     assert result == alone  # preemption changes timing, never tokens
     assert tight.preemptions >= 1
     assert all(q.phase is Phase.DONE for q in tight.sequences.values())
-    released = [r for r in tight.take_releases() if not r.final and r.session_id]
+    released = [r for r in releases if not r.final and r.session_id]
     assert released and released[0].seq_id == "c"  # the newest went first
     assert tight.sequences["c"].incarnation >= 1  # it re-prefilled on a fresh session
+
+
+def test_a_preempted_sequences_blocks_are_free_for_others_once_its_release_is_done() -> None:
+    """a's next decode step needs the blocks b holds: b is preempted, and a's step waits until
+    the stages have freed b's session (sent at once, it could reach a stage first)."""
+    s = Scheduler(SchedulerConfig(prefill_chunk=8, max_prefill_in_flight=8, kv_pools=((4, 4),)))
+    s.add(seq("a", prompt=7, max_tokens=10))
+    s.add(seq("b", prompt=7, max_tokens=10))
+    complete(s, s.next_work(0.0))  # both hold 2 blocks: the pool is full
+    complete(s, s.next_work(0.0))  # each decoded position 7; the next needs a third block
+    assert s.next_work(0.0) == []  # b was preempted for a, whose step waits for b's release
+    assert s.sequences["b"].preempted
+    [release] = s.take_releases()
+    assert release == Release("b", "b", final=False) and release.positions == 9
+    s.released(["b"])
+    assert [(w.seq_id, w.start_position) for w in s.next_work(0.0)] == [("a", 8)]
+
+
+def test_the_rings_own_steps_claim_their_positions_within_the_pools() -> None:
+    """The ring's own decode steps (follow) get only the room the pools have beside the other
+    sequences' claims, and claim it at once: the stages take each step's position before its
+    result comes back, with no chance for the gateway to make room then."""
+    config = SchedulerConfig(
+        max_running=3,
+        groups=3,
+        lockstep=True,
+        solo=True,
+        ring_decode=8,
+        max_prefill_in_flight=3,
+        kv_pools=((4, 5),),
+    )
+    s = Scheduler(config)
+    s.add(seq("a", prompt=6, max_tokens=20))
+    s.add(seq("b", prompt=6, max_tokens=20))
+    complete(s, s.next_work(0.0))  # a and b hold 6 positions, 2 blocks each
+    [step, _] = s.next_work(0.0)  # a's decode step at position 6 leaves a holding 7
+    assert (step.seq_id, step.start_position) == ("a", 6)
+    # one block is free: the ring may take a up to 12 positions, 5 steps of the 8 asked
+    assert s.ring_steps("a", 7, 8) == 5
+    assert s.sequences["a"].ring_claim == 12
+    s.add(seq("c", prompt=2, max_tokens=2))
+    assert [w.seq_id for w in s.next_work(0.0)] == []  # c waits: the ring has its block
+    assert s.ring_steps("b", 7, 8) == 1  # b's own block has room for one more
+    s.on_result("a", token_for(step), session_length=7)
+    assert s.follow("a") == Work("a", (107,), 7, prefill=False, samples=True)
 
 
 def test_prompts_prefilled_in_chunks_side_by_side_never_wait_for_each_others_blocks() -> None:
@@ -508,36 +565,75 @@ def test_prompts_prefilled_in_chunks_side_by_side_never_wait_for_each_others_blo
     assert run_until_done(s) == {"a": [112, 113], "b": [112, 113]}
 
 
+class Stages:
+    """What paged stages hold for ``drive_with_pools``: positions per session, refusing a
+    step that would outgrow a pool (as paged stages do); how often they refused."""
+
+    def __init__(self, pools: tuple[tuple[int, int], ...]) -> None:
+        self.pools = pools
+        self.held: dict[str, int] = {}
+        self.refused = 0
+
+    def place(self, session: str, length: int) -> bool:
+        after = {**self.held, session: max(length, self.held.get(session, 0))}
+        if any(sum(-(-n // b) for n in after.values()) > c for b, c in self.pools):
+            self.refused += 1
+            return False
+        self.held = after
+        return True
+
+
 def drive_with_pools(
     s: Scheduler,
-    pools: tuple[tuple[int, int], ...],
+    stages: Stages,
     rng: random.Random,
     chaos: bool = False,
     limit: int = 6000,
 ) -> int | None:
     """Drive ``s`` with results in random order and a random share of the steps in flight
-    back per tick, on stages that hold ``pools`` and refuse a step that would outgrow one (as
-    paged stages do). With ``chaos``, steps are also lost with the ring or find their session
-    gone, the ring is down at times, and clients cancel. Returns the ticks it took, or None
-    when sequences are left with no step in flight and none to send though the ring is up (a
-    hang), or still run after ``limit`` ticks."""
-    held: dict[str, int] = {}  # positions each session holds on the stages
+    back per tick, on ``stages``, timed as a ring of stage processes may be: a release
+    reaches the stages up to two ticks after the scheduler asks for it (steps sent meanwhile
+    may come first), and with ring_decode the ring makes its own decode steps (a random
+    budget, which the scheduler cuts to what the pools hold: Scheduler.ring_steps), each of
+    which the stages take before the result of the step before reaches the scheduler. With
+    ``chaos``, steps are also lost with the ring or find their session gone, the ring is down
+    at times, and clients cancel. Returns the ticks it took, or None when sequences are left
+    with no step in flight and none to send though the ring is up (a hang), or still run
+    after ``limit`` ticks."""
     out: list[Work] = []
+    releasing: list[tuple[int, list[str]]] = []  # (tick the stages free them, sessions)
+    ring: dict[str, int] = {}  # the ring's own steps left after each sequence's step in flight
     for tick in range(limit):
         now, ring_up = float(tick), not chaos or rng.random() < 0.7
         s.expire(now)
-        out += s.next_work(now, ring_ready=ring_up)
-        for release in s.take_releases():
-            held.pop(release.session_id or "", None)
+        for due, sessions in [r for r in releasing if r[0] <= tick]:
+            releasing.remove((due, sessions))
+            for session in sessions:
+                stages.held.pop(session, None)
+            s.released(sessions)
+        sent = s.next_work(now, ring_ready=ring_up)
+        for item in sent:
+            q = s.sequences[item.seq_id]
+            ring.pop(item.seq_id, None)
+            if s.config.ring_decode and item.samples:  # as Engine._follow_budget asks
+                held = item.start_position + len(item.tokens)
+                wanted = min(
+                    rng.randint(0, s.config.ring_decode), q.max_tokens - len(q.generated) - 1
+                )
+                ring[item.seq_id] = s.ring_steps(item.seq_id, held, wanted) if wanted > 0 else 0
+        out += sent
+        sessions = [r.session_id for r in s.take_releases() if r.session_id]
+        if sessions:
+            releasing.append((tick + rng.randint(0, 2), sessions))
         for sid in list(s.sequences):
             s.forget(sid)  # the finished ones' consumers have seen their end
         if chaos and s.sequences and rng.random() < 0.02:
             s.cancel(rng.choice(list(s.sequences)))
         if not out:
-            if not s.running and not s.queued:
+            if not s.running and not s.queued and not releasing:
                 return tick
-            if not ring_up:
-                continue  # lost sequences wait for the ring
+            if not ring_up or releasing:
+                continue  # lost sequences wait for the ring, others for releases
             return None
         rng.shuffle(out)
         back = rng.randint(1, len(out))
@@ -552,14 +648,20 @@ def drive_with_pools(
             if fate < 0.05:
                 s.on_session_lost(item.seq_id, RuntimeError("NOT_FOUND: session"), now)
                 continue
-            after = {**held, item.session: item.start_position + len(item.tokens)}
-            if any(sum(-(-n // b) for n in after.values()) > c for b, c in pools):
+            length = item.start_position + len(item.tokens)
+            if not stages.place(item.session, length):
                 s.on_preempted(item.seq_id, RuntimeError("RESOURCE_EXHAUSTED: KV blocks"))
                 continue
-            held = after
+            left = ring.pop(item.seq_id, 0)
+            # the ring's next step reaches stage 0 before this result reaches the gateway
+            placed = left > 0 and stages.place(item.session, length + 1)
             s.on_result(item.seq_id, token_for(item))
-            if (ring := s.follow(item.seq_id)) is not None:
-                out.append(ring)
+            if left and (follow := s.follow(item.seq_id)) is not None:
+                ring[item.seq_id] = left - 1
+                if placed:
+                    out.append(follow)
+                else:  # the stages refused it
+                    s.on_preempted(item.seq_id, RuntimeError("RESOURCE_EXHAUSTED: KV blocks"))
     return None
 
 
@@ -609,8 +711,11 @@ def test_every_sequence_ends_whatever_the_pools_chunks_groups_and_order(seed: in
         s = Scheduler(config)
         for q in sequences:
             s.add(q)
-        assert drive_with_pools(s, pools, rng) is not None, (config, sequences)
+        stages = Stages(pools)
+        assert drive_with_pools(s, stages, rng) is not None, (config, sequences)
         assert all(q.error is None and len(q.generated) == q.max_tokens for q in sequences)
+        # counting the blocks, the gateway never sends a step the stages cannot hold
+        assert stages.refused == 0 or not config.kv_pools, (config, sequences)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -624,7 +729,7 @@ def test_every_sequence_ends_when_steps_are_lost_and_clients_cancel(seed: int) -
         s = Scheduler(config)
         for q in sequences:
             s.add(q)
-        assert drive_with_pools(s, pools, rng, chaos=True) is not None, (config, sequences)
+        assert drive_with_pools(s, Stages(pools), rng, chaos=True) is not None, (config, sequences)
         for q in sequences:
             assert q.phase is Phase.DONE
             assert q.cancelled or q.error is not None or len(q.generated) == q.max_tokens

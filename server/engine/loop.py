@@ -399,7 +399,8 @@ class Engine:
     def _follow_budget(self, seq: Sequence, item: Work, plan: StepPlan) -> int:
         """Tokens the ring may decode on its own after this step (SchedulerConfig.ring_decode:
         steps without speculation, on a ring whose last stage loops back to stage 0; batched
-        groups only while none waits to join them), within max_tokens and the context."""
+        groups only while none waits to join them), within max_tokens, the context and the
+        KV pools (the scheduler claims their positions now: Scheduler.ring_steps)."""
         if not (self.config.ring_decode and item.samples and not plan.draft):
             return 0
         if not self.ring.ring_loop:
@@ -408,7 +409,8 @@ class Engine:
             return 0
         held = item.start_position + len(plan.tokens)  # positions after this step
         left = seq.max_tokens - len(seq.generated) - 1
-        return max(0, min(self.config.ring_decode, left, self.max_context - held))
+        wanted = max(0, min(self.config.ring_decode, left, self.max_context - held))
+        return self.scheduler.ring_steps(seq.seq_id, held, wanted) if wanted else 0
 
     def _may_run_alone(self, seq: Sequence, item: Work) -> bool:
         """Batched groups: whether the step may run on the ring by itself. Only while no
@@ -455,6 +457,11 @@ class Engine:
                 await self.ring.release(*sessions)
             except Exception:
                 log.warning("releasing sessions %s failed", sessions, exc_info=True)
+            finally:
+                # their KV blocks count as taken until now: a step sent before the release
+                # got through could reach a stage first and find its pool still full
+                self.scheduler.released(sessions)
+                self._wake.set()
 
         task = asyncio.create_task(release())
         self._releasing.add(task)

@@ -7,7 +7,9 @@ model; :class:`server.engine.loop.Engine` drives it from a thin async loop::
     next_work(now, ring_ready) -> [Work]   on_result(id, tokens) / on_error(id, exc)
     follow(id) -> the ring's own next step (ring_decode), in flight
     on_lost(id, exc, now) -> suspended?    expire(now) -> [ids that waited too long]
-    take_releases() -> [Release]           take_admitted() -> [sequences that left the queue]
+    take_releases() -> [Release]           released(session ids) -> their KV blocks count free
+    ring_steps(id, held, n) -> the ring's own steps the pools hold (their positions claimed)
+    take_admitted() -> [sequences that left the queue]
 
 Policy, each rule with its reason in docs/scheduling.md:
 
@@ -23,7 +25,9 @@ Policy, each rule with its reason in docs/scheduling.md:
   or one group per sequence without batching (``solo``).
 * **The ring decodes on its own** for up to ``ring_decode`` tokens (:meth:`Scheduler.follow`).
 * **KV blocks** (``kv_pools``): admission and steps wait for room; the newest sequence is
-  preempted when decoding would outgrow a pool.
+  preempted when decoding would outgrow a pool. The count never runs behind the stages': a
+  freed session's blocks count as taken until its release is done (:meth:`released`), and the
+  ring's own decode steps claim their positions before they go out (:meth:`ring_steps`).
 * **Surviving a stage restart**: a sequence whose step the ring lost is suspended
   (:meth:`Scheduler.on_lost`) and re-prefills on a fresh session once the ring is whole, for up
   to ``resume_grace`` seconds; a lost session likewise (:meth:`Scheduler.on_session_lost`).
@@ -119,6 +123,8 @@ class Scheduler:
         self.queue: deque[str] = deque()
         self.running: list[str] = []  # admission order
         self._releases: list[Release] = []
+        # sessions freed here whose release the stages have not done yet: positions each
+        self._unfreed: dict[str, int] = {}
         self._admitted: list[Sequence] = []
         self._clock = 0.0  # the latest `now` seen, orders round-robin service
         self.preemptions = 0  # sequences preempted for KV blocks so far
@@ -263,12 +269,15 @@ class Scheduler:
 
         A prefilling sequence claims its whole prefix from admission on: were it to claim
         chunk by chunk, prefills that each hold part of their prompt could together leave no
-        room for anyone's next chunk, with no decoding sequence to preempt or to wait for."""
+        room for anyone's next chunk, with no decoding sequence to preempt or to wait for.
+        The ring's own decode steps (:meth:`ring_steps`) add theirs."""
         if seq.phase is Phase.DECODE:
-            return len(seq.prompt) + len(seq.generated) - 1 + self.config.kv_headroom
-        if seq.phase is Phase.PREFILL:
-            return len(seq.prefix)
-        return 0
+            length = len(seq.prompt) + len(seq.generated) - 1 + self.config.kv_headroom
+        elif seq.phase is Phase.PREFILL:
+            length = len(seq.prefix)
+        else:
+            return 0
+        return max(length, seq.ring_claim)
 
     def _fits(self, seq: Sequence, length: int | None = None) -> bool:
         """Whether ``seq`` may hold ``length`` positions (default: its whole prefix) now: the
@@ -279,7 +288,7 @@ class Scheduler:
             return True
         if self._room({seq.seq_id: len(seq.prefix) if length is None else length}):
             return True
-        return not self._holders(other_than=seq)
+        return not self._holders(other_than=seq) and not self._unfreed
 
     def _holders(self, other_than: Sequence | None = None) -> list[Sequence]:
         """Running sequences that hold (or are about to hold) KV on the stages, in admission
@@ -290,32 +299,53 @@ class Scheduler:
             if q is not other_than and q.phase in (Phase.PREFILL, Phase.DECODE)
         ]
 
-    def _room(self, claims: dict[str, int]) -> bool:
+    def _room(self, claims: dict[str, int], unfreed: bool = True) -> bool:
         """Whether every pool holds the running sequences' claims (``claims`` overriding or
-        adding some)."""
+        adding some), and (``unfreed``) the sessions whose release is not done yet."""
         if not self.config.kv_pools:
             return True
         lengths = {sid: self._claim(self.sequences[sid]) for sid in self.running}
         lengths.update(claims)
+        held = list(lengths.values())
+        if unfreed:
+            held += self._unfreed.values()
         return all(
-            sum(-(-n // block_size) for n in lengths.values()) <= blocks
+            sum(-(-n // block_size) for n in held) <= blocks
             for block_size, blocks in self.config.kv_pools
         )
 
     def _make_room(self) -> None:
         """Preempt the newest sequences until the decoding ones fit the pools: each frees its
-        sessions and re-prefills later (prompt + generated tokens, on a fresh session)."""
-        while not self._room({}):
+        sessions and re-prefills later (prompt + generated tokens, on a fresh session).
+        Releases under way count as done here: they free their blocks soon."""
+        while not self._room({}, unfreed=False):
             holders = self._holders()
             idle = [s for s in holders if s.in_flight is None]
             if len(holders) <= 1 or not idle:
                 return  # nothing to preempt (or one sequence alone): the stages decide
             self._preempt(idle[-1])
 
+    def _release(self, seq: Sequence, final: bool) -> None:
+        """Queue the release of the sequence's session (the stages may hold one): its blocks
+        count as taken until :meth:`released`. Called before its phase changes."""
+        if not seq.opened:
+            if final and seq.incarnation:
+                self._releases.append(Release(seq.seq_id, None, final=True))
+            return
+        positions = max(self._claim(seq), seq.session_length, seq.fed)
+        self._releases.append(Release(seq.seq_id, seq.session_id, final, positions))
+        self._unfreed[seq.session_id] = positions
+
+    def released(self, session_ids: Iterable[str]) -> None:
+        """The stages have freed these sessions (or were told to and cannot be reached): their
+        blocks are free for other sequences now."""
+        for sid in session_ids:
+            self._unfreed.pop(sid, None)
+
     def _preempt(self, seq: Sequence) -> None:
-        if seq.opened:
-            self._releases.append(Release(seq.seq_id, seq.session_id, final=False))
+        self._release(seq, final=False)
         seq.incarnation += 1
+        seq.ring_claim = 0
         seq.fed = seq.session_length = 0
         seq.phase, seq.preempted = Phase.SUSPENDED, True
         seq.preemptions += 1
@@ -384,6 +414,10 @@ class Scheduler:
         decoding = sorted(
             (s for s in ready if s.phase is Phase.DECODE), key=lambda s: s.last_served
         )
+        if self._unfreed and not self._room({}) and self._room({}, unfreed=False):
+            # the room they need comes with releases still under way (steps sent now could
+            # reach the stages first): they go once those are done (released wakes the loop)
+            decoding = []
         for seq in decoding:
             position = len(seq.prompt) + len(seq.generated) - 1
             work.append(
@@ -533,6 +567,22 @@ class Scheduler:
             raise ValueError(f"{seq_id!r}: the ring's own step cannot roll back")
         return self._issue(seq, (seq.generated[-1],), position, prefill=False)
 
+    def ring_steps(self, seq_id: str, held: int, wanted: int) -> int:
+        """How many decode steps the ring may make on its own (``follow``) after the
+        sequence's step in flight, which leaves its session holding ``held`` positions: up to
+        ``wanted``, as many as the KV pools hold beside every other claim. The sequence claims
+        their positions from now on: the stages take each before its result reaches the
+        gateway (the last stage sends the next step first), and no room can be made for them
+        then (the sequence has a step in flight all along)."""
+        seq = self.sequences[seq_id]
+        if not self.config.kv_pools:
+            return wanted
+        for steps in range(wanted, 0, -1):
+            if self._room({seq_id: max(self._claim(seq), held + steps)}):
+                seq.ring_claim = max(seq.ring_claim, held + steps)
+                return steps
+        return 0
+
     def on_lost(self, seq_id: str, error: BaseException, now: float) -> bool:
         """The step was lost with the ring (a stage down or stalled): the stages' state of the
         sequence is unknown. Suspend it to re-prefill once the ring is whole again; returns
@@ -543,9 +593,9 @@ class Scheduler:
             return False
         seq.in_flight = None
         seq.error = error  # what it ends with if the ring does not heal in time
-        if seq.opened:
-            self._releases.append(Release(seq_id, seq.session_id, final=False))
+        self._release(seq, final=False)
         seq.incarnation += 1
+        seq.ring_claim = 0
         seq.fed = seq.session_length = 0
         seq.phase, seq.lost_since = Phase.SUSPENDED, now
         return True
@@ -571,17 +621,15 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         if seq.phase is Phase.DONE:
             return
+        self._release(seq, final=True)
         seq.phase = Phase.DONE
         self.finished += 1
         if seq.seq_id in self.running:
             self.running.remove(seq.seq_id)
-        if seq.opened or seq.incarnation:
-            self._releases.append(
-                Release(seq.seq_id, seq.session_id if seq.opened else None, final=True)
-            )
 
     def take_releases(self) -> list[Release]:
-        """Sessions to free on every stage, of finished or suspended sequences (once each)."""
+        """Sessions to free on every stage, of finished or suspended sequences (once each);
+        call :meth:`released` once the stages have freed them."""
         out, self._releases = self._releases, []
         return out
 

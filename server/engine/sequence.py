@@ -52,11 +52,13 @@ class Work:
 @dataclass(frozen=True)
 class Release:
     """Free a sequence's session on the stages (when ``session_id``) and, if ``final``, the
-    rest of what it holds (a draft session)."""
+    rest of what it holds (a draft session). ``positions``: what the session may hold on the
+    stages (the KV blocks the scheduler counts as taken until the release is done)."""
 
     seq_id: str
     session_id: str | None
     final: bool
+    positions: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -85,6 +87,8 @@ class Sequence:
     refusals: int = 0  # steps a stage refused for want of KV blocks or sessions
     session_losses: int = 0  # steps a stage refused because it no longer held the session
     waits_for: int = -1  # refused: resume once more than this many sequences have finished
+    # positions the ring's own decode steps (follow) may take beyond the step in flight
+    ring_claim: int = 0
     looked_up: int = -1  # the incarnation whose session was opened on cached prefix blocks
     cached: int = 0  # prompt positions the first session took from the stages' prefix cache
     ignore_eos: bool = False  # an end-of-sequence token does not end it (only max_tokens)

@@ -81,12 +81,14 @@ class LocalRing:
         kv_backend: Literal["stateful", "paged"] = "paged",
         step_timeout: float = 120.0,
         hidden_dtype: Literal["fp16", "fp32"] = "fp16",
+        kv_cache_bytes: int | None = None,
     ) -> None:
         """``hidden_dtype``: what hidden states are rounded to between stages (the stages'
-        --hidden-dtype, fp16 by default: the same numbers as a ring of stage processes)."""
+        --hidden-dtype, fp16 by default: the same numbers as a ring of stage processes);
+        ``kv_cache_bytes``: each paged stage's KV pool (the stages' --kv-cache-size)."""
         self.export_dir = export_dir
         self.hidden_dtype = HIDDEN_DTYPES[hidden_dtype]
-        self.chain = LocalChain(export_dir, options, kv_backend)
+        self.chain = LocalChain(export_dir, options, kv_backend, kv_cache_bytes)
         self.manifest: ShardManifest = self.chain.manifest
         self._hash = manifest_hash(export_dir)
         self._stages = [LocalStage(i) for i in range(self.manifest.num_stages)]
