@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -111,6 +112,9 @@ class Shape:
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    # a dense Qwen3 instead of a Llama: per-head q/k norms, and heads x head_dim need not be
+    # hidden (transformers refuses such a Llama config, e.g. GLM-4.5-Air's 96 x 128 over 4096)
+    qwen3: bool = False
 
 
 LLAMA3_8B = Shape(32, 4096, 14336, 32, 8, 128, 128256, 8192, 500000.0)
@@ -169,11 +173,14 @@ def q4_k_m_tensors(shape: Shape) -> list[Tensor]:
             Tensor(f"blk.{i}.attn_output.weight", (h, q), "Q4_K", i),
             Tensor(f"blk.{i}.ffn_norm.weight", (h,), "F32", i),
         ]
-        if shape.experts:  # Qwen3-MoE: q/k norms; llama.cpp's stacked experts, router F32
-            e, mid = shape.experts, shape.expert_intermediate
+        if shape.experts or shape.qwen3:  # Qwen3(-MoE): q/k norms
             out += [
                 Tensor(f"blk.{i}.attn_q_norm.weight", (shape.head_dim,), "F32", i),
                 Tensor(f"blk.{i}.attn_k_norm.weight", (shape.head_dim,), "F32", i),
+            ]
+        if shape.experts:  # llama.cpp's stacked experts, router F32
+            e, mid = shape.experts, shape.expert_intermediate
+            out += [
                 Tensor(f"blk.{i}.ffn_gate_inp.weight", (e, h), "F32", i),
                 Tensor(f"blk.{i}.ffn_gate_exps.weight", (e, mid, h), "Q4_K", i),
                 Tensor(f"blk.{i}.ffn_up_exps.weight", (e, mid, h), "Q4_K", i),
@@ -289,7 +296,7 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
 
     if shape.hidden % QK_K or shape.intermediate % 32:
         raise SystemExit("--hidden must be a multiple of 256 (K-quants), --intermediate of 32")
-    arch = "qwen3moe" if shape.experts else "llama"
+    arch = "qwen3moe" if shape.experts else "qwen3" if shape.qwen3 else "llama"
 
     def metadata(writer: Any) -> None:
         writer.add_context_length(shape.context)
@@ -300,14 +307,14 @@ def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
         writer.add_head_count_kv(shape.kv_heads)
         writer.add_rope_freq_base(shape.rope_theta)
         writer.add_layer_norm_rms_eps(shape.rms_eps)
-        if shape.head_dim != shape.hidden // shape.heads or shape.experts:
+        if shape.head_dim != shape.hidden // shape.heads or arch != "llama":
             writer.add_key_length(shape.head_dim)
             writer.add_value_length(shape.head_dim)
         if shape.experts:
             writer.add_expert_count(shape.experts)
             writer.add_expert_used_count(shape.experts_per_token)
             writer.add_expert_feed_forward_length(shape.expert_intermediate)
-        else:
+        elif arch == "llama":
             writer.add_vocab_size(shape.vocab)
             writer.add_rope_dimension_count(shape.head_dim)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -968,8 +975,6 @@ GLM_PRESETS = {"glm-4.5-air": "glm-4.5-air"}
 def glm_from(opts: argparse.Namespace) -> tuple[Any, GlmFile]:
     """exporter.presets' shape cut to --layers (the first layer dense as in the model), with
     the shape flags given (the shared expert keeps the routed experts' width)."""
-    import dataclasses
-
     from exporter.presets import PRESETS
 
     preset = PRESETS[GLM_PRESETS[opts.model]]
@@ -1015,6 +1020,11 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--experts-per-token", type=int)
     w.add_argument("--expert-intermediate", type=int, help="an expert's channels")
     w.add_argument("--first-dense", type=int, help="glm: the layers below it are dense")
+    w.add_argument(
+        "--qwen3",
+        action="store_true",
+        help="a dense shape as Qwen3 (q/k norms; heads x head-dim may differ from hidden)",
+    )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--chunk-mib", type=int, default=64, help="bytes generated at a time")
 
@@ -1049,6 +1059,8 @@ def main(argv: list[str] | None = None) -> None:
     elif opts.command == "write":
         started = time.monotonic()
         if opts.model in GLM_PRESETS:
+            if opts.qwen3:
+                raise SystemExit("--qwen3 is for the dense shapes")
             preset, file = glm_from(opts)
             layers = preset.layers
             size = write_glm_gguf(opts.file, preset, file, opts.seed, opts.chunk_mib)
@@ -1057,6 +1069,10 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit("--first-dense is for the glm shapes")
             default = LLAMA3_8B if opts.model == "llama3-8b" else PLAN_SHAPES[opts.model][1]
             shape = shape_from(opts, default)
+            if opts.qwen3:
+                if shape.experts:
+                    raise SystemExit("--qwen3 is for the dense shapes")
+                shape = dataclasses.replace(shape, qwen3=True)
             layers = shape.layers
             size = write_gguf(opts.file, shape, opts.seed, opts.chunk_mib)
         print(

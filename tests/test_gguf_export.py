@@ -605,23 +605,29 @@ def test_the_benchmarks_glm_stand_in_is_a_glm_4_5_air_shaped_glm4moe_file(tmp_pa
     assert len(tokens) == 8
 
 
-def test_the_benchmarks_dense_rows_off_the_k_quant_grid_fall_back_as_llama_quantize_does(
-    tmp_path: Path,
-) -> None:
-    """A dense stand-in of an MoE's active width (GLM-4.5-Air: 9 x 1408 = 12672 channels, no
-    multiple of 256): its ffn_down rows take Q5_0, or Q8_0 where Q4_K_M gives Q6_K."""
+def test_the_benchmarks_dense_active_stand_in_of_glm_s_shape(tmp_path: Path) -> None:
+    """The dense model a GLM-4.5-Air cut is timed against: its active width (9 x 1408 = 12672
+    channels, no multiple of 256) takes Q5_0 for ffn_down, or Q8_0 where Q4_K_M gives Q6_K, as
+    llama-quantize falls back; its 96 heads of 128 over hidden 4096 are no Llama for
+    transformers, so ``--qwen3`` writes a Qwen3 (here 4 heads of 128 over 256), which exports
+    and decodes."""
     from gguf import GGUFReader
 
     from benchmarks.gguf_export import main as gguf_export_main
 
     path = tmp_path / "dense.gguf"
     shape = ["--hidden", "256", "--intermediate", "352", "--heads", "4", "--kv-heads", "2"]
-    gguf_export_main(["write", str(path), "--layers", "9", *shape, "--vocab", "512"])
-    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    gguf_export_main(["write", str(path), "--qwen3", "--layers", "9", *shape, "--head-dim", "128"])
+    reader = GGUFReader(path)
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "qwen3"
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
     downs = [types[f"blk.{i}.ffn_down.weight"] for i in range(9)]
     # Q6_K on llama-quantize's use_more_bits layers (0, 3, 6 and the last eighth: 7, 8)
     assert downs == ["Q8_0", "Q5_0", "Q5_0", "Q8_0", "Q5_0", "Q5_0", "Q8_0", "Q8_0", "Q8_0"]
     assert types["blk.0.ffn_gate.weight"] == types["blk.0.ffn_up.weight"] == "Q4_K"
+    assert types["blk.0.attn_q_norm.weight"] == "F32"
     out = tmp_path / "out"
     export_model(ExportOptions(model=str(path), out=out, stages=1, quiet=True))
+    manifest = load_manifest(out)
+    assert manifest.model.architecture == "qwen3" and manifest.model.head_dim == 128
     assert len(LocalChain(out, RunnerOptions()).greedy("s", PROMPTS[0], 4)[0]) == 4
