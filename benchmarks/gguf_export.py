@@ -8,7 +8,12 @@ with a tiny BPE tokenizer padded to the model's 128256 rows and a chat template,
 and a served ring run as they would on the real file (the text is meaningless).
 
   pipeshard bench gguf-export write FILE.gguf [--layers 32 --hidden 4096 ...]
-      a Llama-3-8B-shaped Q4_K_M GGUF (~4.9 GB), streamed in chunks of --chunk-mib
+      a Llama-3-8B-shaped Q4_K_M GGUF (~4.9 GB), streamed in chunks of --chunk-mib;
+      ``--model qwen3-30b-a3b`` a Qwen3-MoE file; ``--model glm-4.5-air`` a glm4moe file of
+      exporter.presets' GLM-4.5-Air (the first layer dense, 128 experts of 1408 channels, 8 a
+      token, a shared expert, sigmoid routing with its correction bias, q/k/v biases, half of
+      each head rotating; ~1.4 GB a layer), cut to --layers N; --experts, --experts-per-token,
+      --expert-intermediate (and --first-dense) reshape the experts for tests
   pipeshard bench gguf-export measure FILE.gguf --out DIR [--stages 4] [--serve]
       for each stage K, in a fresh process: ``/usr/bin/time -v pipeshard export FILE --stages 4
       --stage K --out DIR --quiet``; peak RSS (and an RSS timeline sampled every 0.2 s), the
@@ -32,13 +37,15 @@ and a served ring run as they would on the real file (the text is meaningless).
 
 Types follow llama-quantize's Q4_K_M: token_embd Q4_K, output Q6_K, attn_v and ffn_down Q6_K on
 the layers its ``use_more_bits`` picks (the first and last eighth, every third in between), the
-other matrices Q4_K, norms F32.
+other matrices Q4_K, norms, biases and routers F32; a row that is not a multiple of 256 (GLM's
+1408-channel experts, a dense 12672-channel ffn_down) takes Q5_0 for Q4_K and Q8_0 for Q6_K.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -61,12 +68,24 @@ from benchmarks.report import add_results_option, describe, machine, save
 GIB = 2**30
 QK_K = 256
 # GGUF bytes per weight (block bytes / block length)
-GGUF_BYTES = {"Q4_K": 144 / 256, "Q6_K": 210 / 256, "Q8_0": 34 / 32, "F16": 2.0, "F32": 4.0}
+GGUF_BYTES = {
+    "Q4_K": 144 / 256,
+    "Q6_K": 210 / 256,
+    "Q5_0": 22 / 32,
+    "Q8_0": 34 / 32,
+    "F16": 2.0,
+    "F32": 4.0,
+}
+# Elements a block holds (the K-quants' super-block, or 32)
+BLOCK = {"Q4_K": QK_K, "Q6_K": QK_K, "Q5_0": 32, "Q8_0": 32}
+# llama-quantize's types for a row that is not a multiple of 256 (a K-quant's super-block)
+K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 # IR bytes per weight as the exporter keeps the blocks (--gguf-form split)
 # Q4_K: u4 codes 0.5 + f32 scale per 32 + the minimums as u8 codes per 32 and an f32 dmin per 256
 IR_BYTES = {
     "Q4_K": 0.5 + 4 / 32 + 1 / 32 + 4 / 256,
     "Q6_K": 1.25,
+    "Q5_0": 1.125,
     "Q8_0": 1.125,
     "F16": 2.0,
     "F32": 4.0,
@@ -93,6 +112,9 @@ class Shape:
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    # a dense Qwen3 instead of a Llama: per-head q/k norms, and heads x head_dim need not be
+    # hidden (transformers refuses such a Llama config, e.g. GLM-4.5-Air's 96 x 128 over 4096)
+    qwen3: bool = False
 
 
 LLAMA3_8B = Shape(32, 4096, 14336, 32, 8, 128, 128256, 8192, 500000.0)
@@ -151,11 +173,14 @@ def q4_k_m_tensors(shape: Shape) -> list[Tensor]:
             Tensor(f"blk.{i}.attn_output.weight", (h, q), "Q4_K", i),
             Tensor(f"blk.{i}.ffn_norm.weight", (h,), "F32", i),
         ]
-        if shape.experts:  # Qwen3-MoE: q/k norms; llama.cpp's stacked experts, router F32
-            e, mid = shape.experts, shape.expert_intermediate
+        if shape.experts or shape.qwen3:  # Qwen3(-MoE): q/k norms
             out += [
                 Tensor(f"blk.{i}.attn_q_norm.weight", (shape.head_dim,), "F32", i),
                 Tensor(f"blk.{i}.attn_k_norm.weight", (shape.head_dim,), "F32", i),
+            ]
+        if shape.experts:  # llama.cpp's stacked experts, router F32
+            e, mid = shape.experts, shape.expert_intermediate
+            out += [
                 Tensor(f"blk.{i}.ffn_gate_inp.weight", (e, h), "F32", i),
                 Tensor(f"blk.{i}.ffn_gate_exps.weight", (e, mid, h), "Q4_K", i),
                 Tensor(f"blk.{i}.ffn_up_exps.weight", (e, mid, h), "Q4_K", i),
@@ -171,7 +196,28 @@ def q4_k_m_tensors(shape: Shape) -> list[Tensor]:
         Tensor("output_norm.weight", (h,), "F32", None),
         Tensor("output.weight", (shape.vocab, h), "Q6_K", None),
     ]
-    return out
+    return [_fallback(t) for t in out]
+
+
+def _fallback(t: Tensor) -> Tensor:
+    """A K-quant tensor whose rows are not a multiple of 256 (e.g. an ffn_down of 12672
+    channels) as llama-quantize stores it: Q4_K -> Q5_0, Q6_K -> Q8_0."""
+    if t.type in K_FALLBACK and t.shape[-1] % QK_K:
+        return Tensor(t.name, t.shape, K_FALLBACK[t.type], t.layer)
+    return t
+
+
+def glm_tensors(preset: Any) -> list[Tensor]:
+    """A glm4moe GGUF's tensors in llama-quantize's Q4_K_M mix (exporter.presets' table: the
+    first layers dense, experts and the shared expert, q/k/v biases, the router's correction
+    bias; ffn_down of 1408 or 10944 channels falls back to Q5_0 / Q8_0), the NextN layer left
+    out."""
+    from exporter.presets import typed_tensors
+
+    return [
+        Tensor(t.tensor.name, t.tensor.shape, t.type, t.tensor.layer)
+        for t in typed_tensors(preset, "Q4_K_M")
+    ]
 
 
 def stage_tensors(tensors: list[Tensor], start: int, end: int, last: bool) -> list[Tensor]:
@@ -194,7 +240,19 @@ def stage_tensors(tensors: list[Tensor], start: int, end: int, last: bool) -> li
 
 
 def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
-    """``n`` valid super-blocks of ``kind`` with weights of roughly +-0.02."""
+    """``n`` valid blocks of ``kind`` with weights of roughly +-0.02."""
+    if kind == "Q5_0":
+        # f16 d, 4 bytes of high bits, 16 bytes of nibbles; w = d*(q-16), q in 0..31
+        blocks = rng.integers(0, 256, (n, 22), dtype=np.uint8)
+        d = (rng.uniform(0.8e-3, 1.6e-3, n)).astype(np.float16)
+        blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
+        return blocks
+    if kind == "Q8_0":
+        # f16 d, 32 int8; w = d*q
+        blocks = rng.integers(0, 256, (n, 34), dtype=np.uint8)
+        d = (rng.uniform(1e-4, 2e-4, n)).astype(np.float16)
+        blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
+        return blocks
     if kind == "Q4_K":
         # f16 d, f16 dmin, 12 bytes of 6-bit scales/mins (any bits are valid), 128 nibbles;
         # w = d*sc*q - dmin*m: dmin = 7.5 d centres it (sc, m average 31.5, q 7.5)
@@ -215,12 +273,15 @@ def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
 
 def _chunks(rng: np.random.Generator, t: Tensor, chunk_bytes: int) -> Iterator[np.ndarray]:
     """The tensor's data, a few rows at a time."""
-    if t.type == "F32":  # norms: around 1, as trained models have them; a router: small
-        mean, spread = (0.0, 0.02) if "ffn_gate_inp" in t.name else (1.0, 0.1)
+    if t.type == "F32":  # norms: around 1, as trained models have them; routers, biases: small
+        small = "ffn_gate_inp" in t.name or t.name.endswith(".bias")
+        mean, spread = (0.0, 0.02) if small else (1.0, 0.1)
         yield rng.normal(mean, spread, t.shape).astype(np.float32)
         return
     rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]  # experts: their rows one after another
-    row_blocks = cols // QK_K
+    if cols % BLOCK[t.type]:
+        raise SystemExit(f"{t.name}: {cols} columns is not a multiple of {t.type}'s block")
+    row_blocks = cols // BLOCK[t.type]
     row_bytes = round(cols * GGUF_BYTES[t.type])
     step = max(1, chunk_bytes // row_bytes)
     for lo in range(0, rows, step):
@@ -229,42 +290,115 @@ def _chunks(rng: np.random.Generator, t: Tensor, chunk_bytes: int) -> Iterator[n
 
 
 def write_gguf(path: Path, shape: Shape, seed: int, chunk_mib: int) -> int:
-    """Write the file, tensor data streamed chunk by chunk; its size in bytes."""
+    """Write a Llama (or, with experts, Qwen3-MoE) file, tensor data streamed chunk by chunk;
+    its size in bytes."""
+    import gguf
+
+    if shape.hidden % QK_K or shape.intermediate % 32:
+        raise SystemExit("--hidden must be a multiple of 256 (K-quants), --intermediate of 32")
+    arch = "qwen3moe" if shape.experts else "qwen3" if shape.qwen3 else "llama"
+
+    def metadata(writer: Any) -> None:
+        writer.add_context_length(shape.context)
+        writer.add_embedding_length(shape.hidden)
+        writer.add_block_count(shape.layers)
+        writer.add_feed_forward_length(shape.intermediate)
+        writer.add_head_count(shape.heads)
+        writer.add_head_count_kv(shape.kv_heads)
+        writer.add_rope_freq_base(shape.rope_theta)
+        writer.add_layer_norm_rms_eps(shape.rms_eps)
+        if shape.head_dim != shape.hidden // shape.heads or arch != "llama":
+            writer.add_key_length(shape.head_dim)
+            writer.add_value_length(shape.head_dim)
+        if shape.experts:
+            writer.add_expert_count(shape.experts)
+            writer.add_expert_used_count(shape.experts_per_token)
+            writer.add_expert_feed_forward_length(shape.expert_intermediate)
+        elif arch == "llama":
+            writer.add_vocab_size(shape.vocab)
+            writer.add_rope_dimension_count(shape.head_dim)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    name = f"{arch}-shaped-{shape.layers}L-random"
+    tensors = q4_k_m_tensors(shape)
+    return _write_file(path, arch, name, shape.vocab, tensors, metadata, seed, chunk_mib)
+
+
+@dataclass(frozen=True)
+class GlmFile:
+    """What a glm4moe GGUF states besides exporter.presets' shape: GLM-4.5-Air's config.json
+    (rope_theta 1e6, rms_norm_eps 1e-5, partial_rotary_factor 0.5, routed_scaling_factor 1.0,
+    n_group = topk_group = 1, norm_topk_prob true; from memory), and a shorter context than its
+    131072, as the Qwen3 cut has (the weights do not depend on it)."""
+
+    context: int = 8192
+    rope_theta: float = 1e6
+    rms_eps: float = 1e-5
+    rotary_fraction: float = 0.5
+    routed_scaling: float = 1.0
+
+
+def write_glm_gguf(path: Path, preset: Any, file: GlmFile, seed: int, chunk_mib: int) -> int:
+    """Write a glm4moe file of ``preset``'s shape (exporter.presets, e.g. GLM-4.5-Air cut to a
+    few layers) with the metadata convert_hf_to_gguf's Glm4MoeModel writes; its size in bytes."""
+    import gguf
+
+    if preset.hidden % QK_K:
+        raise SystemExit("--hidden must be a multiple of 256 (K-quants)")
+
+    def metadata(writer: Any) -> None:
+        writer.add_context_length(file.context)
+        writer.add_embedding_length(preset.hidden)
+        writer.add_block_count(preset.layers)  # no NextN layer after them
+        writer.add_feed_forward_length(preset.intermediate)
+        writer.add_head_count(preset.heads)
+        writer.add_head_count_kv(preset.kv_heads)
+        writer.add_rope_freq_base(file.rope_theta)
+        writer.add_layer_norm_rms_eps(file.rms_eps)
+        writer.add_key_length(preset.head_dim)
+        writer.add_value_length(preset.head_dim)
+        writer.add_rope_dimension_count(int(preset.head_dim * file.rotary_fraction))
+        writer.add_expert_count(preset.experts)
+        writer.add_expert_used_count(preset.experts_per_token)
+        writer.add_expert_feed_forward_length(preset.expert_intermediate)
+        writer.add_expert_shared_count(1 if preset.shared_expert_intermediate else 0)
+        writer.add_leading_dense_block_count(preset.first_dense)
+        writer.add_expert_weights_scale(file.routed_scaling)
+        writer.add_expert_weights_norm(True)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(1)
+        writer.add_expert_group_used_count(1)
+        writer.add_nextn_predict_layers(0)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    name = f"glm4moe-shaped-{preset.layers}L-random"
+    tensors = glm_tensors(preset)
+    return _write_file(path, "glm4moe", name, preset.vocab, tensors, metadata, seed, chunk_mib)
+
+
+def _write_file(
+    path: Path,
+    arch: str,
+    name: str,
+    vocab: int,
+    tensors: list[Tensor],
+    metadata: Any,
+    seed: int,
+    chunk_mib: int,
+) -> int:
     import gguf
 
     from exporter.tiny_gguf import FILE_TYPES, write_tokenizer
     from exporter.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
 
-    if shape.hidden % QK_K or shape.intermediate % QK_K:
-        raise SystemExit("--hidden and --intermediate must be multiples of 256 (K-quants)")
-    tensors = q4_k_m_tensors(shape)
-    arch = "qwen3moe" if shape.experts else "llama"
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_name(f"{arch}-shaped-{shape.layers}L-random")
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.intermediate)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_layer_norm_rms_eps(shape.rms_eps)
-    if shape.head_dim != shape.hidden // shape.heads or shape.experts:
-        writer.add_key_length(shape.head_dim)
-        writer.add_value_length(shape.head_dim)
-    if shape.experts:
-        writer.add_expert_count(shape.experts)
-        writer.add_expert_used_count(shape.experts_per_token)
-        writer.add_expert_feed_forward_length(shape.expert_intermediate)
-    else:
-        writer.add_vocab_size(shape.vocab)
-        writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_name(name)
+    metadata(writer)
     writer.add_file_type(FILE_TYPES["Q4_K_M"])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     with tempfile.TemporaryDirectory() as tmp:
         # the tiny BPE tokenizer, padded to the model's rows with placeholders as llama.cpp does
         make_tokenizer(Path(tmp), VOCAB, CHAT_TEMPLATE)
-        write_tokenizer(writer, Path(tmp), shape.vocab)
+        write_tokenizer(writer, Path(tmp), vocab)
     for t in tensors:
         writer.add_tensor_info(
             t.name, t.shape, np.dtype(np.float32), t.gguf_bytes, gguf.GGMLQuantizationType[t.type]
@@ -815,11 +949,15 @@ def write_dense_moe(export: Path, out: Path) -> None:
         raise SystemExit(f"{export}: no stage-*/model.xml")
 
 
+_EXPERT_FLAGS = ("experts", "experts_per_token", "expert_intermediate")
+
+
 def shape_from(opts: argparse.Namespace, default: Shape) -> Shape:
     """The default shape with the flags given; head_dim follows hidden / heads unless given."""
     values = asdict(default)
-    for key in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "rope_theta"):
-        if getattr(opts, key) is not None:
+    keys = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "rope_theta")
+    for key in keys + _EXPERT_FLAGS:
+        if getattr(opts, key, None) is not None:
             values[key] = getattr(opts, key)
     if opts.context_length is not None:
         values["context"] = opts.context_length
@@ -828,6 +966,38 @@ def shape_from(opts: argparse.Namespace, default: Shape) -> Shape:
         values["hidden"] // values["heads"] if reshaped else default.head_dim
     )
     return Shape(**values)
+
+
+# `write --model NAME`: glm4moe files of exporter.presets' shapes
+GLM_PRESETS = {"glm-4.5-air": "glm-4.5-air"}
+
+
+def glm_from(opts: argparse.Namespace) -> tuple[Any, GlmFile]:
+    """exporter.presets' shape cut to --layers (the first layer dense as in the model), with
+    the shape flags given (the shared expert keeps the routed experts' width)."""
+    from exporter.presets import PRESETS
+
+    preset = PRESETS[GLM_PRESETS[opts.model]]
+    values: dict[str, Any] = {}
+    for key in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
+        if getattr(opts, key) is not None:
+            values[key] = getattr(opts, key)
+    for key in _EXPERT_FLAGS:
+        if getattr(opts, key) is not None:
+            values[key] = getattr(opts, key)
+    if opts.expert_intermediate is not None:
+        values["shared_expert_intermediate"] = opts.expert_intermediate
+    if opts.first_dense is not None:
+        values["first_dense"] = opts.first_dense
+    preset = dataclasses.replace(preset, **values)
+    if preset.layers < 1 or preset.experts_per_token > preset.experts:
+        raise SystemExit("--layers must be at least 1, --experts-per-token at most --experts")
+    file = GlmFile()
+    if opts.context_length is not None:
+        file = dataclasses.replace(file, context=opts.context_length)
+    if opts.rope_theta is not None:
+        file = dataclasses.replace(file, rope_theta=opts.rope_theta)
+    return preset, file
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -841,11 +1011,20 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("file", type=Path)
     w.add_argument(
         "--model",
-        choices=["llama3-8b", *sorted(PLAN_SHAPES)],
+        choices=["llama3-8b", *sorted(PLAN_SHAPES), *sorted(GLM_PRESETS)],
         default="llama3-8b",
-        help="the shape (cut with --layers)",
+        help="the shape (cut with --layers; glm-4.5-air: exporter.presets' GLM-4.5-Air, glm4moe)",
     )
     add_shape_args(w, LLAMA3_8B)
+    w.add_argument("--experts", type=int, help="routed experts a layer (MoE shapes)")
+    w.add_argument("--experts-per-token", type=int)
+    w.add_argument("--expert-intermediate", type=int, help="an expert's channels")
+    w.add_argument("--first-dense", type=int, help="glm: the layers below it are dense")
+    w.add_argument(
+        "--qwen3",
+        action="store_true",
+        help="a dense shape as Qwen3 (q/k norms; heads x head-dim may differ from hidden)",
+    )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--chunk-mib", type=int, default=64, help="bytes generated at a time")
 
@@ -878,12 +1057,26 @@ def main(argv: list[str] | None = None) -> None:
     if opts.command == "dense-moe":
         write_dense_moe(opts.export, opts.out)
     elif opts.command == "write":
-        default = LLAMA3_8B if opts.model == "llama3-8b" else PLAN_SHAPES[opts.model][1]
-        shape = shape_from(opts, default)
         started = time.monotonic()
-        size = write_gguf(opts.file, shape, opts.seed, opts.chunk_mib)
+        if opts.model in GLM_PRESETS:
+            if opts.qwen3:
+                raise SystemExit("--qwen3 is for the dense shapes")
+            preset, file = glm_from(opts)
+            layers = preset.layers
+            size = write_glm_gguf(opts.file, preset, file, opts.seed, opts.chunk_mib)
+        else:
+            if opts.first_dense is not None:
+                raise SystemExit("--first-dense is for the glm shapes")
+            default = LLAMA3_8B if opts.model == "llama3-8b" else PLAN_SHAPES[opts.model][1]
+            shape = shape_from(opts, default)
+            if opts.qwen3:
+                if shape.experts:
+                    raise SystemExit("--qwen3 is for the dense shapes")
+                shape = dataclasses.replace(shape, qwen3=True)
+            layers = shape.layers
+            size = write_gguf(opts.file, shape, opts.seed, opts.chunk_mib)
         print(
-            f"wrote {opts.file}: {size / 1e9:.2f} GB ({shape.layers} layers) in "
+            f"wrote {opts.file}: {size / 1e9:.2f} GB ({layers} layers) in "
             f"{time.monotonic() - started:.0f} s"
         )
     elif opts.command == "measure":

@@ -761,3 +761,106 @@ def test_a_hybrid_gguf_equals_the_hugging_face_model_it_was_written_from(
             for _ in range(11):
                 chunked.append(int(np.argmax(chain.forward(session, np.asarray(chunked[-1:]))[-1])))
             assert chunked == expected[i], f"{stages} stages, chunked"
+
+
+def test_the_benchmarks_glm_stand_in_is_a_glm_4_5_air_shaped_glm4moe_file(tmp_path: Path) -> None:
+    """``pipeshard bench gguf-export write --model glm-4.5-air`` (the stand-in the MoE speed
+    reports time), at a tiny shape: exactly the tensors, shapes and llama-quantize Q4_K_M types
+    of `pipeshard plan`'s GLM-4.5-Air table cut to these layers (an expert's 160 channels are
+    no K-quant row: its ffn_down falls back to Q5_0 / Q8_0), metadata the GGUF reader maps to
+    GLM-4.5-Air's routing (the first layer dense, sigmoid, one shared expert, half of each head
+    rotating, biases, no QK-norm); its 2 stages run every expert layer as GatherMatmul."""
+    import dataclasses
+
+    from gguf import GGUFReader
+
+    from benchmarks.gguf_export import main as gguf_export_main
+    from exporter.gguf_reader import read_config
+    from exporter.presets import PRESETS, typed_tensors
+
+    path = tmp_path / "glm.gguf"
+    tiny = dict(hidden=256, intermediate=352, heads=4, kv_heads=2, head_dim=64, vocab=512)
+    moe = dict(experts=8, experts_per_token=2, expert_intermediate=160)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**tiny, **moe}.items()]
+    gguf_export_main(["write", str(path), "--model", "glm-4.5-air", "--layers", "3", *flags])
+
+    preset = dataclasses.replace(
+        PRESETS["glm-4.5-air"], layers=3, **tiny, **moe, shared_expert_intermediate=160
+    )
+    planned = {t.tensor.name: (t.tensor.shape, t.type) for t in typed_tensors(preset, "Q4_K_M")}
+    stored = {
+        t.name: (tuple(int(d) for d in reversed(t.shape.tolist())), t.tensor_type.name)
+        for t in GGUFReader(path).tensors
+    }
+    assert stored == planned
+    assert stored["blk.1.ffn_down_exps.weight"] == ((8, 256, 160), "Q5_0")
+    assert stored["blk.2.ffn_down_exps.weight"] == ((8, 256, 160), "Q8_0")  # use_more_bits
+    assert stored["blk.1.ffn_gate_exps.weight"] == ((8, 160, 256), "Q4_K")
+    assert stored["blk.0.ffn_down.weight"] == ((256, 352), "Q5_0")
+    assert "blk.0.ffn_gate_exps.weight" not in stored and "blk.0.attn_q_norm.weight" not in stored
+
+    config = read_config(path)
+    assert config["model_type"] == "glm4_moe"
+    expected = {
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 160,
+        "intermediate_size": 352,
+        "head_dim": 64,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "vocab_size": 512,
+    }
+    assert {k: config[k] for k in expected} == expected
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
+
+    out = tmp_path / "out"
+    export_model(ExportOptions(model=str(path), out=out, stages=2, quiet=True))
+    manifest = load_manifest(out)
+    assert manifest.model.architecture == "glm4_moe" and manifest.num_stages == 2
+    core = ov.Core()
+    for stage in manifest.stages:
+        compiled = core.compile_model(out / stage.model_xml, "CPU")
+        kinds = Counter(
+            str(op.get_rt_info()["layerType"].astype(str))
+            for op in compiled.get_runtime_model().get_ops()
+        )
+        experts = len(set(range(1, 3)) & set(range(stage.layer_start, stage.layer_end)))
+        assert kinds["GatherMatmul"] == 3 * experts, kinds
+    tokens, _ = LocalChain(out, RunnerOptions()).greedy("s", PROMPTS[0], 8)
+    assert len(tokens) == 8
+
+
+def test_the_benchmarks_dense_active_stand_in_of_glm_s_shape(tmp_path: Path) -> None:
+    """The dense model a GLM-4.5-Air cut is timed against: its active width (9 x 1408 = 12672
+    channels, no multiple of 256) takes Q5_0 for ffn_down, or Q8_0 where Q4_K_M gives Q6_K, as
+    llama-quantize falls back; its 96 heads of 128 over hidden 4096 are no Llama for
+    transformers, so ``--qwen3`` writes a Qwen3 (here 4 heads of 128 over 256), which exports
+    and decodes."""
+    from gguf import GGUFReader
+
+    from benchmarks.gguf_export import main as gguf_export_main
+
+    path = tmp_path / "dense.gguf"
+    shape = ["--hidden", "256", "--intermediate", "352", "--heads", "4", "--kv-heads", "2"]
+    gguf_export_main(["write", str(path), "--qwen3", "--layers", "9", *shape, "--head-dim", "128"])
+    reader = GGUFReader(path)
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "qwen3"
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    downs = [types[f"blk.{i}.ffn_down.weight"] for i in range(9)]
+    # Q6_K on llama-quantize's use_more_bits layers (0, 3, 6 and the last eighth: 7, 8)
+    assert downs == ["Q8_0", "Q5_0", "Q5_0", "Q8_0", "Q5_0", "Q5_0", "Q8_0", "Q8_0", "Q8_0"]
+    assert types["blk.0.ffn_gate.weight"] == types["blk.0.ffn_up.weight"] == "Q4_K"
+    assert types["blk.0.attn_q_norm.weight"] == "F32"
+    out = tmp_path / "out"
+    export_model(ExportOptions(model=str(path), out=out, stages=1, quiet=True))
+    manifest = load_manifest(out)
+    assert manifest.model.architecture == "qwen3" and manifest.model.head_dim == 128
+    assert len(LocalChain(out, RunnerOptions()).greedy("s", PROMPTS[0], 4)[0]) == 4
