@@ -42,6 +42,20 @@ def scrape(url: str, name: str) -> float:
     return float(match.group(1))
 
 
+# Eight prompts of different lengths and repeats: interleaved sessions, each equal to itself
+# alone (tests/test_stage_ring.py, tests/test_export_parity.py)
+EIGHT_PROMPTS = [
+    [5, 17, 33, 99, 100, 7, 42, 8],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    [200, 150, 100, 50],
+    [9, 9, 9, 9, 9, 9],
+    [77, 31, 12, 140, 141, 142, 3],
+    [250, 3, 250, 3, 250],
+    [60, 61, 62],
+    [18, 180, 81, 118, 181, 8, 88, 188],
+]
+
+
 @dataclass
 class Fleet:
     """A gateway at ``url`` over the stages at ``stages`` (and the processes, where the test

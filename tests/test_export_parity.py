@@ -10,6 +10,7 @@ import pytest
 from exporter.verify import verify_export
 from shard_runtime.runner import RunnerOptions
 from tests.conftest import EXACT, ExportFn
+from tests.fleets import EIGHT_PROMPTS
 
 pytestmark = pytest.mark.component
 
@@ -190,16 +191,7 @@ def test_glm4_moe_sessions_interleaved_on_the_stateful_backend_equal_each_alone(
     from exporter.verify import reference_greedy
     from shard_runtime.chain import LocalChain
 
-    prompts = [
-        [5, 17, 33, 99, 100, 7, 42, 8],
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
-        [200, 150, 100, 50],
-        [9, 9, 9, 9, 9, 9],
-        [77, 31, 12, 140, 141, 142, 3],
-        [250, 3, 250, 3, 250],
-        [60, 61, 62],
-        [18, 180, 81, 118, 181, 8, 88, 188],
-    ]
+    prompts = EIGHT_PROMPTS
     steps = 12
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("glm4_moe"))).eval()
     expected = [reference_greedy(reference, p, steps)[0] for p in prompts]

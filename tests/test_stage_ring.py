@@ -23,20 +23,12 @@ from server.ring.grpc_client import PipelineClient
 from shard_runtime.chain import LocalChain
 from tests.clients import ring_greedy
 from tests.conftest import EXACT, ExportFn, make_certificates
+from tests.fleets import EIGHT_PROMPTS
 from tests.processes import Proc, start_stages
 
 pytestmark = pytest.mark.integration
 
-PROMPTS = [
-    [5, 17, 33, 99, 100, 7, 42, 8],
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
-    [200, 150, 100, 50],
-    [9, 9, 9, 9, 9, 9],
-    [77, 31, 12, 140, 141, 142, 3],
-    [250, 3, 250, 3, 250],
-    [60, 61, 62],
-    [18, 180, 81, 118, 181, 8, 88, 188],
-]
+PROMPTS = EIGHT_PROMPTS
 STEPS = 16
 
 

@@ -33,7 +33,7 @@ import json
 import re
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
@@ -145,17 +145,7 @@ GLM = ToolFormat(
 # gpt-oss writes ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS
 # <|call|>``; server/api/reasoning.py's HarmonyParser turns each such message into a call
 # block of this format in the answer's text, which the ToolCallParser then reads.
-HARMONY = ToolFormat(
-    name="harmony",
-    calls_start="",
-    call_start="<tool_call>\n",
-    call_end="\n</tool_call>",
-    call_separator="\n",
-    calls_end="",
-    arguments_key="arguments",
-    keep_special_tokens=True,
-    harmony=True,
-)
+HARMONY = replace(HERMES, name="harmony", tags=(), keep_special_tokens=True, harmony=True)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GLM, HARMONY)}
 
 
