@@ -35,6 +35,7 @@ from server.api.requests import (
     ChatCompletionRequest,
     JsonSchemaObject,
     _Request,
+    check_distinct,
     parse_request,
 )
 from server.api.serving import CompletionService, Prepared
@@ -285,10 +286,7 @@ class MessagesRequest(_Model):
     @field_validator("tools")
     @classmethod
     def _distinct(cls, value: list[Tool] | None) -> list[Tool] | None:
-        names = [tool.name for tool in value or ()]
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
-            raise ValueError(f"tool names must be distinct, {twice[0]!r} is given twice")
+        check_distinct([tool.name for tool in value or ()], "tool")
         return value
 
     @field_validator("tool_choice")

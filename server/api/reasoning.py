@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from server.api.tools import HARMONY
+
 PARSERS = ("none", "think", "harmony")
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -247,8 +249,9 @@ class HarmonyParser:
                 arguments = json.dumps(parsed)
             self.calls.append(HarmonyCall(name, arguments))
             if self.calls_in_answer:
-                body = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
-                block = f"<tool_call>\n{body}\n</tool_call>"
+                block = HARMONY.write_call(
+                    name, parsed if isinstance(parsed, dict) else {"input": parsed}
+                )
         self._recipient = self._call = ""
         return block
 

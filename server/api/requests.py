@@ -258,6 +258,13 @@ FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
 JsonSchemaObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object"})]
 
 
+def check_distinct(names: list[str], what: str) -> None:
+    """A ValueError naming the first of ``names`` given twice (tools offered under one name)."""
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"{what} names must be distinct, {twice[0]!r} is given twice")
+
+
 def _check_schema_object(value: Any, what: str) -> Any:
     if value is not None and not isinstance(value, Mapping):
         raise ValueError(f"{what} must be a JSON Schema object, got {short_json(value)}")
@@ -608,10 +615,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, value: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
-        names = [tool.function.name for tool in value or ()]
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
-            raise ValueError(f"function names must be distinct, {twice[0]!r} is offered twice")
+        check_distinct([tool.function.name for tool in value or ()], "function")
         return value
 
     @field_validator("tool_choice", mode="before")

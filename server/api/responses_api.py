@@ -42,6 +42,7 @@ from server.api.requests import (
     ChatCompletionRequest,
     JsonSchemaObject,
     _Request,
+    check_distinct,
     parse_request,
 )
 from server.api.serving import CompletionService, Prepared
@@ -301,10 +302,7 @@ class ResponsesRequest(_Model):
     @field_validator("tools")
     @classmethod
     def _distinct(cls, value: list[FunctionTool] | None) -> list[FunctionTool] | None:
-        names = [tool.name for tool in value or ()]
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
-            raise ValueError(f"function names must be distinct, {twice[0]!r} is given twice")
+        check_distinct([tool.name for tool in value or ()], "function")
         return value
 
     @field_validator("tool_choice", mode="before")

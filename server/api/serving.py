@@ -706,11 +706,14 @@ class CompletionService:
                     )
                     yield sse_event(opening)
             while pending:
-                try:  # a keep-alive comment while nothing comes (a long prefill)
-                    item = await asyncio.wait_for(queue.get(), self.keepalive_s or None)
-                except TimeoutError:
-                    yield sse_keepalive()
-                    continue
+                if not queue.empty():  # (the per-token case: no timer)
+                    item = queue.get_nowait()
+                else:
+                    try:  # a keep-alive comment while nothing comes (a long prefill)
+                        item = await asyncio.wait_for(queue.get(), self.keepalive_s or None)
+                    except TimeoutError:
+                        yield sse_keepalive()
+                        continue
                 if item is None:
                     pending -= 1
                     continue
