@@ -29,8 +29,8 @@ fi
 # System tools the deployment tests drive (tests/test_deploy.py, tests/test_prometheus.py,
 # tests/test_image.py): systemd-analyze (Debian's systemd), docker-compose (`config` needs no
 # engine), prometheus, and podman with runc, its bridge networks with names (netavark,
-# aardvark-dns), podman-compose and debootstrap (the image's base, built locally); about 30 s
-# of apt on a clean Debian 12.
+# aardvark-dns), podman-compose and debootstrap (the image's base, built locally), nftables
+# (the lab's partitions, tests/test_hosts.py).
 if [[ ",$extras," == *",dev,"* ]]; then
   missing=()
   has() { command -v "$1" >/dev/null || [ -x "/usr/sbin/$1" ] || [ -x "/usr/bin/$1" ]; }
@@ -41,7 +41,7 @@ if [[ ",$extras," == *",dev,"* ]]; then
   has runc || missing+=(runc)
   has podman-compose || missing+=(podman-compose)
   has debootstrap || missing+=(debootstrap)
-  has nft || missing+=(nftables)  # the lab's partitions (tests/test_hosts.py)
+  has nft || missing+=(nftables)
   if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       echo "bootstrap: installing ${missing[*]} (Debian packages) for the deployment tests" >&2
