@@ -79,6 +79,8 @@ def test_a_required_call_is_a_chat_tool_call_whole_and_streamed(fleet: Fleet) ->
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=100,
+        seed=0,  # (a draw whose analysis ends in time: the same as the first whole answer's)
+        temperature=1.0,
         stream=True,
     )
     names, arguments, finish, content = [], "", None, ""
@@ -133,6 +135,7 @@ def test_a_required_call_on_the_responses_api(fleet: Fleet) -> None:
         tools=[{"type": "function", **FUNCTION}],  # type: ignore[list-item]
         tool_choice="required",
         max_output_tokens=100,
+        temperature=0,  # (greedy: the same output every run)
     )
     calls = [item for item in response.output if item.type == "function_call"]
     assert [c.name for c in calls] == ["get_weather"]
@@ -151,6 +154,7 @@ def test_forced_tool_use_on_the_messages_api(fleet: Fleet) -> None:
         messages=USER,
         tools=[tool],  # type: ignore[list-item]
         tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},  # (greedy: the same output every run)
     )
     assert message.stop_reason == "tool_use"
     uses = [block for block in message.content if block.type == "tool_use"]
