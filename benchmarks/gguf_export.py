@@ -13,7 +13,11 @@ and a served ring run as they would on the real file (the text is meaningless).
       exporter.presets' GLM-4.5-Air (the first layer dense, 128 experts of 1408 channels, 8 a
       token, a shared expert, sigmoid routing with its correction bias, q/k/v biases, half of
       each head rotating; ~1.4 GB a layer), cut to --layers N; --experts, --experts-per-token,
-      --expert-intermediate (and --first-dense) reshape the experts for tests
+      --expert-intermediate (and --first-dense) reshape the experts for tests;
+      ``--model qwen3.6-35b-a3b`` a qwen35moe file of exporter.presets' Qwen3.6-35B-A3B (3
+      Gated DeltaNet layers then 1 gated full-attention layer, 256 experts of 512 channels, 8 a
+      token, a gated shared expert; ~0.5 GB a layer), cut to --layers N; --linear-key-heads,
+      --linear-value-heads, --linear-head-dim reshape its linear attention for tests
   pipeshard bench gguf-export measure FILE.gguf --out DIR [--stages 4] [--serve]
       for each stage K, in a fresh process: ``/usr/bin/time -v pipeshard export FILE --stages 4
       --stage K --out DIR --quiet``; peak RSS (and an RSS timeline sampled every 0.2 s), the
@@ -37,8 +41,9 @@ and a served ring run as they would on the real file (the text is meaningless).
 
 Types follow llama-quantize's Q4_K_M: token_embd Q4_K, output Q6_K, attn_v and ffn_down Q6_K on
 the layers its ``use_more_bits`` picks (the first and last eighth, every third in between), the
-other matrices Q4_K, norms, biases and routers F32; a row that is not a multiple of 256 (GLM's
-1408-channel experts, a dense 12672-channel ffn_down) takes Q5_0 for Q4_K and Q8_0 for Q6_K.
+other matrices Q4_K (a hybrid's attn_qkv Q5_K), norms, biases, routers and convolutions F32; a
+row that is not a multiple of 256 (GLM's 1408-channel experts, a dense 12672-channel ffn_down)
+takes Q5_0 for Q4_K, Q5_1 for Q5_K and Q8_0 for Q6_K.
 """
 
 from __future__ import annotations
@@ -70,22 +75,26 @@ QK_K = 256
 # GGUF bytes per weight (block bytes / block length)
 GGUF_BYTES = {
     "Q4_K": 144 / 256,
+    "Q5_K": 176 / 256,
     "Q6_K": 210 / 256,
     "Q5_0": 22 / 32,
+    "Q5_1": 24 / 32,
     "Q8_0": 34 / 32,
     "F16": 2.0,
     "F32": 4.0,
 }
 # Elements a block holds (the K-quants' super-block, or 32)
-BLOCK = {"Q4_K": QK_K, "Q6_K": QK_K, "Q5_0": 32, "Q8_0": 32}
+BLOCK = {"Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32}
 # llama-quantize's types for a row that is not a multiple of 256 (a K-quant's super-block)
 K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 # IR bytes per weight as the exporter keeps the blocks (--gguf-form split)
 # Q4_K: u4 codes 0.5 + f32 scale per 32 + the minimums as u8 codes per 32 and an f32 dmin per 256
 IR_BYTES = {
     "Q4_K": 0.5 + 4 / 32 + 1 / 32 + 4 / 256,
+    "Q5_K": 1 + 4 / 32 + 1 / 32 + 4 / 256,
     "Q6_K": 1.25,
     "Q5_0": 1.125,
+    "Q5_1": 1 + 4 / 32 + 2 / 32,
     "Q8_0": 1.125,
     "F16": 2.0,
     "F32": 4.0,
@@ -207,10 +216,11 @@ def _fallback(t: Tensor) -> Tensor:
     return t
 
 
-def glm_tensors(preset: Any) -> list[Tensor]:
-    """A glm4moe GGUF's tensors in llama-quantize's Q4_K_M mix (exporter.presets' table: the
+def preset_tensors(preset: Any) -> list[Tensor]:
+    """A preset's GGUF tensors in llama-quantize's Q4_K_M mix (exporter.presets' table; GLM: the
     first layers dense, experts and the shared expert, q/k/v biases, the router's correction
-    bias; ffn_down of 1408 or 10944 channels falls back to Q5_0 / Q8_0), the NextN layer left
+    bias, ffn_down of 1408 or 10944 channels falling back to Q5_0 / Q8_0; Qwen3.5: Gated
+    DeltaNet and gated full-attention layers, a gated shared expert), the NextN/MTP layers left
     out."""
     from exporter.presets import typed_tensors
 
@@ -262,6 +272,24 @@ def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
         blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
         blocks[:, 2:4] = dmin.view(np.uint8).reshape(n, 2)
         return blocks
+    if kind == "Q5_1":
+        # f16 d, f16 m, 4 bytes of high bits, 16 bytes of nibbles; w = d*q + m, q in 0..31
+        blocks = rng.integers(0, 256, (n, 24), dtype=np.uint8)
+        d = (rng.uniform(0.8e-3, 1.6e-3, n)).astype(np.float16)
+        blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
+        blocks[:, 2:4] = (
+            (-15.5 * d.astype(np.float32)).astype(np.float16).view(np.uint8).reshape(n, 2)
+        )
+        return blocks
+    if kind == "Q5_K":
+        # as Q4_K with a fifth bit (32 bytes qh before the 128 of nibbles): q in 0..31,
+        # dmin = 15.5 d centres it
+        blocks = rng.integers(0, 256, (n, 176), dtype=np.uint8)
+        d = (rng.uniform(1e-5, 3e-5, n)).astype(np.float16)
+        dmin = (d.astype(np.float32) * 15.5).astype(np.float16)
+        blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
+        blocks[:, 2:4] = dmin.view(np.uint8).reshape(n, 2)
+        return blocks
     if kind == "Q6_K":
         # 128 bytes ql, 64 qh, 16 int8 scales, f16 d; w = d*sc*(q-32)
         blocks = rng.integers(0, 256, (n, 210), dtype=np.uint8)
@@ -274,7 +302,10 @@ def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
 def _chunks(rng: np.random.Generator, t: Tensor, chunk_bytes: int) -> Iterator[np.ndarray]:
     """The tensor's data, a few rows at a time."""
     if t.type == "F32":  # norms: around 1, as trained models have them; routers, biases: small
-        small = "ffn_gate_inp" in t.name or t.name.endswith(".bias")
+        if t.name.endswith(".ssm_a"):  # Gated DeltaNet's A as stored, -exp(A_log): a decay < 1
+            yield -np.exp(rng.normal(0.0, 0.5, t.shape)).astype(np.float32)
+            return
+        small = "ffn_gate_inp" in t.name or t.name.endswith(".bias") or "ssm_conv1d" in t.name
         mean, spread = (0.0, 0.02) if small else (1.0, 0.1)
         yield rng.normal(mean, spread, t.shape).astype(np.float32)
         return
@@ -372,8 +403,64 @@ def write_glm_gguf(path: Path, preset: Any, file: GlmFile, seed: int, chunk_mib:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     name = f"glm4moe-shaped-{preset.layers}L-random"
-    tensors = glm_tensors(preset)
+    tensors = preset_tensors(preset)
     return _write_file(path, "glm4moe", name, preset.vocab, tensors, metadata, seed, chunk_mib)
+
+
+@dataclass(frozen=True)
+class HybridFile:
+    """What a qwen35moe GGUF states besides exporter.presets' shape: Qwen3.5-MoE's config.json
+    (rope_theta 1e7, rms_norm_eps 1e-6, partial_rotary_factor 0.25, M-RoPE sections 11/11/10,
+    interleaved; from memory), and a shorter context than its 262144, as the other cuts have
+    (the weights do not depend on it)."""
+
+    context: int = 32768
+    rope_theta: float = 1e7
+    rms_eps: float = 1e-6
+    rotary_fraction: float = 0.25
+    sections: tuple[int, ...] = (11, 11, 10, 0)
+
+
+def write_hybrid_gguf(path: Path, preset: Any, file: HybridFile, seed: int, chunk_mib: int) -> int:
+    """Write a qwen35moe file of ``preset``'s shape (exporter.presets, e.g. Qwen3.6-35B-A3B cut
+    to a few layers) with the metadata llama.cpp's converter writes for Qwen3.5-MoE
+    (conversion/qwen.py: Qwen3NextModel's ssm keys, Qwen2MoeModel's experts), no MTP layer;
+    its size in bytes."""
+    import gguf
+
+    if preset.hidden % QK_K:
+        raise SystemExit("--hidden must be a multiple of 256 (K-quants)")
+    if preset.model_type != "qwen3_5_moe":
+        raise SystemExit(f"{preset.name}: no hybrid writer for {preset.model_type}")
+
+    def metadata(writer: Any) -> None:
+        writer.add_context_length(file.context)
+        writer.add_embedding_length(preset.hidden)
+        writer.add_block_count(preset.layers)  # no MTP layer after them
+        writer.add_head_count(preset.heads)
+        writer.add_head_count_kv(preset.kv_heads)
+        writer.add_rope_freq_base(file.rope_theta)
+        writer.add_layer_norm_rms_eps(file.rms_eps)
+        writer.add_key_length(preset.head_dim)
+        writer.add_value_length(preset.head_dim)
+        writer.add_ssm_conv_kernel(preset.conv_kernel)
+        writer.add_ssm_state_size(preset.linear_key_dim)
+        writer.add_ssm_group_count(preset.linear_key_heads)
+        writer.add_ssm_time_step_rank(preset.linear_value_heads)
+        writer.add_ssm_inner_size(preset.linear_value_dim * preset.linear_value_heads)
+        writer.add_full_attention_interval(preset.full_attention_interval)
+        writer.add_rope_dimension_count(int(preset.head_dim * file.rotary_fraction))
+        writer.add_rope_dimension_sections(list(file.sections))
+        writer.add_nextn_predict_layers(0)
+        writer.add_expert_count(preset.experts)
+        writer.add_expert_used_count(preset.experts_per_token)
+        writer.add_expert_feed_forward_length(preset.expert_intermediate)
+        writer.add_expert_shared_feed_forward_length(preset.shared_expert_intermediate)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    name = f"qwen35moe-shaped-{preset.layers}L-random"
+    tensors = preset_tensors(preset)
+    return _write_file(path, "qwen35moe", name, preset.vocab, tensors, metadata, seed, chunk_mib)
 
 
 def _write_file(
@@ -968,8 +1055,45 @@ def shape_from(opts: argparse.Namespace, default: Shape) -> Shape:
     return Shape(**values)
 
 
-# `write --model NAME`: glm4moe files of exporter.presets' shapes
+# `write --model NAME`: files of exporter.presets' shapes (glm4moe, qwen35moe)
 GLM_PRESETS = {"glm-4.5-air": "glm-4.5-air"}
+HYBRID_PRESETS = {"qwen3.6-35b-a3b": "qwen3.6-35b-a3b"}
+_LINEAR_FLAGS = ("linear_key_heads", "linear_value_heads")
+
+
+def hybrid_from(opts: argparse.Namespace) -> tuple[Any, HybridFile]:
+    """exporter.presets' Qwen3.5-MoE shape cut to --layers (3 linear-attention layers then a
+    full-attention one, as in the model), with the shape flags given (the shared expert keeps
+    the routed experts' width)."""
+    from exporter.presets import PRESETS
+
+    if opts.first_dense is not None or opts.intermediate is not None:
+        raise SystemExit("--first-dense and --intermediate are for the glm shapes")
+    if opts.qwen3:
+        raise SystemExit("--qwen3 is for the dense shapes")
+    preset = PRESETS[HYBRID_PRESETS[opts.model]]
+    values: dict[str, Any] = {}
+    for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab"):
+        if getattr(opts, key) is not None:
+            values[key] = getattr(opts, key)
+    for key in _EXPERT_FLAGS + _LINEAR_FLAGS:
+        if getattr(opts, key) is not None:
+            values[key] = getattr(opts, key)
+    if opts.expert_intermediate is not None:
+        values["shared_expert_intermediate"] = opts.expert_intermediate
+    if opts.linear_head_dim is not None:
+        values["linear_key_dim"] = values["linear_value_dim"] = opts.linear_head_dim
+    preset = dataclasses.replace(preset, **values)
+    if preset.layers < 1 or preset.experts_per_token > preset.experts:
+        raise SystemExit("--layers must be at least 1, --experts-per-token at most --experts")
+    if preset.linear_value_heads % preset.linear_key_heads:
+        raise SystemExit("--linear-value-heads must be a multiple of --linear-key-heads")
+    file = HybridFile()
+    if opts.context_length is not None:
+        file = dataclasses.replace(file, context=opts.context_length)
+    if opts.rope_theta is not None:
+        file = dataclasses.replace(file, rope_theta=opts.rope_theta)
+    return preset, file
 
 
 def glm_from(opts: argparse.Namespace) -> tuple[Any, GlmFile]:
@@ -977,6 +1101,8 @@ def glm_from(opts: argparse.Namespace) -> tuple[Any, GlmFile]:
     the shape flags given (the shared expert keeps the routed experts' width)."""
     from exporter.presets import PRESETS
 
+    if any(getattr(opts, key) is not None for key in (*_LINEAR_FLAGS, "linear_head_dim")):
+        raise SystemExit("--linear-* are for the hybrid shapes")
     preset = PRESETS[GLM_PRESETS[opts.model]]
     values: dict[str, Any] = {}
     for key in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
@@ -1011,15 +1137,19 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("file", type=Path)
     w.add_argument(
         "--model",
-        choices=["llama3-8b", *sorted(PLAN_SHAPES), *sorted(GLM_PRESETS)],
+        choices=["llama3-8b", *sorted(PLAN_SHAPES), *sorted(GLM_PRESETS), *sorted(HYBRID_PRESETS)],
         default="llama3-8b",
-        help="the shape (cut with --layers; glm-4.5-air: exporter.presets' GLM-4.5-Air, glm4moe)",
+        help="the shape (cut with --layers; glm-4.5-air: exporter.presets' GLM-4.5-Air, glm4moe; "
+        "qwen3.6-35b-a3b: its Qwen3.6-35B-A3B, qwen35moe)",
     )
     add_shape_args(w, LLAMA3_8B)
     w.add_argument("--experts", type=int, help="routed experts a layer (MoE shapes)")
     w.add_argument("--experts-per-token", type=int)
     w.add_argument("--expert-intermediate", type=int, help="an expert's channels")
     w.add_argument("--first-dense", type=int, help="glm: the layers below it are dense")
+    w.add_argument("--linear-key-heads", type=int, help="hybrid: Gated DeltaNet key heads")
+    w.add_argument("--linear-value-heads", type=int, help="hybrid: Gated DeltaNet value heads")
+    w.add_argument("--linear-head-dim", type=int, help="hybrid: their key and value head size")
     w.add_argument(
         "--qwen3",
         action="store_true",
@@ -1058,7 +1188,11 @@ def main(argv: list[str] | None = None) -> None:
         write_dense_moe(opts.export, opts.out)
     elif opts.command == "write":
         started = time.monotonic()
-        if opts.model in GLM_PRESETS:
+        if opts.model in HYBRID_PRESETS:
+            hybrid, hybrid_file = hybrid_from(opts)
+            layers = hybrid.layers
+            size = write_hybrid_gguf(opts.file, hybrid, hybrid_file, opts.seed, opts.chunk_mib)
+        elif opts.model in GLM_PRESETS:
             if opts.qwen3:
                 raise SystemExit("--qwen3 is for the dense shapes")
             preset, file = glm_from(opts)
@@ -1067,6 +1201,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if opts.first_dense is not None:
                 raise SystemExit("--first-dense is for the glm shapes")
+            if any(getattr(opts, key) is not None for key in (*_LINEAR_FLAGS, "linear_head_dim")):
+                raise SystemExit("--linear-* are for the hybrid shapes")
             default = LLAMA3_8B if opts.model == "llama3-8b" else PLAN_SHAPES[opts.model][1]
             shape = shape_from(opts, default)
             if opts.qwen3:

@@ -838,6 +838,97 @@ def test_the_benchmarks_glm_stand_in_is_a_glm_4_5_air_shaped_glm4moe_file(tmp_pa
     assert len(tokens) == 8
 
 
+def test_the_benchmarks_qwen3_6_stand_in_is_a_qwen3_6_35b_a3b_shaped_qwen35moe_file(
+    tmp_path: Path,
+) -> None:
+    """``pipeshard bench gguf-export write --model qwen3.6-35b-a3b`` at a tiny shape: exactly
+    the tensors, shapes and llama-quantize Q4_K_M types of `pipeshard plan`'s Qwen3.6-35B-A3B
+    table cut to these layers (3 Gated DeltaNet layers then a gated full-attention one, attn_qkv
+    in Q5_K, Q6_K ffn_down on the use_more_bits layers and attn_v on the last full-attention
+    layer, a gated shared expert, conv kernels and routers F32), metadata the GGUF reader maps
+    to Qwen3.5-MoE's config (no MTP layer); its 2 stages run every linear-attention layer as one
+    GatedDeltaNet node and every expert layer as GatherMatmul, and decode."""
+    import dataclasses
+
+    from gguf import GGUFReader
+
+    from benchmarks.gguf_export import main as gguf_export_main
+    from exporter.gguf_reader import read_config
+    from exporter.presets import PRESETS, typed_tensors
+
+    path = tmp_path / "qwen36.gguf"
+    tiny = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=512)
+    moe = dict(experts=8, experts_per_token=2, expert_intermediate=256)
+    linear = dict(linear_key_heads=2, linear_value_heads=4, linear_head_dim=64)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**tiny, **moe, **linear}.items()]
+    gguf_export_main(["write", str(path), "--model", "qwen3.6-35b-a3b", "--layers", "8", *flags])
+
+    preset = dataclasses.replace(
+        PRESETS["qwen3.6-35b-a3b"],
+        layers=8,
+        **tiny,
+        **moe,
+        shared_expert_intermediate=256,
+        linear_key_heads=2,
+        linear_value_heads=4,
+        linear_key_dim=64,
+        linear_value_dim=64,
+    )
+    planned = {t.tensor.name: (t.tensor.shape, t.type) for t in typed_tensors(preset, "Q4_K_M")}
+    stored = {
+        t.name: (tuple(int(d) for d in reversed(t.shape.tolist())), t.tensor_type.name)
+        for t in GGUFReader(path).tensors
+    }
+    assert stored == planned
+    assert stored["blk.0.attn_qkv.weight"] == ((512, 256), "Q5_K")
+    assert stored["blk.0.ssm_conv1d.weight"] == ((512, 4), "F32")
+    assert stored["blk.0.ffn_down_exps.weight"] == ((8, 256, 256), "Q6_K")  # use_more_bits
+    assert stored["blk.1.ffn_down_exps.weight"] == ((8, 256, 256), "Q4_K")
+    assert stored["blk.3.attn_q.weight"] == ((512, 256), "Q4_K")  # the query and its gate
+    assert stored["blk.3.attn_v.weight"][1] == "Q4_K" and stored["blk.7.attn_v.weight"][1] == "Q6_K"
+    assert stored["blk.3.ffn_gate_inp_shexp.weight"] == ((1, 256), "F32")
+    assert "blk.0.attn_q.weight" not in stored and "blk.3.attn_qkv.weight" not in stored
+    assert "blk.8.attn_norm.weight" not in stored  # no MTP block
+
+    config = read_config(path)
+    assert config["model_type"] == "qwen3_5_moe_text"
+    expected = {
+        "num_hidden_layers": 8,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "head_dim": 64,
+        "vocab_size": 512,
+    }
+    assert {k: config[k] for k in expected} == expected
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert "mtp_num_hidden_layers" not in config
+
+    out = tmp_path / "out"
+    export_model(ExportOptions(model=str(path), out=out, stages=2, quiet=True))
+    manifest = load_manifest(out)
+    assert manifest.model.architecture == "qwen3_5_moe_text" and manifest.num_stages == 2
+    core = ov.Core()
+    for stage in manifest.stages:
+        compiled = core.compile_model(out / stage.model_xml, "CPU")
+        kinds = Counter(
+            str(op.get_rt_info()["layerType"].astype(str))
+            for op in compiled.get_runtime_model().get_ops()
+        )
+        local = range(stage.layer_start, stage.layer_end)
+        assert kinds["GatedDeltaNet"] == sum(1 for i in local if i % 4 != 3), kinds
+        assert kinds["GatherMatmul"] == 3 * len(local), kinds
+    tokens, _ = LocalChain(out, RunnerOptions()).greedy("s", PROMPTS[0], 8)
+    assert len(tokens) == 8
+
+
 def test_the_benchmarks_dense_active_stand_in_of_glm_s_shape(tmp_path: Path) -> None:
     """The dense model a GLM-4.5-Air cut is timed against: its active width (9 x 1408 = 12672
     channels, no multiple of 256) takes Q5_0 for ffn_down, or Q8_0 where Q4_K_M gives Q6_K, as
