@@ -229,3 +229,48 @@ def test_prefix_suite_compares_the_cache_on_and_off_side_by_side(
         line = next(x for x in report.splitlines() if target in x)
         assert line.endswith((": PASS", ": FAIL")), line
     assert set(data["targets"]) == {"multi_turn", "shared"}
+
+
+def test_attention_cost_times_a_hybrid_s_two_attention_layers(tmp_path: Path) -> None:
+    """`pipeshard bench attention-cost` on a tiny Qwen3.6-shaped stand-in GGUF: the linear layer
+    runs as one fused GatedDeltaNet node and the full one as SDPA, both decode at each context
+    and prefill, and the report and JSON hold both with their ratio; the full layer's KV cache
+    grows with the context while the linear layer's state does not."""
+    from benchmarks.attention_cost import main as attention_main
+    from benchmarks.gguf_export import main as gguf_export_main
+
+    path = tmp_path / "qwen36.gguf"
+    tiny = ["--hidden=256", "--heads=4", "--kv-heads=2", "--head-dim=64", "--vocab=512"]
+    tiny += ["--experts=4", "--experts-per-token=2", "--expert-intermediate=256"]
+    tiny += ["--linear-key-heads=2", "--linear-value-heads=4", "--linear-head-dim=64"]
+    gguf_export_main(["write", str(path), "--model", "qwen3.6-35b-a3b", "--layers", "4", *tiny])
+    results = tmp_path / "results"
+    args = [str(path), "--contexts", "8,40", "--chunk", "16", "--steps", "2", "--rounds", "2"]
+    assert attention_main([*args, "--results", str(results), "--name", "cost"]) == 0
+
+    data = json.loads(next(results.glob("cost-*.json")).read_text())
+    assert data["layers"] == {"linear_attention": 0, "full_attention": 3}
+    assert data["fused_ops"]["linear_attention"]["GatedDeltaNet"] == 1
+    assert data["fused_ops"]["full_attention"]["ScaledDotProductAttention"] == 1
+    assert len(data["rounds"]) == 2
+    decode = data["summary"]["decode"]
+    assert [row["context"] for row in decode] == [8, 40]
+    for row in decode:
+        assert row["linear_attention"] > 0 and row["full_attention"] > 0
+        assert row["ratio"] == pytest.approx(sum(row["ratio_rounds"]) / 2)  # their median
+    # KV: k and v, 2 heads of 64, f16, for every position so far (8 + 2 decoded, then 40 + 2)
+    assert decode[0]["full_attention_state_bytes"] == 2 * 2 * 64 * 10 * 2
+    assert decode[1]["full_attention_state_bytes"] == 2 * 2 * 64 * 42 * 2
+    # conv [2 * 2 * 64 + 4 * 64, 4] and recurrent [4, 64, 64] in f32, whatever the context
+    fixed = (512 * 4 + 4 * 64 * 64) * 4
+    assert (
+        decode[0]["linear_attention_state_bytes"]
+        == decode[1]["linear_attention_state_bytes"]
+        == fixed
+    )
+    first = data["summary"]["prefill_first"]
+    assert first["tokens"] == 8 and first["ratio"] > 0
+    assert [last["context"] for last in data["summary"]["prefill_last"]] == [8, 40]
+    report = next(results.glob("cost-*.md")).read_text()
+    assert "## Decode: one token after the context" in report
+    assert "| 40 |" in report and "the last 14 before 40" in report  # 10 -> 26 -> 40

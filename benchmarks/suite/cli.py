@@ -77,6 +77,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "benchmarks.mxfp4_forms",
         "gpt-oss's MXFP4 experts: run-time memory and speed of each exact form under GatherMatmul",
     ),
+    "attention-cost": (
+        "benchmarks.attention_cost",
+        "a hybrid's linear-attention layer against its full-attention layer: decode, prefill",
+    ),
     "stand-in": (
         "benchmarks.stand_in",
         "stand-in exports (real graphs, random weights) to time a model on a host it can't reach",
