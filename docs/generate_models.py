@@ -35,13 +35,16 @@ COMMANDS: list[tuple[str, str, bool]] = [
      "plan glm-4.5-air --quant Q4_K_M --hosts 2x64GB --hosts 4x32GB", True),
     ("GLM-4.5-Air and GLM-4.7", "plan glm-4.7 --quant Q2_K,Q3_K_M,Q4_K_M,Q8_0 --hosts 2x64GB "
      "--hosts 3x32GB --hosts 4x32GB --hosts 4x64GB --hosts 8x64GB", False),
+    # each model's Q4_K_M over its default hosts (2x32GB, 2x64GB, 3x64GB, 4x64GB) in full:
+    # every stage's weights, KV and recurrent state at 32k, and its export memory
     ("Qwen3.5 and Qwen3.6 (hybrid linear attention)", "plan qwen3.5-27b", False),
+    ("Qwen3.5 and Qwen3.6 (hybrid linear attention)", "plan qwen3.5-27b --quant Q4_K_M", True),
     ("Qwen3.5 and Qwen3.6 (hybrid linear attention)", "plan qwen3.6-35b-a3b", False),
-    ("Qwen3.5 and Qwen3.6 (hybrid linear attention)",
-     "plan qwen3.6-35b-a3b --quant Q4_K_M --hosts 2x32GB", True),
+    ("Qwen3.5 and Qwen3.6 (hybrid linear attention)", "plan qwen3.6-35b-a3b --quant Q4_K_M",
+     True),
     ("Qwen3.5 and Qwen3.6 (hybrid linear attention)", "plan qwen3.5-122b-a10b", False),
-    ("Qwen3.5 and Qwen3.6 (hybrid linear attention)",
-     "plan qwen3.5-122b-a10b --quant Q4_K_M --hosts 2x64GB", True),
+    ("Qwen3.5 and Qwen3.6 (hybrid linear attention)", "plan qwen3.5-122b-a10b --quant Q4_K_M",
+     True),
 ]  # fmt: skip
 
 
