@@ -61,38 +61,13 @@ def load(path: Path, context: int) -> tuple[Any, Any, Any]:
 
 
 def build_layer(recipe: Any, source: Any, layer: int) -> Any:
-    """Layer ``layer``'s input norm and attention (either kind) as a stateful model: inputs
-    ``inputs_embeds`` [B, T, H] (+ ``attention_mask``, ``position_ids`` for full attention),
-    ``beam_idx``; output the attention's [B, T, H]; its KV cache or conv and recurrent state as
-    the model's state."""
-    import openvino as ov
-    import openvino.opset13 as ops
-
-    from exporter.graph import StageSpec, _Builder
+    """Layer ``layer``'s input norm and attention (either kind) as a stateful model
+    (exporter.graph.build_attention_layer, then exporter.stateful as for a stage): its KV cache
+    or conv and recurrent state held as the model's state, behind ``beam_idx``."""
+    from exporter.graph import build_attention_layer
     from exporter.stateful import make_stateful
 
-    facts = recipe.facts
-    kind = facts.layer_types[layer]
-    builder = _Builder(recipe, source, StageSpec(layer, layer + 1))
-    x = ops.parameter([-1, -1, facts.hidden_size], ov.Type.f32, name="main_input")
-    x.output(0).get_tensor().set_names({"inputs_embeds"})
-    params: list[Any] = [x]
-    presents: list[Any] = []
-    normed = builder.norm(x.output(0), f"model.layers.{layer}.input_layernorm.weight")
-    if kind == "linear_attention":
-        out = builder.linear_attention(normed, layer, 0, params, presents)
-    else:
-        mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
-        positions = ops.parameter([-1, -1], ov.Type.i64, name="position_ids")
-        for param in (mask, positions):
-            param.output(0).get_tensor().set_names({param.get_friendly_name()})
-        params += [mask, positions]
-        masks = builder.masks(mask.output(0), positions.output(0))
-        rotary = builder.rotary(positions.output(0), kind)
-        out = builder.attention(normed, layer, 0, masks[kind], rotary, params, presents)
-    out.get_tensor().set_names({"hidden_states"})
-    results = [ops.result(out)] + [ops.result(p) for p in presents]
-    model = ov.Model(results, params, f"layer-{layer}-{kind}")
+    model = build_attention_layer(recipe, source, layer)
     make_stateful(model)
     return model
 

@@ -651,3 +651,33 @@ class _Builder:
 def build_stage(recipe: Recipe, source: WeightSource, stage: StageSpec) -> ov.Model:
     """The stage's model with past/present KV ports (not yet stateful)."""
     return _Builder(recipe, source, stage).build()
+
+
+def build_attention_layer(recipe: Recipe, source: WeightSource, layer: int) -> ov.Model:
+    """Layer ``layer``'s input RMSNorm and attention alone (either kind; the MLP left out), with
+    past/present state ports as a stage has them (not yet stateful): inputs ``inputs_embeds``
+    [B, T, H] and, for a full-attention layer, ``attention_mask`` and ``position_ids``; output
+    the attention's [B, T, H]. For timing one kind of layer against another
+    (``pipeshard bench attention-cost``)."""
+    builder = _Builder(recipe, source, StageSpec(layer, layer + 1))
+    facts = recipe.facts
+    kind = facts.layer_types[layer]
+    x = ops.parameter([-1, -1, facts.hidden_size], ov.Type.f32, name="main_input")
+    x.output(0).get_tensor().set_names({"inputs_embeds"})
+    params: list[ov.Node] = [x]
+    presents: list[Output] = []
+    normed = builder.norm(x.output(0), f"model.layers.{layer}.input_layernorm.weight")
+    if kind == "linear_attention":
+        out = builder.linear_attention(normed, layer, 0, params, presents)
+    else:
+        mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
+        positions = ops.parameter([-1, -1], ov.Type.i64, name="position_ids")
+        for param in (mask, positions):
+            param.output(0).get_tensor().set_names({param.get_friendly_name()})
+        params += [mask, positions]
+        masks = builder.masks(mask.output(0), positions.output(0))
+        rotary = builder.rotary(positions.output(0), kind)
+        out = builder.attention(normed, layer, 0, masks[kind], rotary, params, presents)
+    out.get_tensor().set_names({"hidden_states"})
+    results = [ops.result(out)] + [ops.result(p) for p in presents]
+    return ov.Model(results, params, f"layer-{layer}-{kind}")
