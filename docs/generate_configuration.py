@@ -89,6 +89,7 @@ SEE = {
     ("gateway", "start_timeout"): "api.md#starting-the-gateway",
     ("gateway", "health_interval"): "failures.md",
     ("gateway", "health_timeout"): "failures.md",
+    ("gateway", "link_loss_timeout"): "failures.md",
     ("gateway", "max_body_bytes"): "api.md#errors",
     ("gateway", "max_concurrent"): "scheduling.md#admission",
     ("gateway", "max_queued"): "scheduling.md#admission",

@@ -345,6 +345,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="seconds a stage may take to answer a probe ({default})",
     )
+    p.add_argument(
+        "--link-loss-timeout",
+        type=float,
+        help="seconds a stage or its link may not answer the probes before the steps in "
+        "flight through it count as lost ({default})",
+    )
     p.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     p.add_argument("--max-concurrent", type=int, help="choices generating at once ({default})")
     p.add_argument("--max-queued", type=int, help="choices waiting; beyond it 429 ({default})")

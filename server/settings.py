@@ -92,6 +92,15 @@ class GatewaySettings(BaseSettings):
     health_timeout: float = Field(
         default=1.0, gt=0, description="seconds a stage may take to answer a health probe"
     )
+    link_loss_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="seconds a stage (or its link to the next stage) may go without "
+        "answering the health probes before the steps in flight through it are abandoned "
+        "as lost (a cut link: nothing is refused, packets go nowhere); they wait for the "
+        "resume grace like those of a stage that went down. A stage busy with a long step "
+        "still answers its probes: its step has step_timeout",
+    )
     max_body_bytes: int = Field(default=4 * 2**20, gt=0, description="larger requests get 413")
     max_concurrent: int = Field(
         default=SCHEDULER_DEFAULTS.max_running,

@@ -18,7 +18,7 @@ from common import systemd
 from common.net import bind_problem, check_can_listen
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.manifest import MANIFEST_NAME, load_manifest, manifest_hash
-from protos.transport import CHANNEL_OPTIONS, MANIFEST_KEY, OPEN_METHODS, SECRET_KEY
+from protos.transport import MANIFEST_KEY, OPEN_METHODS, SECRET_KEY, SERVER_OPTIONS
 from shard_runtime.paged import GIB, PagedRunner, PagedStep
 from shard_runtime.runner import RunnerOptions, ShardRunner
 from stage_node.metrics import StageMetrics
@@ -175,7 +175,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
         interceptors=[StageGuard(secret, digest)],
         # gRPC's default SO_REUSEPORT would let a second stage (another fleet, an old process
         # that has not exited) bind the same port and take a share of the connections
-        options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+        options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
     )
     service = StageService(runner, settings, metrics, digest, manifest_json)
     pb_grpc.add_StageServicer_to_server(service, server)

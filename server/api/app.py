@@ -228,6 +228,7 @@ def grpc_ring(settings: GatewaySettings) -> PipelineClient:
         step_timeout=settings.step_timeout,
         health_interval=settings.health_interval,
         health_timeout=settings.health_timeout,
+        link_loss_timeout=settings.link_loss_timeout,
     )
 
 

@@ -7,8 +7,13 @@ It checks that the stages form one export's ring before use (same manifest hash,
 in order, layer ranges without gap or overlap), links each stage to the next, pushes steps to
 stage 0 on one long-lived stream and receives results from the last stage on a subscription.
 A health monitor marks stages up or down: a stage that refuses connections fails the steps in
-flight with UNAVAILABLE at once (and frees their sessions on the stages still up); a stalled one
-is caught by the step deadline. When a stage comes back, the ring is re-checked and re-linked.
+flight with UNAVAILABLE at once (and frees their sessions on the stages still up). A stage, or
+a stage's link to the next, that has not answered for ``link_loss_timeout`` (a cut link: packets
+go nowhere, nothing is refused) fails them the same way: the gateway's connection to it is
+replaced (cancelling the calls stalled on it), and when it answers again every stage's link is
+made afresh, so nothing waits on a connection that TCP is still backing off on. A stage that
+answers its probes but not a step is caught by the step deadline. When a stage comes back, the
+ring is re-checked and re-linked.
 Every failure leaves this module as a :class:`server.ring.RingError` of the kind its status
 code says (:func:`ring_error`).
 """
@@ -79,6 +84,17 @@ class StageState:
     bytes_in: int = 0
     stub: pb_grpc.StageStub | None = field(default=None, repr=False)
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    # The health probes' own connection (see PipelineClient._probe)
+    probe_stub: pb_grpc.StageStub | None = field(default=None, repr=False)
+    probe_channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    # when it last answered a probe, and when its link to the next stage was last seen up
+    # (time.monotonic); see PipelineClient._check_link_loss
+    answered_at: float = float("-inf")
+    linked_at: float = float("-inf")
+    # the steps in flight were abandoned for its silence or its link's: the links are made
+    # afresh before it counts as up again
+    cut_off: bool = False
+    silent: bool = False  # its last probe went unanswered (not refused)
 
 
 class PipelineClient:
@@ -92,6 +108,7 @@ class PipelineClient:
         step_timeout: float = 120.0,
         health_interval: float = 0.5,
         health_timeout: float = 1.0,
+        link_loss_timeout: float = 5.0,
         client_id: str | None = None,
     ) -> None:
         if not addresses:
@@ -103,6 +120,7 @@ class PipelineClient:
         self.step_timeout = step_timeout
         self.health_interval = health_interval
         self.health_timeout = health_timeout
+        self.link_loss_timeout = link_loss_timeout
         self.client_id = client_id or uuid.uuid4().hex
         self.manifest: ShardManifest | None = None
         self.manifest_hash: str | None = None
@@ -125,15 +143,24 @@ class PipelineClient:
     async def start(self, timeout: float = 120.0) -> ShardManifest:
         """Connect, check and link the ring; waits up to ``timeout`` for stages to come up."""
         for state in self.stages:
-            state.channel = open_channel(state.address, self.tls_ca, self.tls_server_name)
-            state.stub = pb_grpc.StageStub(state.channel)
+            self._open(state)
         infos = await self._wait_for_infos(timeout)
         self._check_ring(infos)
         await self._link()
         await self._subscribe()
+        now = time.monotonic()
+        for state in self.stages:
+            state.answered_at = state.linked_at = now
         self._tasks.append(asyncio.create_task(self._monitor()))
         assert self.manifest is not None
         return self.manifest
+
+    def _open(self, state: StageState) -> grpc.aio.Channel | None:
+        """A new connection for the steps and calls to ``state``; returns the old channel."""
+        old = state.channel
+        state.channel = open_channel(state.address, self.tls_ca, self.tls_server_name)
+        state.stub = pb_grpc.StageStub(state.channel)
+        return old
 
     async def _wait_for_infos(self, timeout: float) -> list[pb.StageInfo]:
         deadline = time.monotonic() + timeout
@@ -214,22 +241,29 @@ class PipelineClient:
         for state in self.stages:
             state.up, state.detail = True, "serving"
 
-    async def _link(self) -> None:
+    async def _link(self, fresh: bool = False) -> None:
+        """Link each stage to the next (and the last back to stage 0). ``fresh``: unlink every
+        stage first, so that each opens new connections: a link that went through a cut may
+        still be "connected" on a TCP connection backing off its retransmissions, and the
+        steps sent on it would wait for that (its calls are cancelled with it)."""
+        if fresh:
+            await asyncio.gather(*(self._link_one(s, "", "") for s in self.stages))
         calls = []
         for state in self.stages:
-            assert state.stub is not None
             last = state.index + 1 == len(self.stages)
             nxt = "" if last else self.stages[state.index + 1].address
             # the last stage links back to stage 0 for the ring's own steps (Step.follow)
             loop = self.stages[0].address if last and self.ring_loop else ""
-            calls.append(
-                state.stub.Link(
-                    pb.LinkRequest(next_address=nxt, loop_address=loop),
-                    metadata=self._metadata(),
-                    timeout=self.health_timeout * 2,
-                )
-            )
+            calls.append(self._link_one(state, nxt, loop))
         await asyncio.gather(*calls)
+
+    async def _link_one(self, state: StageState, nxt: str, loop: str) -> None:
+        assert state.stub is not None
+        await state.stub.Link(
+            pb.LinkRequest(next_address=nxt, loop_address=loop),
+            metadata=self._metadata(),
+            timeout=self.health_timeout * 2,
+        )
 
     async def _subscribe(self) -> None:
         last = self.stages[-1]
@@ -240,9 +274,11 @@ class PipelineClient:
         await call.initial_metadata()  # the last stage has registered our queue
         if self._results_task is not None:
             self._results_task.cancel()
-        self._results_task = asyncio.create_task(self._read_results(call))
+        self._results_task = asyncio.create_task(self._read_results(call, last.stub))
 
-    async def _read_results(self, call: AsyncIterator[pb.StepResult]) -> None:
+    async def _read_results(
+        self, call: AsyncIterator[pb.StepResult], stub: pb_grpc.StageStub
+    ) -> None:
         last = self.stages[-1]
         try:
             async for result in call:
@@ -264,19 +300,21 @@ class PipelineClient:
                         )
                     )
         except grpc.aio.AioRpcError as exc:
-            if not self._closed:
-                self._stage_down(self.stages[-1], exc.details() or exc.code().name)
+            # (not when its connection was replaced: _check_link_loss failed its steps)
+            if not self._closed and last.stub is stub:
+                self._stage_down(last, exc.details() or exc.code().name)
         except asyncio.CancelledError:
             pass
 
-    # -- health ----------------------------------------------------------------------------
+    # -- health ---------------------------------------------------------------------------
     async def _monitor(self) -> None:
         """Probe every stage each ``health_interval``, except while the ring proves itself:
         a result computed without error went through every stage and link, so until that
         result is an interval old, the stages that are up and linked are not probed (under
         load the probes would only take CPU from the stages). A stage that stalls stops the
         results, and the probes resume when the last one is an interval old (the worst case
-        of fixed ticks too)."""
+        of fixed ticks too). After each round, a stage or link silent for too long fails the
+        steps in flight (_check_link_loss)."""
         delay = self.health_interval
         while not self._closed:
             await asyncio.sleep(delay)
@@ -286,28 +324,93 @@ class PipelineClient:
             await asyncio.gather(
                 *(self._probe(s) for s in self.stages if not (proven and s.up and s.link_ok))
             )
+            self._check_link_loss()
 
     async def _probe(self, state: StageState) -> None:
-        assert state.stub is not None
+        """One health probe, on a connection of its own: it never waits behind a large step
+        on the steps' connection, and after a probe that failed the next one connects afresh,
+        so a stage behind a link that comes back is seen at once (the steps' connection may
+        still be backing off its retransmissions: see _check_link_loss)."""
+        if state.probe_channel is None:
+            state.probe_channel = open_channel(
+                state.address,
+                self.tls_ca,
+                self.tls_server_name,
+                options=[("grpc.use_local_subchannel_pool", 1)],
+            )
+            state.probe_stub = pb_grpc.StageStub(state.probe_channel)
+        assert state.probe_stub is not None
         self.probes_sent += 1
         try:
-            reply = await state.stub.Health(
+            reply = await state.probe_stub.Health(
                 pb.HealthRequest(), metadata=self._metadata(), timeout=self.health_timeout
             )
-            state.link_ok = reply.downstream_ok
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            channel, state.probe_channel, state.probe_stub = state.probe_channel, None, None
+            await channel.close()
+            # A stage that does not answer in time counts as silent (stalled, or cut off),
+            # and stays so while its probes fail: a new connection to a suspended process
+            # fails otherwise (the kernel accepts it, the handshake never comes), and that is
+            # no stage that went away. One that refuses at once went away.
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or state.silent:
                 state.detail = "not answering (stalled?)"
-                state.up = False
+                state.up, state.silent = False, True
             else:
                 self._stage_down(state, exc.details() or exc.code().name)
             return
-        if not state.up:
+        now = time.monotonic()
+        state.answered_at, state.silent = now, False
+        state.link_ok = reply.downstream_ok
+        if state.link_ok:
+            state.linked_at = now
+        if not state.up or (state.cut_off and state.link_ok):
             await self._recover(state)
+
+    def _check_link_loss(self) -> None:
+        """Fail the steps in flight through a stage that has not answered, or whose link to
+        the next stage has been down, for ``link_loss_timeout`` (a result from the ring
+        counts as an answer of every stage): they go the way of a stage that went down
+        (the engine waits for the ring to heal, then re-prefills). A stage merely busy with
+        a long step answers its probes (they run beside the inference call) and is not
+        touched; its step has the step deadline."""
+        now = time.monotonic()
+        alive = self._ring_alive_at
+        for state in self.stages:
+            if state.cut_off:
+                continue
+            silent = now - max(state.answered_at, alive)
+            unlinked = now - max(state.linked_at, alive)
+            # (a link to a stage that is down counts as that stage's failure)
+            nxt = self.stages[(state.index + 1) % len(self.stages)]
+            if state.silent and silent > self.link_loss_timeout:
+                why = f"has not answered for {silent:.1f}s"
+            elif not state.link_ok and nxt.up and unlinked > self.link_loss_timeout:
+                why = f"cannot reach stage {nxt.index} at {nxt.address} for {unlinked:.1f}s"
+            else:
+                continue
+            state.cut_off = True
+            in_flight = sum(1 for f, _ in self._pending.values() if not f.done())
+            log.warning(
+                "stage %d at %s %s: link lost; %d step(s) in flight abandoned",
+                state.index,
+                state.address,
+                why,
+                in_flight,
+            )
+            self._fail_pending(
+                StageUnavailable(f"stage {state.index} at {state.address} {why}", state.index)
+            )
+            if state.silent:
+                # its calls stalled on the old connection are cancelled (a late reply on
+                # them is never read); new calls connect afresh
+                old = self._open(state)
+                if old is not None:
+                    task = asyncio.create_task(old.close())
+                    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _stage_down(self, state: StageState, detail: str) -> None:
         was_up = state.up
-        state.up, state.detail = False, f"unavailable: {detail}"
+        state.up, state.silent, state.detail = False, False, f"unavailable: {detail}"
         if was_up:
             log.warning("stage %d at %s is down: %s", state.index, state.address, detail)
         self._fail_pending(
@@ -341,15 +444,22 @@ class PipelineClient:
                 f"came back serving stage {info.stage_index} of export {info.manifest_sha256}"
             )
             return
+        # after a link loss every stage links afresh (see _link)
+        fresh = [s for s in self.stages if s.cut_off]
         try:
-            await self._link()
+            await self._link(fresh=bool(fresh))
             if state is self.stages[-1] or self._results_task is None or self._results_task.done():
                 await self._subscribe()
         except grpc.aio.AioRpcError as exc:
             state.detail = f"reconnecting: {exc.details()}"
             return
+        for cut in fresh:
+            cut.cut_off = False
+        if state.up:
+            log.info("stage %d at %s: its link is back; linked afresh", state.index, state.address)
+        else:
+            log.info("stage %d at %s is back", state.index, state.address)
         state.up, state.detail = True, "serving"
-        log.info("stage %d at %s is back", state.index, state.address)
         if state.unreleased:
             await self._release_on(state, sorted(state.unreleased))
 
@@ -387,7 +497,7 @@ class PipelineClient:
 
     @property
     def ready(self) -> bool:
-        return all(s.up and s.link_ok for s in self.stages)
+        return all(s.up and s.link_ok and not s.cut_off for s in self.stages)
 
     def check_ready(self) -> None:
         """Raise UNAVAILABLE naming the first stage that is down or cut off from the next."""
@@ -399,19 +509,23 @@ class PipelineClient:
                     f"stage {state.index} at {state.address} is {state.detail}",
                     state.index,
                 )
-            if not state.link_ok:
-                nxt = self.stages[state.index + 1]
+            if not state.link_ok or state.cut_off:
+                nxt = self.stages[(state.index + 1) % len(self.stages)]
                 raise StageUnavailable(
-                    f"stage {state.index} cannot reach stage {nxt.index} at {nxt.address}",
-                    nxt.index,
+                    f"stage {state.index} cannot reach stage {nxt.index} at {nxt.address}"
+                    if not state.link_ok
+                    else f"stage {state.index} at {state.address} is linking afresh after a "
+                    "link loss",
+                    nxt.index if not state.link_ok else state.index,
                 )
 
     # -- steps -----------------------------------------------------------------------------
     async def _run_push(self) -> None:
         first = self.stages[0]
-        assert first.stub is not None
+        stub = first.stub
+        assert stub is not None
         try:
-            call = first.stub.Push(metadata=self._metadata())
+            call = stub.Push(metadata=self._metadata())
             # The call ends only when its stream breaks or stage 0 ends it (stopping). Its end
             # goes into the queue as a marker: noticed at once, not at the first write after
             # the stage is back (which would lose that step too).
@@ -424,7 +538,8 @@ class PipelineClient:
         except asyncio.CancelledError:
             pass
         except Exception as exc:
-            if not self._closed:
+            # (not when its connection was replaced: _check_link_loss failed its steps)
+            if not self._closed and first.stub is stub:
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self._stage_down(first, detail or type(exc).__name__)
             # what is still queued was failed with the rest (_fail_pending): never send it
@@ -633,8 +748,9 @@ class PipelineClient:
                     await task
         self._fail_pending(RingError("pipeline client closed"))
         for state in self.stages:
-            if state.channel is not None:
-                await state.channel.close()
+            for channel in (state.channel, state.probe_channel):
+                if channel is not None:
+                    await channel.close()
 
 
 def _status_code(value: int) -> grpc.StatusCode:
