@@ -389,9 +389,9 @@ class PipelineClient:
             else:
                 continue
             state.cut_off = True
-            in_flight = sum(1 for f, _ in self._pending.values() if not f.done())
+            in_flight = len({sid for f, sid in self._pending.values() if not f.done()})
             log.warning(
-                "stage %d at %s %s: link lost; %d step(s) in flight abandoned",
+                "stage %d at %s %s: link lost; the steps in flight of %d session(s) abandoned",
                 state.index,
                 state.address,
                 why,
@@ -453,8 +453,12 @@ class PipelineClient:
         except grpc.aio.AioRpcError as exc:
             state.detail = f"reconnecting: {exc.details()}"
             return
+        now = time.monotonic()
         for cut in fresh:
             cut.cut_off = False
+        if fresh:  # every link is new: none has been down for long (see _check_link_loss)
+            for other in self.stages:
+                other.linked_at = max(other.linked_at, now)
         if state.up:
             log.info("stage %d at %s: its link is back; linked afresh", state.index, state.address)
         else:
