@@ -400,6 +400,7 @@ class PipelineClient:
             self._fail_pending(
                 StageUnavailable(f"stage {state.index} at {state.address} {why}", state.index)
             )
+            self._drop_queued_steps()
             if state.silent:
                 # its calls stalled on the old connection are cancelled (a late reply on
                 # them is never read); new calls connect afresh
@@ -407,6 +408,17 @@ class PipelineClient:
                 if old is not None:
                     task = asyncio.create_task(old.close())
                     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _drop_queued_steps(self) -> None:
+        """Steps still waiting for the Push stream were failed with the rest: never send them
+        (a first chunk would open a session nobody frees). The ends of Push calls stay."""
+        kept = []
+        while not self._push_queue.empty():
+            item = self._push_queue.get_nowait()
+            if not isinstance(item, pb.Step):
+                kept.append(item)
+        for item in kept:
+            self._push_queue.put_nowait(item)
 
     def _stage_down(self, state: StageState, detail: str) -> None:
         was_up = state.up
