@@ -356,6 +356,15 @@ class GatewaySettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _check_link_loss(self) -> GatewaySettings:
+        if self.link_loss_timeout <= self.health_timeout:
+            raise ValueError(
+                f"link_loss_timeout ({self.link_loss_timeout:g}) must be longer than "
+                f"health_timeout ({self.health_timeout:g}): one slow probe is no lost link"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_batching(self) -> GatewaySettings:
         if not self.batching and self.micro_batch_groups is not None:
             raise ValueError(

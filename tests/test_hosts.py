@@ -353,6 +353,13 @@ def test_a_cut_longer_than_the_link_loss_timeout_resumes_as_soon_as_the_link_is_
     assert again - times["back"] < 6.0, again - times["back"]
     assert ended - times["cut"] < STEP_TIMEOUT / 3, ended - times["cut"]
     wait_ready(fleet, 200)
+    # the abandoned session is freed on every stage (where the cut kept the gateway from it,
+    # once the stage is back), and no abandoned step's failure went unhandled
+    deadline = time.monotonic() + 10
+    while any(metric(url, fleet.verify, "pipeshard_stage_sessions") for url in fleet.metrics):
+        assert time.monotonic() < deadline, "sessions left on the stages"
+        time.sleep(0.2)
+    assert "never retrieved" not in fleet.gateway.log.read_text()
 
 
 @needs_lab

@@ -27,8 +27,8 @@ from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_sta
 
 pytestmark = pytest.mark.integration
 
-LINK_LOSS_S = 1.0
-SLOW_PREFILL_S = 4.0  # several link-loss timeouts
+LINK_LOSS_S = 1.5  # (longer than a probe's timeout, 1 s, as it must be)
+SLOW_PREFILL_S = 5.0  # several link-loss timeouts
 
 # Makes a stage's inference calls on a prompt's first chunk that much slower, the way a slow
 # device would: the sleep releases the GIL as an OpenVINO call does.

@@ -112,11 +112,19 @@ def test_no_batching_gives_every_running_request_a_group_of_its_own() -> None:
 def test_health_probes_follow_the_settings(capsys: pytest.CaptureFixture[str]) -> None:
     from server.api.app import create_app
 
-    app = create_app(GatewaySettings(stages=["h:1"], health_interval=3, health_timeout=0.25))
-    pipeline = app.state.gateway.pipeline
+    settings = GatewaySettings(
+        stages=["h:1"], health_interval=3, health_timeout=0.25, link_loss_timeout=2.5
+    )
+    pipeline = create_app(settings).state.gateway.pipeline
     assert (pipeline.health_interval, pipeline.health_timeout) == (3, 0.25)
+    assert pipeline.link_loss_timeout == 2.5
     assert main(["serve", "--stages", "h:1", "--health-interval", "0"]) == 2
     assert "health_interval: Input should be greater than 0" in capsys.readouterr().err
+    # one probe that times out is no lost link
+    assert main(["serve", "--stages", "h:1", "--link-loss-timeout", "1"]) == 2
+    assert "link_loss_timeout (1) must be longer than health_timeout (1)" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.integration
