@@ -99,7 +99,7 @@ class GatewaySettings(BaseSettings):
         "answering the health probes before the steps in flight through it are abandoned "
         "as lost (a cut link: nothing is refused, packets go nowhere); they wait for the "
         "resume grace like those of a stage that went down. A stage busy with a long step "
-        "still answers its probes: its step has step_timeout",
+        "still answers its probes: its step has step_timeout. Longer than health_timeout",
     )
     max_body_bytes: int = Field(default=4 * 2**20, gt=0, description="larger requests get 413")
     max_concurrent: int = Field(
