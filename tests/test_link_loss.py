@@ -139,15 +139,17 @@ def test_a_long_step_on_a_stage_that_answers_is_not_taken_for_a_lost_link(
             proc.stop()
 
 
+# the default gateway, and one without batching, where the ring decodes on its own
+@pytest.mark.parametrize("mode", [[], ["--no-batching"]], ids=["batching", "ring-decode"])
 def test_a_stage_that_stops_answering_loses_its_steps_after_the_link_loss_timeout(
-    tmp_path: Path,
+    tmp_path: Path, mode: list[str]
 ) -> None:
     """Stage 1 suspended mid-stream (it answers nothing, as behind a cut cable): with a step
     deadline of 60 s the stream still ends within the link-loss timeout, the probes' period
     and the grace (0 here), with code stage_unavailable; resumed, the fleet serves again."""
     _, export = export_chat_model(tmp_path)
     procs, addresses = start_stages(export, tmp_path)
-    flags = ["--link-loss-timeout", str(LINK_LOSS_S), "--step-timeout", "60"]
+    flags = ["--link-loss-timeout", str(LINK_LOSS_S), "--step-timeout", "60", *mode]
     gateway, url = start_gateway(
         addresses, tmp_path / "gateway.log", [*flags, "--resume-grace", "0"]
     )
