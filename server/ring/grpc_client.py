@@ -132,6 +132,7 @@ class PipelineClient:
         self._push_task: asyncio.Task[None] | None = None
         self._results_task: asyncio.Task[None] | None = None
         self._closed = False
+        self._relinking = asyncio.Lock()  # one stage's recovery links the ring at a time
         # when the last stage last sent a result without an error (see _monitor)
         self._ring_alive_at = float("-inf")
         self.probes_sent = 0
@@ -456,21 +457,23 @@ class PipelineClient:
                 f"came back serving stage {info.stage_index} of export {info.manifest_sha256}"
             )
             return
-        # after a link loss every stage links afresh (see _link)
-        fresh = [s for s in self.stages if s.cut_off]
-        try:
-            await self._link(fresh=bool(fresh))
-            if state is self.stages[-1] or self._results_task is None or self._results_task.done():
-                await self._subscribe()
-        except grpc.aio.AioRpcError as exc:
-            state.detail = f"reconnecting: {exc.details()}"
-            return
-        now = time.monotonic()
-        for cut in fresh:
-            cut.cut_off = False
-        if fresh:  # every link is new: none has been down for long (see _check_link_loss)
-            for other in self.stages:
-                other.linked_at = max(other.linked_at, now)
+        async with self._relinking:
+            # after a link loss every stage links afresh (see _link)
+            fresh = [s for s in self.stages if s.cut_off]
+            try:
+                await self._link(fresh=bool(fresh))
+                results = self._results_task
+                if state is self.stages[-1] or results is None or results.done():
+                    await self._subscribe()
+            except grpc.aio.AioRpcError as exc:
+                state.detail = f"reconnecting: {exc.details()}"
+                return
+            now = time.monotonic()
+            for cut in fresh:
+                cut.cut_off = False
+            if fresh:  # every link is new: none has been down for long (_check_link_loss)
+                for other in self.stages:
+                    other.linked_at = max(other.linked_at, now)
         if state.up:
             log.info("stage %d at %s: its link is back; linked afresh", state.index, state.address)
         else:
