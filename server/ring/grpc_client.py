@@ -273,9 +273,28 @@ class PipelineClient:
             pb.ResultsRequest(client_id=self.client_id), metadata=self._metadata()
         )
         await call.initial_metadata()  # the last stage has registered our queue
-        if self._results_task is not None:
-            self._results_task.cancel()
-        self._results_task = asyncio.create_task(self._read_results(call, last.stub))
+        old, self._results_task = (
+            self._results_task,
+            asyncio.create_task(self._read_results(call, last.stub)),
+        )
+        if old is not None and not old.done():
+            # (the last stage came back from a silence) results it sent on the old
+            # subscription before this one may still be on their way (a connection that TCP
+            # is retransmitting on): it is read until the steps then in flight have ended
+            waiting = [f for f, _ in self._pending.values() if not f.done()]
+            if waiting:
+                retire = asyncio.create_task(self._retire(old, waiting))
+                self._tasks.append(retire)  # (cancelled on close)
+                retire.add_done_callback(self._tasks.remove)
+            else:
+                old.cancel()
+
+    @staticmethod
+    async def _retire(reader: asyncio.Task[None], steps: list[asyncio.Future[StepOutput]]) -> None:
+        try:
+            await asyncio.wait(steps)
+        finally:
+            reader.cancel()
 
     async def _read_results(
         self, call: AsyncIterator[pb.StepResult], stub: pb_grpc.StageStub
