@@ -187,8 +187,9 @@ class ShardBase:
         file-backed memory next to the copies, about twice the stage's weights. Those pages
         are clean and shared read-only, so MADV_DONTNEED only unmaps them from this process:
         whatever is still read from the file faults back in from the page cache, and the rest
-        is page cache the kernel may reclaim. Linux only; elsewhere (or if the call fails) a
-        no-op."""
+        is page cache the kernel may reclaim (in a process holding several stages with one
+        cache folder, their blobs' pages too: they fault back alike). Linux only; elsewhere
+        (or if the call fails) a no-op."""
         if not sys.platform.startswith("linux"):
             return 0
         weights = str(self.model_xml.with_suffix(".bin").resolve())
