@@ -332,6 +332,7 @@ class PagedRunner(ShardBase):
         self.compiled = core.compile_model(
             model, self.options.device, self.options.compile_properties()
         )
+        self.release_weight_pages()
         self.request = self.compiled.create_infer_request()
         caches = [p for p in self.compiled.inputs if "_cache." in p.get_any_name()]
         # Cache shapes come from the compiled model ([blocks, kv heads, block size, head dim]

@@ -106,6 +106,9 @@ def warm_up(runner: ShardRunner | PagedRunner) -> None:
                 runner.forward(session, chunk, np.arange(start, start + len(chunk)))
     finally:
         runner.release(session)
+    # The first inference read weights the plugin then keeps in its own form: drop the pages
+    # of the mapped weights file they came from (ShardBase.release_weight_pages)
+    runner.release_weight_pages()
     log.info("warmed up in %.2f s", time.perf_counter() - started)
 
 
