@@ -226,15 +226,92 @@ class BlockManager:
         return len(table.blocks)
 
 
+class StateSlots:
+    """Slots of a hybrid stage's linear-attention state tables (one row of every conv and
+    recurrent state table per slot) and which states each session can return to.
+
+    A session's state is fixed-size, not per position: it is kept by position, ``{position:
+    slot}``, the state after that many positions. The latest one is always kept (the next
+    step reads it); the ones after each of the last ``window`` positions too where the calls
+    that fed them stored them (see :meth:`PagedRunner.forward`), so a rollback of up to
+    ``window`` positions selects an earlier slot instead of computing anything again.
+    """
+
+    def __init__(self, num_slots: int, window: int) -> None:
+        if num_slots < 1:
+            raise ValueError("a state pool needs at least one slot")
+        self.num_slots = num_slots
+        self.window = window
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.states: dict[str, dict[int, int]] = {}
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def take(self, count: int, why: str) -> list[int]:
+        if count > len(self._free):
+            raise BlocksExhausted(
+                f"state slots exhausted: {why} needs {count} linear-attention state slot(s), "
+                f"{len(self._free)} of {self.num_slots} are free"
+            )
+        return [self._free.pop() for _ in range(count)]
+
+    def give(self, slots: list[int]) -> None:
+        self._free.extend(reversed(slots))
+
+    def keep(self, session_id: str, length: int, below: int | None = None) -> None:
+        """Drop the session's states that a rollback from ``length`` cannot reach (further
+        back than ``window``) and those after ``length``; ``below``: also every state before
+        that position but the one at ``length``."""
+        held = self.states.get(session_id)
+        if not held:
+            return
+        floor = length - self.window if below is None else below
+        drop = [p for p in held if p != length and (p < floor or p > length)]
+        self.give([held.pop(p) for p in drop])
+
+    def release(self, session_id: str) -> None:
+        held = self.states.pop(session_id, None)
+        if held:
+            self.give(list(held.values()))
+
+
 def paged_model(
-    model: ov.Model, is_first: bool, is_last: bool, windows: list[int] | None = None
+    model: ov.Model,
+    is_first: bool,
+    is_last: bool,
+    windows: list[int] | None = None,
+    recurrent: bool = False,
 ) -> ov.Model:
     """Turn a stateful stage IR into a PagedAttention one (in place; returns it).
 
     ``windows``: per layer of the stage, its sliding window (0: full attention); the stage's
-    own masks carried it, and the transformation drops masks."""
+    own masks carried it, and the transformation drops masks.
+
+    ``recurrent``: the stage holds a hybrid model's linear-attention layers, which the
+    transformation turns into ``PagedCausalConv1D`` + ``PagedGatedDeltaNet`` over state tables
+    (``conv_state_table.N``, ``gated_delta_state_table.N``) and ``la.*`` inputs. Its fusions
+    check shapes as they go, so the main input takes its packed shape first; and it refuses a
+    model without attention, so a stage of linear-attention layers only gets a placeholder
+    attention (one head of width one over the positions, its output times zero)."""
     from openvino._offline_transformations import paged_attention_transformation
 
+    main = "input_ids" if is_first else "inputs_embeds"
+    if recurrent:
+        if not any(op.get_type_name() == "ScaledDotProductAttention" for op in model.get_ops()):
+            _add_placeholder_attention(model)
+            model.validate_nodes_and_infer_types()
+        for param in model.get_parameters():
+            if main in param.output(0).get_names():
+                # the transformation unsqueezes the main input at axis 1 itself (see below);
+                # the graph is checked again once it has
+                shape = [-1] if is_first else [-1, param.get_partial_shape()[2]]
+                param.set_partial_shape(ov.PartialShape(shape))
     paged_attention_transformation(model, False, False)
     attention = [op for op in model.get_ordered_ops() if op.get_type_name() == PAGED_OP]
     if windows is not None and any(windows):
@@ -247,10 +324,9 @@ def paged_model(
                 op.input(SLIDING_WINDOW_INPUT).replace_source_output(
                     ops.constant(np.int32(window)).output(0)
                 )
-    main = "input_ids" if is_first else "inputs_embeds"
     for param in list(model.get_parameters()):
         names = param.output(0).get_names()
-        if main in names:
+        if main in names and not recurrent:  # a hybrid's: shaped before the transformation
             # The transformation unsqueezes the main input at axis 1 itself: the caller
             # passes the packed tokens of every session, [T] or [T, H].
             shape = [-1] if is_first else [-1, param.get_partial_shape()[2]]
@@ -259,6 +335,49 @@ def paged_model(
             _gather_logit_rows(model, param)
     model.validate_nodes_and_infer_types()
     return model
+
+
+def _add_placeholder_attention(model: ov.Model) -> None:
+    """Give a stage without attention layers an attention the paged transformation can work
+    on: one head of width one over the positions (a KV state beside the stage's own, behind
+    the same ``beam_idx`` Gather), whose output, summed and times zero, is added to the first
+    output. It adds a tiny KV cache (``key_cache.0``, ``value_cache.0``) and changes no number."""
+    from openvino.op.util import Variable, VariableInfo
+
+    params = {name: p for p in model.get_parameters() for name in p.output(0).get_names()}
+    positions, beam = params["position_ids"], params["beam_idx"]
+    row = ops.convert(positions, ov.Type.f32)  # [B, T]
+    x = ops.unsqueeze(ops.unsqueeze(row, ops.constant(np.int64(1))), ops.constant(np.int64(-1)))
+    batch = ops.gather(
+        ops.shape_of(positions), ops.constant(np.array([0], dtype=np.int64)), ops.constant(0)
+    )
+    empty = ops.concat([batch, ops.constant(np.array([1, 0, 1], dtype=np.int64))], 0)
+    kv = []
+    for kind in ("key", "value"):
+        info = VariableInfo()
+        info.data_shape = ov.PartialShape([-1, 1, -1, 1])
+        info.data_type = ov.Type.f32
+        info.variable_id = f"past_key_values.placeholder.{kind}"
+        variable = Variable(info)
+        past = ops.read_value(ops.broadcast(ops.constant(np.float32(0)), empty), variable)
+        full = ops.concat([ops.gather(past, beam, ops.constant(np.int64(0))), x], 2)
+        model.add_sinks([ops.assign(full, variable)])
+        model.add_variables([variable])
+        kv.append(full)
+    attended = ops.scaled_dot_product_attention(
+        x,
+        kv[0],
+        kv[1],
+        ops.constant(np.zeros((1, 1, 1, 1), np.float32)),
+        ops.constant(np.float32(1.0)),
+        causal=False,
+    )
+    total = ops.reduce_sum(attended, ops.constant(np.array([0, 1, 2, 3], dtype=np.int64)), False)
+    zero = ops.multiply(total, ops.constant(np.float32(0.0)))
+    result = model.get_results()[0]
+    result.input(0).replace_source_output(
+        ops.add(result.input(0).get_source_output(), zero).output(0)
+    )
 
 
 def _gather_logit_rows(model: ov.Model, num_logits: Any) -> None:
@@ -309,18 +428,24 @@ class PagedRunner(ShardBase):
         core: ov.Core | None = None,
         manifest: ShardManifest | None = None,
         pad_lone_rows: bool | None = None,
+        state_cache_bytes: int | None = None,
+        state_window: int = 8,
     ) -> None:
         """``prefix_cache_blocks``: cached blocks no session holds kept at most (None: as many
         as are free; 0: no prefix cache). ``pad_lone_rows``: whether one-row calls are padded
-        to two (None: where this machine needs it for batch invariance, measured at load)."""
+        to two (None: where this machine needs it for batch invariance, measured at load).
+
+        A hybrid model's stage (linear-attention layers) also holds a pool of state slots
+        (:class:`StateSlots`): ``state_cache_bytes`` of them at most (None: as much as the KV
+        pool), and no more than ``max_sessions`` sessions can use (``state_window`` + 2 each;
+        3 at least). ``state_window``: how many positions a session can be rolled back (a
+        speculative verification's rejected tokens, a draft's proposals): the states after
+        each of its last ``state_window`` positions are kept where they were fed in calls of
+        at most ``state_window`` positions."""
         super().__init__(export_dir, stage_index, options, manifest=manifest)
-        if self.recurrent_layers:
-            raise ValueError(
-                f"stage {self.stage.index} of {self.manifest.model.model_id} holds "
-                f"linear-attention layers {self.recurrent_layers} (a hybrid model's recurrent "
-                "state): the paged KV backend does not serve them yet (nor its prefix cache); "
-                "use --kv-backend stateful"
-            )
+        if state_window < 0:
+            raise ValueError(f"state_window must be at least 0, got {state_window}")
+        recurrent = bool(self.recurrent_layers)
         core = core or ov.Core()
         facts = self.manifest.model
         layer_types = facts.layer_types[self.stage.layer_start : self.stage.layer_end]
@@ -328,7 +453,9 @@ class PagedRunner(ShardBase):
             (facts.sliding_window or 0) if kind == "sliding_attention" else 0
             for kind in layer_types
         ]
-        model = paged_model(core.read_model(self.model_xml), self.is_first, self.is_last, windows)
+        model = paged_model(
+            core.read_model(self.model_xml), self.is_first, self.is_last, windows, recurrent
+        )
         self.compiled = core.compile_model(
             model, self.options.device, self.options.compile_properties()
         )
@@ -356,11 +483,30 @@ class PagedRunner(ShardBase):
         # subsequences, and where this machine computes a lone row differently from a row
         # among others, one block kept aside to pad one-row calls.
         cpu = self.options.device.upper().startswith("CPU")
-        self._split_verification = self.options.batch_invariant and cpu
+        # A hybrid's verification stays one subsequence: one-position subsequences of one
+        # session would update its recurrent state side by side (the kernel runs sequences in
+        # parallel), so it takes the several-token attention path, as the stateful backend does.
+        self._split_verification = self.options.batch_invariant and cpu and not recurrent
         self._scratch_block: int | None = None
+        if recurrent and prefix_cache_blocks != 0:
+            log.info(
+                "prefix cache off: stage %d holds linear-attention layers %s, whose state at a "
+                "cached prefix's end is not kept",
+                self.stage.index,
+                self.recurrent_layers,
+            )
+            prefix_cache_blocks = 0
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache_blocks)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
+        # hybrid stages: the linear-attention state tables, a slot per row
+        self._tables: list[ov.Tensor] = []
+        self.states: StateSlots | None = None
+        self.state_cache_bytes = 0
+        self._pending: dict[str, tuple[int, int, list[int]]] = {}  # (interval, read, writes)
+        self._scratch_slot = -1
+        if recurrent:
+            self._make_state_tables(state_cache_bytes or kv_cache_bytes, state_window)
         if pad_lone_rows is None:
             pad_lone_rows = (
                 self._split_verification and num_blocks > 1 and not self.lone_row_is_invariant()
@@ -368,6 +514,8 @@ class PagedRunner(ShardBase):
         if pad_lone_rows and num_blocks > 1:
             self._scratch_block = num_blocks - 1
             self.blocks = BlockManager(num_blocks - 1, block_size, prefix_cache_blocks)
+            if self.states is not None:  # where the pad row writes its state
+                (self._scratch_slot,) = self.states.take(1, "the pad row")
         # On a stage with MoE layers the pad row is a copy of the lone row (see forward), so
         # that it routes to the same experts instead of paying for its own.
         self._pad_with_copy = self._scratch_block is not None and self._has_experts()
@@ -379,6 +527,40 @@ class PagedRunner(ShardBase):
             caches[0].get_element_type(),
             "; one-row calls padded to two" if self._scratch_block is not None else "",
         )
+        if self.states is not None:
+            log.info(
+                "linear-attention state: %d slots of %.2f MiB, %.1f MiB (layers %s; rollback "
+                "up to %d positions)",
+                self.states.num_slots,
+                self._slot_bytes / (1 << 20),
+                self.state_cache_bytes / (1 << 20),
+                self.recurrent_layers,
+                self.states.window,
+            )
+
+    def _make_state_tables(self, budget: int, window: int) -> None:
+        """Allocate the state tables: as many slots as ``budget`` bytes hold, no more than the
+        sessions can use, 3 at least (a session's read and write slots, a pad's)."""
+        ports = [p for p in self.compiled.inputs if "state_table." in p.get_any_name()]
+        rows = {
+            p.get_any_name(): [d.get_length() for d in p.get_partial_shape()[1:]] for p in ports
+        }
+        self._slot_bytes = sum(
+            int(np.prod(rows[p.get_any_name()])) * p.get_element_type().size for p in ports
+        )
+        usable = self.options.max_sessions * (window + 2) + 1
+        num_slots = max(3, min(usable, budget // max(1, self._slot_bytes)))
+        for port in ports:
+            tensor = ov.Tensor(port.get_element_type(), [num_slots, *rows[port.get_any_name()]])
+            self.request.set_tensor(port.get_any_name(), tensor)
+            self._tables.append(tensor)
+        self.states = StateSlots(num_slots, window)
+        self.state_cache_bytes = num_slots * self._slot_bytes
+
+    def _zero_slot(self, slot: int) -> None:
+        """A new session's initial state: zeros in every table."""
+        for tensor in self._tables:
+            tensor.data[slot] = 0
 
     def _has_experts(self) -> bool:
         """Whether the compiled stage computes MoE experts (GatherMatmul nodes)."""
@@ -475,6 +657,9 @@ class PagedRunner(ShardBase):
 
     def release(self, session_id: str) -> bool:
         with self._lock:
+            if self.states is not None:
+                self._give_back_pending(session_id)
+                self.states.release(session_id)
             return self.blocks.release(session_id)
 
     def release_idle(self, max_idle_s: float) -> list[str]:
@@ -483,6 +668,9 @@ class PagedRunner(ShardBase):
             idle = [sid for sid, t in self.blocks.tables.items() if t.last_used < cutoff]
             for sid in idle:
                 self.blocks.release(sid)
+                if self.states is not None:
+                    self._give_back_pending(sid)
+                    self.states.release(sid)
         return idle
 
     def rollback(self, session_id: str, count: int) -> None:
@@ -493,7 +681,22 @@ class PagedRunner(ShardBase):
                 raise InvalidStageInput(
                     f"cannot roll back {count} positions of a session holding {table.length}"
                 )
-            self.blocks.truncate(session_id, table.length - count)
+            keep = table.length - count
+            if self.states is not None and count:
+                held = self.states.states.get(session_id, {})
+                if keep == 0:  # back to the start: zeros again, when it is next fed
+                    self.states.release(session_id)
+                elif keep not in held:
+                    raise InvalidStageInput(
+                        f"stage {self.stage.index} cannot roll back {count} positions: its "
+                        f"linear-attention layers {self.recurrent_layers} hold a recurrent "
+                        f"state, kept only after each of the last {self.states.window} "
+                        "positions fed in calls of at most as many positions (positions "
+                        f"{sorted(held)} of {table.length} here)"
+                    )
+                else:
+                    self.states.keep(session_id, keep)
+            self.blocks.truncate(session_id, keep)
 
     def acquire(self, session_id: str, hashes: list[bytes]) -> int:
         """Open a session on the cached blocks of its prefix (see BlockManager.acquire); the
@@ -540,12 +743,60 @@ class PagedRunner(ShardBase):
                 self.blocks.open(step.session_id)
                 try:
                     self.blocks.grow(step.session_id, count)
+                    self._place_states(step)
                 except BlocksExhausted:
                     self.blocks.release(step.session_id)
                     raise
                 return
             self.check_step(step.session_id, table.length, count, step.start, step.num_logits)
             self.blocks.grow(step.session_id, table.length + count)
+            try:
+                self._place_states(step)
+            except BlocksExhausted:
+                self.blocks.truncate(step.session_id, table.length)  # the reserved blocks back
+                raise
+
+    def _place_states(self, step: PagedStep) -> None:
+        """A hybrid stage: reserve the state slots a step writes (holding the lock). A call of
+        at most ``window`` positions stores the state after each of them
+        (``la.cache_interval`` 1: a later rollback into it selects one), a longer one only the
+        last (interval 0). States the step pushes out of the window are let go first."""
+        if self.states is None:
+            return
+        sid, count = step.session_id, len(step.data)
+        self._give_back_pending(sid)
+        interval = 1 if count <= self.states.window else 0
+        held = self.states.states.setdefault(sid, {})
+        fresh = step.start not in held
+        if fresh and step.start:
+            raise InvalidStageInput(f"session {sid!r} holds no state at position {step.start}")
+        below = step.start + count - self.states.window
+        need = (count if interval else 1) + fresh
+        going = sum(1 for p in held if p != step.start and p < below)
+        if need > self.states.free + going:  # refused before anything changes
+            self.states.take(need, f"session {sid!r} ({count} positions)")
+        self.states.keep(sid, step.start, below=below)
+        slots = self.states.take(need, f"session {sid!r} ({count} positions)")
+        if fresh:  # a new session's initial state: zeros
+            held[0] = slots.pop()
+            self._zero_slot(held[0])
+        self._pending[sid] = (interval, held[step.start], slots)
+
+    def _keep_states(self, session_id: str, start: int, count: int) -> None:
+        """After a call: the states it wrote become the session's (see _place_states)."""
+        assert self.states is not None
+        interval, _, writes = self._pending.pop(session_id)
+        held = self.states.states.setdefault(session_id, {})
+        if interval:  # the state after each position
+            held.update({start + 1 + i: slot for i, slot in enumerate(writes)})
+        else:
+            held[start + count] = writes[0]
+        self.states.keep(session_id, start + count)
+
+    def _give_back_pending(self, session_id: str) -> None:
+        pending = self._pending.pop(session_id, None)
+        if pending is not None and self.states is not None:
+            self.states.give(pending[2])
 
     def forward(self, steps: list[PagedStep]) -> list[np.ndarray]:
         """Run placed steps (distinct sessions) in one inference call.
@@ -583,7 +834,13 @@ class PagedRunner(ShardBase):
         begins = np.zeros(len(steps) + 1, dtype=np.int32)
         np.cumsum(counts, out=begins[1:])
         subs: list[tuple[int, int, list[int]]] = []  # (past length, tokens, block table)
+        # hybrid stages, per subsequence: (cache interval, state slots: read, then written)
+        la: list[tuple[int, list[int]]] = []
         with self._lock:
+            for s in steps:
+                if self.states is not None:
+                    interval, read, writes = self._pending[s.session_id]
+                    la.append((interval, [read, *writes]))
             for s, c in zip(steps, counts, strict=True):
                 held = self.blocks.tables[s.session_id].blocks
                 if self._split_verification and 1 < c <= s.num_logits:
@@ -612,6 +869,8 @@ class PagedRunner(ShardBase):
                 subs.append((0, 1, [scratch]))
                 data.append(np.zeros_like(steps[0].data))
                 positions.append(np.zeros(1, dtype=np.int64))
+            if la:  # the pad reads the real row's state and writes its own slot
+                la.append((0, [la[0][1][0], self._scratch_slot]))
         sub_begins = np.zeros(len(subs) + 1, dtype=np.int32)
         np.cumsum([n for _, n, _ in subs], out=sub_begins[1:])
         block_begins = np.zeros(len(subs) + 1, dtype=np.int32)
@@ -629,6 +888,13 @@ class PagedRunner(ShardBase):
                 max(s.start + c for s, c in zip(steps, counts, strict=True)), np.int32
             ),
         }
+        if la:
+            la_begins = np.zeros(len(la) + 1, dtype=np.int32)
+            np.cumsum([len(slots) for _, slots in la], out=la_begins[1:])
+            inputs["la.block_indices"] = np.array([b for _, t in la for b in t], dtype=np.int32)
+            inputs["la.block_indices_begins"] = la_begins
+            inputs["la.past_lens"] = inputs["past_lens"]
+            inputs["la.cache_interval"] = np.array([i for i, _ in la], dtype=np.int32)
         if self.is_last:
             picks = [np.arange(e - s.num_logits, e) for s, e in zip(steps, begins[1:], strict=True)]
             if scratch is not None and sum(s.num_logits for s in steps) == 1:
@@ -639,6 +905,7 @@ class PagedRunner(ShardBase):
         except Exception:
             with self._lock:
                 for s in steps:
+                    self._give_back_pending(s.session_id)
                     if self.has_session(s.session_id):
                         self.blocks.truncate(s.session_id, self.blocks.tables[s.session_id].length)
             raise
@@ -646,6 +913,11 @@ class PagedRunner(ShardBase):
         with self._lock:
             for s, c in zip(steps, counts, strict=True):
                 table = self.blocks.tables.get(s.session_id)
+                if self.states is not None:
+                    if table is None:
+                        self._give_back_pending(s.session_id)
+                    else:
+                        self._keep_states(s.session_id, s.start, c)
                 if table is not None:  # released while computing: its blocks are gone
                     table.length, table.last_used = s.start + c, now
                     if s.hashes:
