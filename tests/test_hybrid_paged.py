@@ -1,0 +1,250 @@
+"""Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) on the paged backend: each sequence's
+linear-attention state lives in slots of the stage's state tables beside its KV blocks, many
+sequences share one inference call, and a rollback selects an earlier kept state."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exporter.verify import reference_greedy
+from shard_runtime.chain import LocalChain
+from shard_runtime.paged import BlocksExhausted, PagedRunner, PagedStep
+from shard_runtime.runner import InvalidStageInput
+from tests.conftest import EXACT, ExportFn
+
+pytestmark = pytest.mark.component
+
+PROMPT = [5, 17, 33, 99, 100, 7, 42, 8, 61, 3, 200, 150]
+POOL = 1 << 22  # bytes of KV blocks (and so of state slots) per stage
+
+
+def _chunked_greedy(
+    chain: LocalChain, session: str, prompt: list[int], chunks: list[int], steps: int
+) -> tuple[list[int], np.ndarray]:
+    at = 0
+    for size in chunks:
+        logits = chain.forward(session, np.asarray(prompt[at : at + size]))[-1]
+        at += size
+    tokens: list[int] = []
+    rows = []
+    for step in range(steps):
+        rows.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        if step + 1 < steps:
+            logits = chain.forward(session, np.asarray(tokens[-1:]))[-1]
+    return tokens, np.stack(rows)
+
+
+@pytest.mark.parametrize(
+    ("arch", "stages"), [("qwen3_5", 1), ("qwen3_5", 3), ("qwen3_5_moe", 2), ("qwen3_next", 2)]
+)
+def test_paged_stages_equal_transformers(
+    tiny_export: ExportFn, tiny_model: Callable[..., Path], arch: str, stages: int
+) -> None:
+    """Paged stages (a stage of linear-attention layers only among them, at 3 stages) give
+    transformers' greedy tokens for the prompt at once, token for token, whatever the prefill
+    chunks (odd sizes, one at a time, shorter than the convolution's kernel); the linear
+    layers run as the fused paged kernels."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch))).eval()
+    expected, expected_logits = reference_greedy(reference, PROMPT, 24)
+    chain = LocalChain(tiny_export(arch, stages), EXACT, "paged", kv_cache_bytes=POOL)
+    manifest = chain.manifest
+    for runner in chain.runners:
+        assert isinstance(runner, PagedRunner)
+        kinds = Counter(
+            str(op.get_rt_info()["layerType"].astype(str))
+            for op in runner.compiled.get_runtime_model().get_ops()
+        )
+        linear = len(runner.recurrent_layers)
+        assert linear, "every stage of these tiny hybrids holds a linear-attention layer"
+        assert kinds["PagedGatedDeltaNet"] == kinds["PagedCausalConv1D"] == linear, kinds
+        assert kinds["TensorIterator"] == kinds["Loop"] == 0
+        assert runner.states is not None and runner.blocks.max_cached == 0  # no prefix cache
+    assert manifest.model.layer_types
+    for n, chunks in enumerate(([12], [4, 1, 7], [1] * len(PROMPT), [2, 3, 7])):
+        tokens, logits = _chunked_greedy(chain, f"s{n}", PROMPT, chunks, 24)
+        chain.release(f"s{n}")
+        assert tokens == expected, f"chunks {chunks}"
+        assert np.abs(logits - expected_logits).max() < 1e-4
+    for runner in chain.runners:
+        assert isinstance(runner, PagedRunner) and runner.states is not None
+        assert runner.states.used == (runner._scratch_slot >= 0)  # everything given back
+        assert runner.blocks.used == 0
+
+
+class _Stages:
+    """The paged runners of an export, fed step lists through every stage in turn."""
+
+    def __init__(self, export: Path, **kw: object) -> None:
+        from protos.manifest import load_manifest
+
+        stages = load_manifest(export).num_stages
+        self.runners = [PagedRunner(export, k, EXACT, **kw) for k in range(stages)]  # type: ignore[arg-type]
+
+    def feed(self, steps: list[PagedStep]) -> list[np.ndarray]:
+        outs: list[np.ndarray] = []
+        for runner in self.runners:
+            for step in steps:
+                runner.place(step)
+            outs = runner.forward(steps)
+            steps = [
+                PagedStep(s.session_id, o.astype(np.float32), s.start, s.num_logits)
+                for s, o in zip(steps, outs, strict=True)
+            ]
+        return outs  # the last stage's logits
+
+    def rollback(self, session: str, count: int) -> None:
+        for runner in self.runners:
+            runner.rollback(session, count)
+
+    def release(self, session: str) -> None:
+        for runner in self.runners:
+            runner.release(session)
+
+
+def test_interleaved_sessions_in_one_call_each_equal_alone(tiny_export: ExportFn) -> None:
+    """Eight sessions whose prefill chunks and decodes share inference calls (joining late,
+    of different lengths) get the logits each gets alone."""
+    stages = _Stages(tiny_export("qwen3_5", 2), kv_cache_bytes=POOL)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 250, 3 + 5 * i) for i in range(8)]
+    alone = []
+    for i, prompt in enumerate(prompts):
+        out = [stages.feed([PagedStep(f"a{i}", prompt, 0)])[0][-1]]
+        for k in range(4):
+            token = np.array([int(np.argmax(out[-1]))])
+            out.append(stages.feed([PagedStep(f"a{i}", token, len(prompt) + k)])[0][-1])
+        alone.append(out)
+        stages.release(f"a{i}")
+    got: dict[int, list[np.ndarray]] = {i: [] for i in range(8)}
+    fed = dict.fromkeys(range(8), 0)
+    for round_ in range(8):  # sessions 2r and 2r+1 join in round r
+        steps = []
+        for i in range(min(8, 2 * round_ + 2)):
+            if len(got[i]) == 5:
+                continue
+            if not got[i]:
+                steps.append(PagedStep(f"b{i}", prompts[i], 0))
+            else:
+                token = np.array([int(np.argmax(got[i][-1]))])
+                steps.append(PagedStep(f"b{i}", token, fed[i]))
+        if not steps:
+            break
+        for step, out in zip(steps, stages.feed(steps), strict=True):
+            i = int(step.session_id[1:])
+            got[i].append(out[-1])
+            fed[i] += len(step.data)
+    for i in range(8):
+        assert len(got[i]) == 5
+        np.testing.assert_allclose(np.stack(got[i]), np.stack(alone[i]), atol=1e-5)
+        assert [int(np.argmax(r)) for r in got[i]] == [int(np.argmax(r)) for r in alone[i]]
+
+
+def test_rollbacks_equal_never_feeding_the_rolled_back_positions(tiny_export: ExportFn) -> None:
+    """A verification of 5 positions rolled back by 3, and a draft's pattern (4 one-token
+    calls, then a rollback of 3), each leave the session as feeding only the kept positions
+    would: the next logits are the same. Further back than the kept states it refuses."""
+    stages = _Stages(tiny_export("qwen3_5", 2), kv_cache_bytes=POOL, state_window=8)
+    rng = np.random.default_rng(1)
+    prompt, cont, nxt = rng.integers(3, 250, 13), rng.integers(3, 250, 5), rng.integers(3, 250, 3)
+
+    def reference(kept: int) -> np.ndarray:
+        stages.feed([PagedStep("ref", prompt, 0)])
+        if kept:
+            stages.feed([PagedStep("ref", cont[:kept], 13)])
+        out = stages.feed([PagedStep("ref", nxt, 13 + kept, num_logits=3)])[0]
+        stages.release("ref")
+        return out
+
+    # a verification: 5 positions with every logit, 3 rejected
+    stages.feed([PagedStep("v", prompt, 0)])
+    stages.feed([PagedStep("v", cont, 13, num_logits=5)])
+    stages.rollback("v", 3)
+    got = stages.feed([PagedStep("v", nxt, 15, num_logits=3)])[0]
+    np.testing.assert_allclose(got, reference(2), atol=1e-5)
+
+    # a draft: one token at a time, then back by 3
+    stages.feed([PagedStep("d", prompt, 0)])
+    for i in range(4):
+        stages.feed([PagedStep("d", cont[i : i + 1], 13 + i)])
+    stages.rollback("d", 3)
+    got = stages.feed([PagedStep("d", nxt, 14, num_logits=3)])[0]
+    np.testing.assert_allclose(got, reference(1), atol=1e-5)
+
+    # back to the start: a new sequence from zeros
+    stages.rollback("d", 17)
+    got = stages.feed([PagedStep("d", prompt, 0)])[0]
+    np.testing.assert_allclose(got, stages.feed([PagedStep("fresh", prompt, 0)])[0], atol=1e-6)
+
+    # a long prefill keeps only its end state: rolling back into it is refused, unchanged
+    length = stages.runners[0].session_length("d")
+    with pytest.raises(InvalidStageInput, match="recurrent state"):
+        stages.rollback("d", 2)
+    assert all(r.session_length("d") == length for r in stages.runners)
+    got = stages.feed([PagedStep("d", nxt, 13, num_logits=3)])[0]
+    np.testing.assert_allclose(got, reference(0), atol=1e-5)
+
+
+def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn) -> None:
+    """With the fewest state slots (3), a session's first step that finds none free is refused
+    with RESOURCE_EXHAUSTED's error (BlocksExhausted) and leaves nothing behind (no session,
+    no blocks, no slots); the first session goes on as if nothing had happened."""
+    export = tiny_export("qwen3_5", 1)
+    runner = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_window=0)
+    assert runner.states is not None
+    # 3 slots (the least): the session's read and write slots and the pad's, if any
+    small = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_cache_bytes=1, state_window=0)
+    assert small.states is not None and small.states.num_slots == 3
+    assert small.state_cache_bytes == 3 * small._slot_bytes
+    prompt = np.array(PROMPT)
+
+    def run(r: PagedRunner, sid: str, data: np.ndarray, start: int) -> np.ndarray:
+        step = PagedStep(sid, data, start)
+        r.place(step)
+        return r.forward([step])[0]
+
+    want = [run(runner, "a", prompt, 0), run(runner, "a", np.array([7]), 12)]
+    got = [run(small, "a", prompt, 0)]
+    others = 0
+    with pytest.raises(BlocksExhausted, match="state slots exhausted"):
+        while True:  # sessions until the slots run out (a pad may hold one)
+            free, used = small.states.free, small.blocks.used
+            small.place(PagedStep(f"b{others}", prompt, 0))
+            small.forward([PagedStep(f"b{others}", prompt, 0)])
+            others += 1
+    assert others <= 1
+    assert not small.has_session(f"b{others}") and small.states.free == free
+    assert small.blocks.used == used
+    for i in range(others):
+        small.release(f"b{i}")
+    got.append(run(small, "a", np.array([7]), 12))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6)
+    small.release("a")
+    assert small.states.used == (small._scratch_slot >= 0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_padded_lone_rows_compute_the_same(tiny_export: ExportFn, arch: str) -> None:
+    """Where one-row calls are padded to two (batch invariance), the pad row reads the real
+    row's state and writes a scratch slot of its own (a copy of the row on MoE stages): the
+    real row's logits are those of an unpadded stage, and the session's state is untouched."""
+    export = tiny_export(arch, 2)
+    padded = _Stages(export, kv_cache_bytes=POOL, pad_lone_rows=True)
+    plain = _Stages(export, kv_cache_bytes=POOL, pad_lone_rows=False)
+    assert all(r.pads_lone_rows for r in padded.runners)
+    outs = []
+    for stages in (padded, plain):
+        logits = [stages.feed([PagedStep("s", np.array(PROMPT), 0)])[0][-1]]
+        for i in range(6):
+            token = np.array([int(np.argmax(logits[-1]))])
+            logits.append(stages.feed([PagedStep("s", token, len(PROMPT) + i)])[0][-1])
+        outs.append(np.stack(logits))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5)
