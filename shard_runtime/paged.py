@@ -107,6 +107,10 @@ class BlockManager:
     def enabled(self) -> bool:
         return self.max_cached > 0
 
+    def is_cached(self, digest: bytes) -> bool:
+        """Whether a block holds the prefix named ``digest``."""
+        return digest in self._block_of
+
     def blocks_for(self, length: int) -> int:
         return math.ceil(length / self.block_size)
 
@@ -235,31 +239,62 @@ class StateSlots:
     step reads it); the ones after each of the last ``window`` positions too where the calls
     that fed them stored them (see :meth:`PagedRunner.forward`), so a rollback of up to
     ``window`` positions selects an earlier slot instead of computing anything again.
+
+    Prefix cache: the state at the end of a cached KV block, by the block's hash
+    (:meth:`put_prefix`): a new session that starts on the cached blocks of its prefix starts
+    from a copy of it. No session holds these: like cached KV blocks they count as free, and
+    the least recently used goes when a session needs its slot (``max_prefix`` at most).
     """
 
-    def __init__(self, num_slots: int, window: int) -> None:
+    def __init__(self, num_slots: int, window: int, max_prefix: int = 0) -> None:
         if num_slots < 1:
             raise ValueError("a state pool needs at least one slot")
         self.num_slots = num_slots
         self.window = window
+        self.max_prefix = max_prefix
         self._free = list(range(num_slots - 1, -1, -1))
         self.states: dict[str, dict[int, int]] = {}
+        self.prefix: OrderedDict[bytes, int] = OrderedDict()  # LRU first
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Slots a session can take: unused ones and prefix states."""
+        return len(self._free) + len(self.prefix)
 
     @property
     def used(self) -> int:
-        return self.num_slots - len(self._free)
+        """Slots sessions hold."""
+        return self.num_slots - self.free
+
+    @property
+    def cached(self) -> int:
+        """Prefix states (of the free ones)."""
+        return len(self.prefix)
 
     def take(self, count: int, why: str) -> list[int]:
-        if count > len(self._free):
+        if count > self.free:
             raise BlocksExhausted(
                 f"state slots exhausted: {why} needs {count} linear-attention state slot(s), "
-                f"{len(self._free)} of {self.num_slots} are free"
+                f"{self.free} of {self.num_slots} are free"
             )
+        while len(self._free) < count:  # the oldest prefix states go first
+            self._free.append(self.prefix.popitem(last=False)[1])
         return [self._free.pop() for _ in range(count)]
+
+    def put_prefix(self, digest: bytes, slot: int) -> None:
+        """Keep ``slot`` as the state at the end of the block named ``digest``."""
+        if digest in self.prefix or not self.max_prefix:
+            self.give([slot])
+            return
+        self.prefix[digest] = slot
+        while len(self.prefix) > self.max_prefix:
+            self._free.append(self.prefix.popitem(last=False)[1])
+
+    def prefix_slot(self, digest: bytes) -> int | None:
+        slot = self.prefix.get(digest)
+        if slot is not None:
+            self.prefix.move_to_end(digest)
+        return slot
 
     def give(self, slots: list[int]) -> None:
         self._free.extend(reversed(slots))
@@ -412,6 +447,19 @@ class PagedStep:
     hashes: tuple[bytes, ...] = ()
 
 
+@dataclass
+class _StatePlan:
+    """What one step of a hybrid stage's session reads and writes in the state tables."""
+
+    interval: int  # la.cache_interval
+    slots: list[int]  # la.block_indices: the slot read, then the slots written
+    kept: dict[int, int]  # the session's states (position: slot) once the call has run
+    own: list[int]  # the slots taken for the call (given back if it fails)
+    # prefix cache: (hash of the last block the step completes, that block's end, the slot its
+    # state is written to; None: copied from ``kept`` after the call)
+    prefix: tuple[bytes, int, int | None] | None = None
+
+
 class PagedRunner(ShardBase):
     """One stage shard over a shared KV block pool; a batch of sessions per inference call."""
 
@@ -488,14 +536,6 @@ class PagedRunner(ShardBase):
         # parallel), so it takes the several-token attention path, as the stateful backend does.
         self._split_verification = self.options.batch_invariant and cpu and not recurrent
         self._scratch_block: int | None = None
-        if recurrent and prefix_cache_blocks != 0:
-            log.info(
-                "prefix cache off: stage %d holds linear-attention layers %s, whose state at a "
-                "cached prefix's end is not kept",
-                self.stage.index,
-                self.recurrent_layers,
-            )
-            prefix_cache_blocks = 0
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache_blocks)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
@@ -503,7 +543,7 @@ class PagedRunner(ShardBase):
         self._tables: list[ov.Tensor] = []
         self.states: StateSlots | None = None
         self.state_cache_bytes = 0
-        self._pending: dict[str, tuple[int, int, list[int]]] = {}  # (interval, read, writes)
+        self._pending: dict[str, _StatePlan] = {}
         self._scratch_slot = -1
         if recurrent:
             self._make_state_tables(state_cache_bytes or kv_cache_bytes, state_window)
@@ -514,8 +554,6 @@ class PagedRunner(ShardBase):
         if pad_lone_rows and num_blocks > 1:
             self._scratch_block = num_blocks - 1
             self.blocks = BlockManager(num_blocks - 1, block_size, prefix_cache_blocks)
-            if self.states is not None:  # where the pad row writes its state
-                (self._scratch_slot,) = self.states.take(1, "the pad row")
         # On a stage with MoE layers the pad row is a copy of the lone row (see forward), so
         # that it routes to the same experts instead of paying for its own.
         self._pad_with_copy = self._scratch_block is not None and self._has_experts()
@@ -540,7 +578,9 @@ class PagedRunner(ShardBase):
 
     def _make_state_tables(self, budget: int, window: int) -> None:
         """Allocate the state tables: as many slots as ``budget`` bytes hold, no more than the
-        sessions can use, 3 at least (a session's read and write slots, a pad's)."""
+        sessions can use (and prefix states, two per session), 3 at least (a session's read
+        and write slots, the scratch slot). The scratch slot takes the writes nobody reads:
+        a padded row's state, a prompt chunk's states at block ends before the one kept."""
         ports = [p for p in self.compiled.inputs if "state_table." in p.get_any_name()]
         rows = {
             p.get_any_name(): [d.get_length() for d in p.get_partial_shape()[1:]] for p in ports
@@ -548,19 +588,25 @@ class PagedRunner(ShardBase):
         self._slot_bytes = sum(
             int(np.prod(rows[p.get_any_name()])) * p.get_element_type().size for p in ports
         )
-        usable = self.options.max_sessions * (window + 2) + 1
+        sessions = self.options.max_sessions
+        usable = sessions * (window + 2) + 1 + (2 * sessions if self.blocks.enabled else 0)
         num_slots = max(3, min(usable, budget // max(1, self._slot_bytes)))
         for port in ports:
             tensor = ov.Tensor(port.get_element_type(), [num_slots, *rows[port.get_any_name()]])
             self.request.set_tensor(port.get_any_name(), tensor)
             self._tables.append(tensor)
-        self.states = StateSlots(num_slots, window)
+        self.states = StateSlots(num_slots, window, num_slots if self.blocks.enabled else 0)
         self.state_cache_bytes = num_slots * self._slot_bytes
+        (self._scratch_slot,) = self.states.take(1, "the scratch slot")
 
     def _zero_slot(self, slot: int) -> None:
         """A new session's initial state: zeros in every table."""
         for tensor in self._tables:
             tensor.data[slot] = 0
+
+    def _copy_slot(self, source: int, target: int) -> None:
+        for tensor in self._tables:
+            tensor.data[target] = tensor.data[source]
 
     def _has_experts(self) -> bool:
         """Whether the compiled stage computes MoE experts (GatherMatmul nodes)."""
@@ -710,9 +756,39 @@ class PagedRunner(ShardBase):
                     f"(limit {self.options.max_sessions})"
                 )
             try:
+                if self.states is not None and self.blocks.enabled:
+                    return self._acquire_with_state(session_id, hashes)
                 return self.blocks.acquire(session_id, hashes)
             except ValueError as exc:
                 raise InvalidStageInput(str(exc)) from None
+
+    def _acquire_with_state(self, session_id: str, hashes: list[bytes]) -> int:
+        """A hybrid stage's acquire (holding the lock): only up to the last cached block whose
+        end state is kept (a prompt chunk's last full block, see _place_states), and the
+        session starts from a copy of that state."""
+        assert self.states is not None
+        usable = 0
+        for i, digest in enumerate(hashes):
+            if not self.blocks.is_cached(digest):
+                break
+            if digest in self.states.prefix:
+                usable = i + 1
+        table = self.blocks.tables.get(session_id)
+        before = None if table is None else table.length
+        taken = self.blocks.acquire(session_id, hashes[:usable])
+        length = taken * self.blocks.block_size
+        if before == length and length in self.states.states.get(session_id, {}):
+            return taken
+        self.states.release(session_id)  # opened, never fed: at most the state acquired
+        source = self.states.prefix_slot(hashes[taken - 1]) if taken else None
+        # a slot to copy into, without evicting the state to copy (the most recently used)
+        if source is None or self.states.free - 1 < 1:
+            self.blocks.truncate(session_id, 0)
+            return 0
+        (slot,) = self.states.take(1, f"session {session_id!r}")
+        self._copy_slot(source, slot)
+        self.states.states[session_id] = {length: slot}
+        return taken
 
     # -- compute ----------------------------------------------------------------------------
     def place(self, step: PagedStep) -> None:
@@ -760,43 +836,76 @@ class PagedRunner(ShardBase):
         """A hybrid stage: reserve the state slots a step writes (holding the lock). A call of
         at most ``window`` positions stores the state after each of them
         (``la.cache_interval`` 1: a later rollback into it selects one), a longer one only the
-        last (interval 0). States the step pushes out of the window are let go first."""
+        last (interval 0), or, when it names blocks for the prefix cache, the states at block
+        ends (interval: the block size), of which the one at the end of its last full block is
+        kept for the cache and the others go to the scratch slot. States the step pushes out
+        of the window are let go first."""
         if self.states is None:
             return
-        sid, count = step.session_id, len(step.data)
+        sid, count, start = step.session_id, len(step.data), step.start
         self._give_back_pending(sid)
-        interval = 1 if count <= self.states.window else 0
         held = self.states.states.setdefault(sid, {})
-        fresh = step.start not in held
-        if fresh and step.start:
-            raise InvalidStageInput(f"session {sid!r} holds no state at position {step.start}")
-        below = step.start + count - self.states.window
-        need = (count if interval else 1) + fresh
-        going = sum(1 for p in held if p != step.start and p < below)
+        fresh = start not in held
+        if fresh and start:
+            raise InvalidStageInput(f"session {sid!r} holds no state at position {start}")
+        size, end = self.blocks.block_size, start + count
+        cache = bool(step.hashes) and self.states.max_prefix > 0
+        edge = (start // size + len(step.hashes)) * size  # the last full block's end
+        if count <= self.states.window:
+            interval, writes = 1, count
+        elif cache:
+            interval, writes = size, 1 + (start % size + count - 1) // size
+        else:
+            interval, writes = 0, 1
+        at_edge = edge // size - start // size  # where interval `size` writes the edge state
+        real = writes if interval != size else 1 + (edge != end)
+        below = end - self.states.window
+        need = real + fresh
+        going = sum(1 for p in held if p != start and p < below)
         if need > self.states.free + going:  # refused before anything changes
             self.states.take(need, f"session {sid!r} ({count} positions)")
-        self.states.keep(sid, step.start, below=below)
+        self.states.keep(sid, start, below=below)
         slots = self.states.take(need, f"session {sid!r} ({count} positions)")
         if fresh:  # a new session's initial state: zeros
             held[0] = slots.pop()
             self._zero_slot(held[0])
-        self._pending[sid] = (interval, held[step.start], slots)
+        plan = _StatePlan(interval, [held[start], *slots], {}, slots)
+        if interval == 1:
+            plan.kept = {start + 1 + i: slot for i, slot in enumerate(slots)}
+        elif interval == 0:
+            plan.kept = {end: slots[0]}
+        else:
+            written = [self._scratch_slot] * writes
+            written[-1] = slots[0]
+            plan.kept = {end: slots[0]}
+            if edge != end:
+                written[at_edge - 1] = slots[1]
+            plan.slots = [held[start], *written]
+        if cache:
+            direct = slots[1] if interval == size and edge != end else None
+            plan.prefix = (step.hashes[-1], edge, direct)
+        self._pending[sid] = plan
 
     def _keep_states(self, session_id: str, start: int, count: int) -> None:
-        """After a call: the states it wrote become the session's (see _place_states)."""
+        """After a call: the states it wrote become the session's (see _place_states), and
+        the state at its last full block's end the prefix cache's."""
         assert self.states is not None
-        interval, _, writes = self._pending.pop(session_id)
+        plan = self._pending.pop(session_id)
         held = self.states.states.setdefault(session_id, {})
-        if interval:  # the state after each position
-            held.update({start + 1 + i: slot for i, slot in enumerate(writes)})
-        else:
-            held[start + count] = writes[0]
+        held.update(plan.kept)
+        if plan.prefix is not None:
+            digest, edge, slot = plan.prefix
+            if slot is None and digest not in self.states.prefix and self.states.free > 1:
+                (slot,) = self.states.take(1, "a prefix state")
+                self._copy_slot(held[edge], slot)
+            if slot is not None:
+                self.states.put_prefix(digest, slot)
         self.states.keep(session_id, start + count)
 
     def _give_back_pending(self, session_id: str) -> None:
-        pending = self._pending.pop(session_id, None)
-        if pending is not None and self.states is not None:
-            self.states.give(pending[2])
+        plan = self._pending.pop(session_id, None)
+        if plan is not None and self.states is not None:
+            self.states.give(plan.own)
 
     def forward(self, steps: list[PagedStep]) -> list[np.ndarray]:
         """Run placed steps (distinct sessions) in one inference call.
@@ -839,8 +948,8 @@ class PagedRunner(ShardBase):
         with self._lock:
             for s in steps:
                 if self.states is not None:
-                    interval, read, writes = self._pending[s.session_id]
-                    la.append((interval, [read, *writes]))
+                    plan = self._pending[s.session_id]
+                    la.append((plan.interval, plan.slots))
             for s, c in zip(steps, counts, strict=True):
                 held = self.blocks.tables[s.session_id].blocks
                 if self._split_verification and 1 < c <= s.num_logits:

@@ -179,17 +179,12 @@ def test_speculation_equals_plain_decoding(tiny_export: ExportFn) -> None:
 def test_what_the_stack_cannot_do_for_hybrids_yet_is_refused(
     tiny_export: ExportFn,
 ) -> None:
-    """Not supported yet, refused with the reason rather than computed wrong: the prefix cache
-    of paged stages (off for them: a cached prefix would need the recurrent state at its end),
-    a stateful rollback past the last chunk of several positions at the request. A whole
-    rollback (a fresh start of the session) stays exact."""
-    from shard_runtime.paged import PagedRunner
+    """Not supported, refused with the reason rather than computed wrong: a stateful rollback
+    past the last chunk of several positions at the request (paged stages: see
+    test_hybrid_paged.py). A whole rollback (a fresh start of the session) stays exact."""
     from shard_runtime.runner import InvalidStageInput, ShardRunner
 
     export = tiny_export("qwen3_5", 2)
-    paged = PagedRunner(export, 0, EXACT, kv_cache_bytes=1 << 22)
-    assert not paged.blocks.enabled
-    assert paged.acquire("s", [b"a-prefix-hash"]) == 0  # opened, nothing taken from a cache
     runner = ShardRunner(export, 1, EXACT)
     hidden = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     first = runner.forward("s", hidden[:6])

@@ -66,7 +66,7 @@ def test_paged_stages_equal_transformers(
         assert linear, "every stage of these tiny hybrids holds a linear-attention layer"
         assert kinds["PagedGatedDeltaNet"] == kinds["PagedCausalConv1D"] == linear, kinds
         assert kinds["TensorIterator"] == kinds["Loop"] == 0
-        assert runner.states is not None and runner.blocks.max_cached == 0  # no prefix cache
+        assert runner.states is not None
     assert manifest.model.layer_types
     for n, chunks in enumerate(([12], [4, 1, 7], [1] * len(PROMPT), [2, 3, 7])):
         tokens, logits = _chunked_greedy(chain, f"s{n}", PROMPT, chunks, 24)
@@ -75,7 +75,7 @@ def test_paged_stages_equal_transformers(
         assert np.abs(logits - expected_logits).max() < 1e-4
     for runner in chain.runners:
         assert isinstance(runner, PagedRunner) and runner.states is not None
-        assert runner.states.used == (runner._scratch_slot >= 0)  # everything given back
+        assert runner.states.used == 1  # everything given back but the scratch slot
         assert runner.blocks.used == 0
 
 
@@ -199,7 +199,7 @@ def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn
     export = tiny_export("qwen3_5", 1)
     runner = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_window=0)
     assert runner.states is not None
-    # 3 slots (the least): the session's read and write slots and the pad's, if any
+    # 3 slots (the least): the session's read and write slots and the scratch slot
     small = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_cache_bytes=1, state_window=0)
     assert small.states is not None and small.states.num_slots == 3
     assert small.state_cache_bytes == 3 * small._slot_bytes
@@ -214,12 +214,12 @@ def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn
     got = [run(small, "a", prompt, 0)]
     others = 0
     with pytest.raises(BlocksExhausted, match="state slots exhausted"):
-        while True:  # sessions until the slots run out (a pad may hold one)
+        while True:  # sessions until the slots run out
             free, used = small.states.free, small.blocks.used
             small.place(PagedStep(f"b{others}", prompt, 0))
             small.forward([PagedStep(f"b{others}", prompt, 0)])
             others += 1
-    assert others <= 1
+    assert others == 0
     assert not small.has_session(f"b{others}") and small.states.free == free
     assert small.blocks.used == used
     for i in range(others):
@@ -228,7 +228,7 @@ def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=1e-6)
     small.release("a")
-    assert small.states.used == (small._scratch_slot >= 0)
+    assert small.states.used == 1  # the scratch slot
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
@@ -358,3 +358,60 @@ def test_a_ring_of_paged_hybrid_stages_batches_and_speculates_exactly(
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_a_cached_prefix_gives_the_uncached_tokens(tiny_export: ExportFn) -> None:
+    """The prefix cache on paged hybrid stages, through the gateway over HTTP: a prompt's
+    chunks keep the linear-attention state at their last full block's end beside the cached
+    blocks. A next turn (prompt, reply, more) and another prompt sharing the first's start
+    open on those blocks and that state (visible in usage and the gateway's metrics) and get
+    the tokens of a gateway without the prefix cache, token for token; a prompt whose shared
+    part ends before any kept state takes nothing from the cache."""
+    from server.ring.local import LocalRing
+    from tests.fleets import local_gateway
+
+    export = tiny_export("qwen3_5", 2)
+    rng = np.random.default_rng(5)
+    first = [int(t) for t in rng.integers(3, 250, 75)]  # blocks 0 and 1 full, chunk of 75
+    shared = [*first[:70], *(int(t) for t in rng.integers(3, 250, 9))]
+    early = [*first[:40], *(int(t) for t in rng.integers(3, 250, 30))]  # inside block 1
+
+    def complete(url: str, prompt: list[int]) -> tuple[list[str], int]:
+        import httpx
+
+        reply = httpx.post(
+            f"{url}/v1/completions",
+            headers={"Authorization": "Bearer test-key"},
+            json={
+                "model": "hybrid",
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "logprobs": 1,
+                "ignore_eos": True,
+            },
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        details = body["usage"].get("prompt_tokens_details") or {}
+        return body["choices"][0]["logprobs"]["tokens"], int(details.get("cached_tokens") or 0)
+
+    cached_ring = LocalRing(export, EXACT, hidden_dtype="fp32", kv_cache_bytes=POOL)
+    plain_ring = LocalRing(export, EXACT, hidden_dtype="fp32", kv_cache_bytes=POOL)
+    with (
+        local_gateway(export, "hybrid", ring=cached_ring, prefill_chunk=75) as cached,
+        local_gateway(
+            export, "hybrid", ring=plain_ring, prefill_chunk=75, prefix_cache=False
+        ) as plain,
+    ):
+        reply, hit = complete(cached.url, first)
+        assert hit == 0 and reply == complete(plain.url, first)[0]
+        stage = cached_ring.chain.runners[0]
+        assert isinstance(stage, PagedRunner) and stage.states is not None
+        assert stage.states.cached >= 1  # the state at position 64
+        for prompt, want in ((shared, 64), (early, 0)):
+            got, hit = complete(cached.url, prompt)
+            assert hit == want
+            assert got == complete(plain.url, prompt)[0]
+        assert cached.metric("pipeshard_gateway_prompt_cached_tokens_total") == 64

@@ -545,7 +545,9 @@ class PipelineClient:
         self.check_ready()
         wanted = list(hashes)
         try:
-            for _ in range(2):  # the second round only cuts down: held blocks stay held
+            # later rounds only cut down (held blocks stay held); a hybrid model's stage may cut
+            # further, to a block whose end state it keeps, so rounds go on while they disagree
+            for _ in range(len(self.stages) + 1):
                 counts = await asyncio.gather(
                     *(self._acquire_on(s, session_id, wanted) for s in self.stages)
                 )

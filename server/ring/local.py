@@ -187,7 +187,9 @@ class LocalRing:
 
         def acquire() -> int:
             wanted = list(hashes)
-            for _ in range(2):  # the second round only cuts down: held blocks stay held
+            # later rounds only cut down (held blocks stay held); a hybrid model's stage may cut
+            # further, to a block whose end state it keeps, so rounds go on while they disagree
+            for _ in range(len(runners) + 1):
                 counts = [r.acquire(session_id, wanted) for r in runners]
                 held = min(counts)
                 if all(c == held for c in counts):
