@@ -44,6 +44,7 @@ from shard_runtime.runner import (
 log = logging.getLogger(__name__)
 GIB = 1 << 30
 PAGED_OP = "PagedAttentionExtension"
+MIN_STATE_SLOTS = 4  # of a hybrid stage's state pool (PagedRunner._make_state_tables)
 SLIDING_WINDOW_INPUT = 10  # of PagedAttentionExtension: q, k, v, caches, lengths, ..., scale
 
 
@@ -578,9 +579,11 @@ class PagedRunner(ShardBase):
 
     def _make_state_tables(self, budget: int, window: int) -> None:
         """Allocate the state tables: as many slots as ``budget`` bytes hold, no more than the
-        sessions can use (and prefix states, two per session), 3 at least (a session's read
-        and write slots, the scratch slot). The scratch slot takes the writes nobody reads:
-        a padded row's state, a prompt chunk's states at block ends before the one kept."""
+        sessions can use (and prefix states, two per session), ``MIN_STATE_SLOTS`` at least
+        (a new session's first step writing a prefix state: its zeros, its end, the prefix
+        state, and the scratch slot); the window shrinks to what one session can use. The
+        scratch slot takes the writes nobody reads: a padded row's state, a prompt chunk's
+        states at block ends before the one kept."""
         ports = [p for p in self.compiled.inputs if "state_table." in p.get_any_name()]
         rows = {
             p.get_any_name(): [d.get_length() for d in p.get_partial_shape()[1:]] for p in ports
@@ -590,7 +593,19 @@ class PagedRunner(ShardBase):
         )
         sessions = self.options.max_sessions
         usable = sessions * (window + 2) + 1 + (2 * sessions if self.blocks.enabled else 0)
-        num_slots = max(3, min(usable, budget // max(1, self._slot_bytes)))
+        num_slots = max(MIN_STATE_SLOTS, min(usable, budget // max(1, self._slot_bytes)))
+        if window > num_slots - MIN_STATE_SLOTS:
+            # one session alone must always fit: its window's states, the state it reads and
+            # the slots one step writes
+            log.warning(
+                "state window cut from %d to %d positions: %d state slots of %.2f MiB hold no "
+                "more for one session (raise --state-cache-size)",
+                window,
+                num_slots - MIN_STATE_SLOTS,
+                num_slots,
+                self._slot_bytes / (1 << 20),
+            )
+            window = num_slots - MIN_STATE_SLOTS
         for port in ports:
             tensor = ov.Tensor(port.get_element_type(), [num_slots, *rows[port.get_any_name()]])
             self.request.set_tensor(port.get_any_name(), tensor)

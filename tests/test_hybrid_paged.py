@@ -193,16 +193,19 @@ def test_rollbacks_equal_never_feeding_the_rolled_back_positions(tiny_export: Ex
 
 
 def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn) -> None:
-    """With the fewest state slots (3), a session's first step that finds none free is refused
-    with RESOURCE_EXHAUSTED's error (BlocksExhausted) and leaves nothing behind (no session,
-    no blocks, no slots); the first session goes on as if nothing had happened."""
+    """With the fewest state slots (4), a session's first step that finds too few free is
+    refused with RESOURCE_EXHAUSTED's error (BlocksExhausted) and leaves nothing behind (no
+    session, no blocks, no slots); the first session goes on as if nothing had happened. A
+    window the pool cannot hold for one session is cut to what it can: a lone session always
+    goes on."""
     export = tiny_export("qwen3_5", 1)
     runner = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_window=0)
     assert runner.states is not None
-    # 3 slots (the least): the session's read and write slots and the scratch slot
+    # 4 slots (the least): the scratch slot's and, with no window, two sessions' one each
+    # between calls, but only one of them can take its zeros and its first state
     small = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_cache_bytes=1, state_window=0)
-    assert small.states is not None and small.states.num_slots == 3
-    assert small.state_cache_bytes == 3 * small._slot_bytes
+    assert small.states is not None and small.states.num_slots == 4
+    assert small.state_cache_bytes == 4 * small._slot_bytes
     prompt = np.array(PROMPT)
 
     def run(r: PagedRunner, sid: str, data: np.ndarray, start: int) -> np.ndarray:
@@ -219,7 +222,7 @@ def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn
             small.place(PagedStep(f"b{others}", prompt, 0))
             small.forward([PagedStep(f"b{others}", prompt, 0)])
             others += 1
-    assert others == 0
+    assert others == 1
     assert not small.has_session(f"b{others}") and small.states.free == free
     assert small.blocks.used == used
     for i in range(others):
@@ -229,6 +232,12 @@ def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn
         np.testing.assert_allclose(g, w, atol=1e-6)
     small.release("a")
     assert small.states.used == 1  # the scratch slot
+
+    cut = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_cache_bytes=1)
+    assert cut.states is not None and cut.states.window == 0  # asked for 8
+    logits = run(cut, "a", prompt, 0)
+    for i in range(12):  # one-token steps: each needs a slot beside the state it reads
+        logits = run(cut, "a", np.array([int(np.argmax(logits[-1]))]), 12 + i)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
