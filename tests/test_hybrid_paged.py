@@ -435,3 +435,56 @@ def _same(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> bool:
     return [t for t, _ in got] == [t for t, _ in want] and all(
         abs(a - b) < 1e-5 for (_, a), (_, b) in zip(got, want, strict=True)
     )
+
+
+def test_sequences_the_state_pool_cannot_hold_are_preempted_and_resumed(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """Stage processes whose state pools hold about three of six concurrent sequences (the
+    gateway counts KV blocks, not state slots): the stages refuse the steps that find no slot
+    (RESOURCE_EXHAUSTED), the gateway preempts those sequences and re-prefills them later, and
+    every output equals the same request alone on stateful stages."""
+    import asyncio
+
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+    from server.metrics import GatewayMetrics
+    from server.ring.grpc_client import PipelineClient
+    from tests.processes import start_stages
+
+    export = tiny_export("qwen3_5", 2)
+    chain = LocalChain(export, EXACT)
+    prompts = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(6)]
+    expected = [chain.greedy(f"p{i}", p, 24)[0] for i, p in enumerate(prompts)]
+    window = 4
+    slot = max(PagedRunner(export, k, EXACT, kv_cache_bytes=POOL)._slot_bytes for k in (0, 1))
+    size = (3 * (window + 2) + 1) * slot / (1 << 30)
+    flags = ["--hidden-dtype", "fp32", "--state-window", str(window)]
+    procs, addresses = start_stages(
+        export, tmp_path, [*flags, "--state-cache-size", f"{size:.12f}"]
+    )
+    metrics = GatewayMetrics()
+
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        engine = Engine(client, frozenset(), 256, SchedulerConfig(prefill_chunk=16), metrics)
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            request = GenerationRequest(f"r{i}", prompt, 24)
+            return [t.token_id async for t in engine.generate(request)]
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        finally:
+            await engine.close()
+            infos = await client.stage_infos()
+            await client.close()
+            assert [i.sessions_in_use for i in infos if i] == [0, 0]
+
+    try:
+        assert asyncio.run(run()) == expected
+        assert metrics.registry.get_sample_value("pipeshard_gateway_preemptions_total")
+    finally:
+        for proc in procs:
+            proc.stop()
