@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -385,31 +386,6 @@ def test_a_cached_prefix_gives_the_uncached_tokens(tiny_export: ExportFn) -> Non
     shared = [*first[:70], *(int(t) for t in rng.integers(3, 250, 9))]
     early = [*first[:40], *(int(t) for t in rng.integers(3, 250, 30))]  # inside block 1
 
-    def complete(url: str, prompt: list[int]) -> tuple[list[tuple[str, float]], int]:
-        """The tokens and their log-probabilities (which a wrong initial state changes where
-        the tiny model's greedy tokens may not), and the cached prompt tokens."""
-        import httpx
-
-        reply = httpx.post(
-            f"{url}/v1/completions",
-            headers={"Authorization": "Bearer test-key"},
-            json={
-                "model": "hybrid",
-                "prompt": prompt,
-                "max_tokens": 16,
-                "temperature": 0,
-                "logprobs": 1,
-                "ignore_eos": True,
-            },
-            timeout=120,
-        )
-        assert reply.status_code == 200, reply.text
-        body = reply.json()
-        details = body["usage"].get("prompt_tokens_details") or {}
-        logprobs = body["choices"][0]["logprobs"]
-        tokens = list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
-        return tokens, int(details.get("cached_tokens") or 0)
-
     cached_ring = LocalRing(export, EXACT, hidden_dtype="fp32", kv_cache_bytes=POOL)
     plain_ring = LocalRing(export, EXACT, hidden_dtype="fp32", kv_cache_bytes=POOL)
     with (
@@ -418,16 +394,40 @@ def test_a_cached_prefix_gives_the_uncached_tokens(tiny_export: ExportFn) -> Non
             export, "hybrid", ring=plain_ring, prefill_chunk=75, prefix_cache=False
         ) as plain,
     ):
-        reply, hit = complete(cached.url, first)
-        assert hit == 0 and _same(reply, complete(plain.url, first)[0])
+        reply, hit = _complete(cached.url, first)
+        assert hit == 0 and _same(reply, _complete(plain.url, first)[0])
         stage = cached_ring.chain.runners[0]
         assert isinstance(stage, PagedRunner) and stage.states is not None
         assert stage.states.cached >= 1  # the state at position 64
         for prompt, want in ((shared, 64), (early, 0)):
-            got, hit = complete(cached.url, prompt)
+            got, hit = _complete(cached.url, prompt)
             assert hit == want
-            assert _same(got, complete(plain.url, prompt)[0])
+            assert _same(got, _complete(plain.url, prompt)[0])
         assert cached.metric("pipeshard_gateway_prompt_cached_tokens_total") == 64
+
+
+def _complete(url: str, prompt: list[int]) -> tuple[list[tuple[str, float]], int]:
+    """The tokens and their log-probabilities (which a wrong initial state changes where
+    the tiny model's greedy tokens may not), and the cached prompt tokens."""
+    reply = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": "Bearer test-key"},
+        json={
+            "model": "hybrid",
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    details = body["usage"].get("prompt_tokens_details") or {}
+    logprobs = body["choices"][0]["logprobs"]
+    tokens = list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
+    return tokens, int(details.get("cached_tokens") or 0)
 
 
 def _same(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> bool:
@@ -486,5 +486,40 @@ def test_sequences_the_state_pool_cannot_hold_are_preempted_and_resumed(
         assert asyncio.run(run()) == expected
         assert metrics.registry.get_sample_value("pipeshard_gateway_preemptions_total")
     finally:
+        for proc in procs:
+            proc.stop()
+
+
+def test_a_ring_of_paged_hybrid_stages_serves_cached_prefixes_exactly(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """Stage processes and gateway processes: a gateway with the prefix cache opens a prompt
+    that shares a previous prompt's chunk on the stages' cached blocks and kept states (every
+    stage acquires over gRPC), and answers as a gateway without the cache on the same stages,
+    token for token and log-probability for log-probability."""
+    from tests.processes import start_gateway, start_stages
+
+    export = tiny_export("qwen3_5", 2)
+    rng = np.random.default_rng(6)
+    first = [int(t) for t in rng.integers(3, 250, 75)]
+    shared = [*first[:70], *(int(t) for t in rng.integers(3, 250, 9))]
+    procs, addresses = start_stages(export, tmp_path, ["--hidden-dtype", "fp32"])
+    flags = ["--prefill-chunk", "75", "--model-name", "hybrid"]
+    gateways = [
+        start_gateway(addresses, tmp_path / f"gateway-{n}.log", [*flags, *extra])
+        for n, extra in enumerate(([], ["--no-prefix-cache"]))
+    ]
+    (_, cached), (_, plain) = gateways
+    try:
+        reply, hit = _complete(cached, first)
+        assert hit == 0 and _same(reply, _complete(plain, first)[0])
+        got, hit = _complete(cached, shared)
+        assert hit == 64
+        assert _same(got, _complete(plain, shared)[0])
+        metrics = httpx.get(f"{cached}/metrics").text
+        assert "pipeshard_gateway_prompt_cached_tokens_total 64.0" in metrics
+    finally:
+        for gateway, _ in gateways:
+            gateway.stop()
         for proc in procs:
             proc.stop()
