@@ -14,6 +14,12 @@ gather of ``logits_indices``, so the head runs only for the rows each session sa
 The :class:`BlockManager` is pure bookkeeping (tested without a model): a session's block table
 grows as it is fed, rollback shortens it and frees trailing blocks (no copy: the next feed
 overwrites the stale slots), and release frees them all at once.
+
+A hybrid model's linear-attention layers become ``PagedCausalConv1D`` + ``PagedGatedDeltaNet``
+over state tables, a row per *state slot* (:class:`StateSlots`): each step names the slot its
+session's state is read from and the slots the states after its positions are written to
+(``la.block_indices``, ``la.cache_interval``), so a rollback selects an earlier slot and the
+prefix cache keeps the state at a cached block's end.
 """
 
 from __future__ import annotations
@@ -487,10 +493,11 @@ class PagedRunner(ShardBase):
         A hybrid model's stage (linear-attention layers) also holds a pool of state slots
         (:class:`StateSlots`): ``state_cache_bytes`` of them at most (None: as much as the KV
         pool), and no more than ``max_sessions`` sessions can use (``state_window`` + 2 each;
-        3 at least). ``state_window``: how many positions a session can be rolled back (a
-        speculative verification's rejected tokens, a draft's proposals): the states after
-        each of its last ``state_window`` positions are kept where they were fed in calls of
-        at most ``state_window`` positions."""
+        ``MIN_STATE_SLOTS`` at least). ``state_window``: how many positions a session can be
+        rolled back (a speculative verification's rejected tokens, a draft's proposals): the
+        states after each of its last ``state_window`` positions are kept where they were fed
+        in calls of at most ``state_window`` positions (cut to what the pool holds for one
+        session)."""
         super().__init__(export_dir, stage_index, options, manifest=manifest)
         if state_window < 0:
             raise ValueError(f"state_window must be at least 0, got {state_window}")
