@@ -529,6 +529,12 @@ class PagedRunner(ShardBase):
         # key cache out transposed)
         block_size = next(v for k, v in shapes.items() if k.startswith("value_cache."))[1]
         num_blocks = max(1, kv_cache_bytes // max(1, block_bytes))
+        if recurrent and all(kind == "linear_attention" for kind in layer_types):
+            # the placeholder attention's blocks (see paged_model) cost next to nothing: as
+            # many as every session at the longest context, twice over (the prefix cache),
+            # not the whole budget
+            most = 2 * self.options.max_sessions * math.ceil(self.max_context / block_size)
+            num_blocks = min(num_blocks, most)
         self._caches: list[ov.Tensor] = []
         for port in caches:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[port.get_any_name()]])
