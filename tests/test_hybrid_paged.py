@@ -14,11 +14,9 @@ import pytest
 
 from exporter.verify import reference_greedy
 from shard_runtime.chain import LocalChain
-from shard_runtime.paged import BlocksExhausted, PagedRunner, PagedStep
+from shard_runtime.paged import BlocksExhausted, PagedRunner, PagedStep, StateSlots
 from shard_runtime.runner import InvalidStageInput
 from tests.conftest import EXACT, ExportFn
-
-pytestmark = pytest.mark.component
 
 PROMPT = [5, 17, 33, 99, 100, 7, 42, 8, 61, 3, 200, 150]
 POOL = 1 << 22  # bytes of KV blocks (and so of state slots) per stage
@@ -41,6 +39,37 @@ def _chunked_greedy(
     return tokens, np.stack(rows)
 
 
+@pytest.mark.unit
+def test_state_slots_keep_a_window_and_prefix_states_give_way() -> None:
+    """Bookkeeping: a session keeps its states within the window of its length (and none
+    after it), prefix states count as free and go least recently used first when a session
+    needs their slots, a state kept twice under one hash is given back, and a take that
+    cannot be met changes nothing."""
+    slots = StateSlots(num_slots=6, window=2, max_prefix=6)
+    held = slots.states.setdefault("a", {})
+    held.update(zip(range(5), slots.take(5, "a"), strict=True))  # states after 0..4
+    slots.keep("a", 4)
+    assert sorted(held) == [2, 3, 4] and (slots.free, slots.used) == (3, 3)
+    slots.keep("a", 3)  # rolled back to 3: the state after 4 goes
+    assert sorted(held) == [2, 3] and slots.free == 4
+    first, second, spare = slots.take(3, "prefix states")
+    slots.put_prefix(b"x", first)
+    slots.put_prefix(b"y", second)
+    slots.put_prefix(b"x", spare)  # already kept: the slot comes back
+    assert (slots.cached, slots.free, slots.used) == (2, 4, 2)
+    assert slots.prefix_slot(b"x") == first  # now the most recently used
+    taken = slots.take(3, "b")  # the two free ones, then the oldest prefix state (y)
+    assert second in taken and slots.prefix_slot(b"y") is None
+    assert slots.prefix_slot(b"x") == first
+    with pytest.raises(BlocksExhausted, match=r"needs 3 .* 1 of 6 are free"):
+        slots.take(3, "c")
+    assert (slots.free, slots.cached) == (1, 1)
+    slots.release("a")
+    slots.give(taken)
+    assert slots.free == 6 and not slots.states
+
+
+@pytest.mark.component
 @pytest.mark.parametrize(
     ("arch", "stages"), [("qwen3_5", 1), ("qwen3_5", 3), ("qwen3_5_moe", 2), ("qwen3_next", 2)]
 )
@@ -110,6 +139,7 @@ class _Stages:
             runner.release(session)
 
 
+@pytest.mark.component
 def test_interleaved_sessions_in_one_call_each_equal_alone(tiny_export: ExportFn) -> None:
     """Eight sessions whose prefill chunks and decodes share inference calls (joining late,
     of different lengths) get the logits each gets alone."""
@@ -148,6 +178,7 @@ def test_interleaved_sessions_in_one_call_each_equal_alone(tiny_export: ExportFn
         assert [int(np.argmax(r)) for r in got[i]] == [int(np.argmax(r)) for r in alone[i]]
 
 
+@pytest.mark.component
 def test_rollbacks_equal_never_feeding_the_rolled_back_positions(tiny_export: ExportFn) -> None:
     """A verification of 5 positions rolled back by 3, and a draft's pattern (4 one-token
     calls, then a rollback of 3), each leave the session as feeding only the kept positions
@@ -193,6 +224,7 @@ def test_rollbacks_equal_never_feeding_the_rolled_back_positions(tiny_export: Ex
     np.testing.assert_allclose(got, reference(0), atol=1e-5)
 
 
+@pytest.mark.component
 def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn) -> None:
     """With the fewest state slots (4), a session's first step that finds too few free is
     refused with RESOURCE_EXHAUSTED's error (BlocksExhausted) and leaves nothing behind (no
@@ -241,6 +273,7 @@ def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn
         logits = run(cut, "a", np.array([int(np.argmax(logits[-1]))]), 12 + i)
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_padded_lone_rows_compute_the_same(tiny_export: ExportFn, arch: str) -> None:
     """Where one-row calls are padded to two (batch invariance), the pad row reads the real
@@ -284,6 +317,7 @@ def hybrid_with_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.component
 def test_a_ring_of_paged_hybrid_stages_batches_and_speculates_exactly(
     hybrid_with_draft: Path, tmp_path: Path
 ) -> None:
@@ -370,6 +404,7 @@ def test_a_ring_of_paged_hybrid_stages_batches_and_speculates_exactly(
             proc.stop()
 
 
+@pytest.mark.component
 def test_a_cached_prefix_gives_the_uncached_tokens(tiny_export: ExportFn) -> None:
     """The prefix cache on paged hybrid stages, through the gateway over HTTP: a prompt's
     chunks keep the linear-attention state at their last full block's end beside the cached
@@ -437,6 +472,7 @@ def _same(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> bool:
     )
 
 
+@pytest.mark.component
 def test_sequences_the_state_pool_cannot_hold_are_preempted_and_resumed(
     tiny_export: ExportFn, tmp_path: Path
 ) -> None:
@@ -490,6 +526,7 @@ def test_sequences_the_state_pool_cannot_hold_are_preempted_and_resumed(
             proc.stop()
 
 
+@pytest.mark.component
 def test_a_ring_of_paged_hybrid_stages_serves_cached_prefixes_exactly(
     tiny_export: ExportFn, tmp_path: Path
 ) -> None:
@@ -523,3 +560,28 @@ def test_a_ring_of_paged_hybrid_stages_serves_cached_prefixes_exactly(
             gateway.stop()
         for proc in procs:
             proc.stop()
+
+
+@pytest.mark.component
+def test_the_stage_reports_its_state_slots(tiny_export: ExportFn) -> None:
+    """A hybrid paged stage's backend sets pipeshard_stage_state_slots (used, free) as its
+    sessions take and give back slots."""
+    from protos.step import StepRequest
+    from stage_node.backend import PagedBackend, StepInput
+    from stage_node.metrics import StageMetrics
+
+    runner = PagedRunner(tiny_export("qwen3_5", 1), 0, EXACT, kv_cache_bytes=POOL)
+    metrics = StageMetrics()
+    backend = PagedBackend(runner, metrics)
+
+    def gauge(state: str) -> float | None:
+        return metrics.registry.get_sample_value("pipeshard_stage_state_slots", {"state": state})
+
+    assert runner.states is not None
+    assert (gauge("used"), gauge("free")) == (1, runner.states.num_slots - 1)
+    out = backend.compute([StepInput(StepRequest("s", start_position=0), np.array(PROMPT))])
+    assert not isinstance(out[0], Exception)
+    assert gauge("used") == 2  # the session's latest state beside the scratch slot
+    runner.release("s")
+    backend.pool_metrics()
+    assert gauge("used") == 1
