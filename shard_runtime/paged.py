@@ -496,8 +496,8 @@ class PagedRunner(ShardBase):
         ``MIN_STATE_SLOTS`` at least). ``state_window``: how many positions a session can be
         rolled back (a speculative verification's rejected tokens, a draft's proposals): the
         states after each of its last ``state_window`` positions are kept where they were fed
-        in calls of at most ``state_window`` positions (cut to what the pool holds for one
-        session)."""
+        in calls of at most ``state_window`` + 1 positions (the window is cut to what the
+        pool holds for one session)."""
         super().__init__(export_dir, stage_index, options, manifest=manifest)
         if state_window < 0:
             raise ValueError(f"state_window must be at least 0, got {state_window}")
@@ -765,7 +765,7 @@ class PagedRunner(ShardBase):
                         f"stage {self.stage.index} cannot roll back {count} positions: its "
                         f"linear-attention layers {self.recurrent_layers} hold a recurrent "
                         f"state, kept only after each of the last {self.states.window} "
-                        "positions fed in calls of at most as many positions (positions "
+                        "positions fed in calls of at most one more position (positions "
                         f"{sorted(held)} of {table.length} here)"
                     )
                 else:
@@ -862,7 +862,7 @@ class PagedRunner(ShardBase):
 
     def _place_states(self, step: PagedStep) -> None:
         """A hybrid stage: reserve the state slots a step writes (holding the lock). A call of
-        at most ``window`` positions stores the state after each of them
+        at most ``window`` + 1 positions stores the state after each of them
         (``la.cache_interval`` 1: a later rollback into it selects one), a longer one only the
         last (interval 0), or, when it names blocks for the prefix cache, the states at block
         ends (interval: the block size), of which the one at the end of its last full block is
@@ -879,7 +879,7 @@ class PagedRunner(ShardBase):
         size, end = self.blocks.block_size, start + count
         cache = bool(step.hashes) and self.states.max_prefix > 0
         edge = (start // size + len(step.hashes)) * size  # the last full block's end
-        if count <= self.states.window:
+        if count <= self.states.window + 1:  # a verification of k proposals and a bonus
             interval, writes = 1, count
         elif cache:
             interval, writes = size, 1 + (start % size + count - 1) // size

@@ -180,27 +180,35 @@ def test_interleaved_sessions_in_one_call_each_equal_alone(tiny_export: ExportFn
 
 @pytest.mark.component
 def test_rollbacks_equal_never_feeding_the_rolled_back_positions(tiny_export: ExportFn) -> None:
-    """A verification of 5 positions rolled back by 3, and a draft's pattern (4 one-token
-    calls, then a rollback of 3), each leave the session as feeding only the kept positions
-    would: the next logits are the same. Further back than the kept states it refuses."""
-    stages = _Stages(tiny_export("qwen3_5", 2), kv_cache_bytes=POOL, state_window=8)
+    """With a window of 4: verifications of 5 positions (4 proposals and a bonus) rolled back
+    by 3 and by 4, and a draft's pattern (4 one-token calls, then a rollback of 3), each leave
+    the session as feeding only the kept positions would: the next logits are the same.
+    Further back than the kept states it refuses and changes nothing."""
+    stages = _Stages(tiny_export("qwen3_5", 2), kv_cache_bytes=POOL, state_window=4)
     rng = np.random.default_rng(1)
     prompt, cont, nxt = rng.integers(3, 250, 13), rng.integers(3, 250, 5), rng.integers(3, 250, 3)
 
-    def reference(kept: int) -> np.ndarray:
+    def reference(kept: np.ndarray) -> np.ndarray:
+        """The logits of ``nxt`` after the prompt and ``kept``, fed without rollbacks."""
         stages.feed([PagedStep("ref", prompt, 0)])
-        if kept:
-            stages.feed([PagedStep("ref", cont[:kept], 13)])
-        out = stages.feed([PagedStep("ref", nxt, 13 + kept, num_logits=3)])[0]
+        if len(kept):
+            stages.feed([PagedStep("ref", kept, 13)])
+        out = stages.feed([PagedStep("ref", nxt, 13 + len(kept), num_logits=3)])[0]
         stages.release("ref")
         return out
 
-    # a verification: 5 positions with every logit, 3 rejected
+    # a verification of 4 proposals and a bonus position (the window + 1), 3 rejected, then
+    # one of 5 with all 4 proposals rejected
     stages.feed([PagedStep("v", prompt, 0)])
     stages.feed([PagedStep("v", cont, 13, num_logits=5)])
     stages.rollback("v", 3)
     got = stages.feed([PagedStep("v", nxt, 15, num_logits=3)])[0]
-    np.testing.assert_allclose(got, reference(2), atol=1e-5)
+    np.testing.assert_allclose(got, reference(cont[:2]), atol=1e-5)
+    stages.rollback("v", 3)
+    stages.feed([PagedStep("v", cont, 15, num_logits=5)])
+    stages.rollback("v", 4)
+    got = stages.feed([PagedStep("v", nxt, 16, num_logits=3)])[0]
+    np.testing.assert_allclose(got, reference(np.concatenate([cont[:2], cont[:1]])), atol=1e-5)
 
     # a draft: one token at a time, then back by 3
     stages.feed([PagedStep("d", prompt, 0)])
@@ -208,7 +216,7 @@ def test_rollbacks_equal_never_feeding_the_rolled_back_positions(tiny_export: Ex
         stages.feed([PagedStep("d", cont[i : i + 1], 13 + i)])
     stages.rollback("d", 3)
     got = stages.feed([PagedStep("d", nxt, 14, num_logits=3)])[0]
-    np.testing.assert_allclose(got, reference(1), atol=1e-5)
+    np.testing.assert_allclose(got, reference(cont[:1]), atol=1e-5)
 
     # back to the start: a new sequence from zeros
     stages.rollback("d", 17)
@@ -221,7 +229,7 @@ def test_rollbacks_equal_never_feeding_the_rolled_back_positions(tiny_export: Ex
         stages.rollback("d", 2)
     assert all(r.session_length("d") == length for r in stages.runners)
     got = stages.feed([PagedStep("d", nxt, 13, num_logits=3)])[0]
-    np.testing.assert_allclose(got, reference(0), atol=1e-5)
+    np.testing.assert_allclose(got, reference(cont[:0]), atol=1e-5)
 
 
 @pytest.mark.component
