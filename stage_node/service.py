@@ -161,6 +161,7 @@ class StageService(pb_grpc.StageServicer):
             if self.runner.states is not None:
                 info.state_slots = self.runner.states.num_slots
                 info.state_slots_free = self.runner.states.free
+                info.state_window = self.runner.states.window
         return info
 
     def _pool_metrics(self) -> None:

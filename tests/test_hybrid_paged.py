@@ -593,3 +593,43 @@ def test_the_stage_reports_its_state_slots(tiny_export: ExportFn) -> None:
     runner.release("s")
     backend.pool_metrics()
     assert gauge("used") == 1
+
+
+@pytest.mark.component
+def test_the_gateway_proposes_no_more_than_the_stages_roll_back(
+    hybrid_with_draft: Path, tmp_path: Path
+) -> None:
+    """Stages that keep 2 positions of states (--state-window 2) and a gateway with a draft
+    asked for 6 proposals a step: it proposes at most 2 (and says so), so every rejected
+    proposal rolls back; the output equals a gateway's without speculation on the same
+    stages."""
+    from tests.processes import start_gateway, start_stages
+
+    export = hybrid_with_draft
+    procs, addresses = start_stages(
+        export, tmp_path, ["--hidden-dtype", "fp32", "--state-window", "2"]
+    )
+    flags = ["--model-name", "hybrid"]
+    drafting = [*flags, "--draft", str(export / "draft"), "--spec-k", "6"]
+    speculating, spec_url = start_gateway(addresses, tmp_path / "spec.log", drafting)
+    plain, plain_url = start_gateway(
+        addresses, tmp_path / "plain.log", [*flags, "--speculation", "off"]
+    )
+    try:
+        for prompt in ([5, 17, 33, 99] * 6, [9, 8, 7] * 7):
+            got = _complete(spec_url, prompt)[0]
+            assert _same(got, _complete(plain_url, prompt)[0])
+        log = (tmp_path / "spec.log").read_text()
+        assert "speculation proposes at most 2 token(s)" in log
+        metrics = httpx.get(f"{spec_url}/metrics").text
+        proposed = [
+            float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith("pipeshard_gateway_spec_proposed_tokens_total ")
+        ]
+        assert proposed and proposed[0] > 0
+    finally:
+        speculating.stop()
+        plain.stop()
+        for proc in procs:
+            proc.stop()

@@ -375,6 +375,15 @@ class PipelineClient:
         return sizes.pop() if len(sizes) == 1 else None
 
     @property
+    def max_rollback(self) -> int | None:
+        windows = [
+            s.info.state_window
+            for s in self.stages
+            if s.info is not None and s.info.kv_backend == "paged" and s.info.state_slots
+        ]
+        return min(windows) if windows else None
+
+    @property
     def ring_loop(self) -> bool:
         """Whether the last stage feeds decode steps back to stage 0 itself (Step.follow)."""
         info = self.stages[-1].info

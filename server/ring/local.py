@@ -133,6 +133,15 @@ class LocalRing:
         sizes = {r.blocks.block_size for r in runners if isinstance(r, PagedRunner)}
         return sizes.pop() if len(sizes) == 1 else None
 
+    @property
+    def max_rollback(self) -> int | None:
+        windows = [
+            r.states.window
+            for r in self.chain.runners
+            if isinstance(r, PagedRunner) and r.states is not None
+        ]
+        return min(windows) if windows else None
+
     async def start(self, timeout: float = 120.0) -> ShardManifest:
         return self.manifest
 
