@@ -548,7 +548,8 @@ class PagedRunner(ShardBase):
         # A hybrid's verification stays one subsequence: one-position subsequences of one
         # session would update its recurrent state side by side (the kernel runs sequences in
         # parallel), so it takes the several-token attention path, as the stateful backend does.
-        self._split_verification = self.options.batch_invariant and cpu and not recurrent
+        invariant = self.options.batch_invariant and cpu
+        self._split_verification = invariant and not recurrent
         self._scratch_block: int | None = None
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache_blocks)
         self.kv_cache_bytes = num_blocks * block_bytes
@@ -562,9 +563,7 @@ class PagedRunner(ShardBase):
         if recurrent:
             self._make_state_tables(state_cache_bytes or kv_cache_bytes, state_window)
         if pad_lone_rows is None:
-            pad_lone_rows = (
-                self._split_verification and num_blocks > 1 and not self.lone_row_is_invariant()
-            )
+            pad_lone_rows = invariant and num_blocks > 1 and not self._measured_invariant()
         if pad_lone_rows and num_blocks > 1:
             self._scratch_block = num_blocks - 1
             self.blocks = BlockManager(num_blocks - 1, block_size, prefix_cache_blocks)
@@ -657,6 +656,14 @@ class PagedRunner(ShardBase):
         """Whether this stage pads one-row calls to two (batch invariance on a machine that
         needs it; solo steps excepted)."""
         return self._scratch_block is not None
+
+    def _measured_invariant(self) -> bool:
+        """lone_row_is_invariant, or False where the pools cannot hold its two probe sessions
+        (a hybrid stage's smallest state pool): then one-row calls are padded unmeasured."""
+        try:
+            return self.lone_row_is_invariant()
+        except BlocksExhausted:
+            return False
 
     def lone_row_is_invariant(self) -> bool:
         """Whether a row computed alone equals the same row computed beside another, bit for
