@@ -124,8 +124,10 @@ class _Stages:
             for step in steps:
                 runner.place(step)
             outs = runner.forward(steps)
-            steps = [
-                PagedStep(s.session_id, o.astype(np.float32), s.start, s.num_logits)
+            steps = [  # every stage sees the step's block hashes, as in the ring
+                PagedStep(
+                    s.session_id, o.astype(np.float32), s.start, s.num_logits, hashes=s.hashes
+                )
                 for s, o in zip(steps, outs, strict=True)
             ]
         return outs  # the last stage's logits
@@ -633,3 +635,34 @@ def test_the_gateway_proposes_no_more_than_the_stages_roll_back(
         plain.stop()
         for proc in procs:
             proc.stop()
+
+
+@pytest.mark.component
+@pytest.mark.parametrize("chunks", [[40], [30, 5, 5]])
+def test_a_session_acquired_on_a_kept_state_computes_as_one_fed_whole(
+    tiny_export: ExportFn, chunks: list[int]
+) -> None:
+    """Runner level, both ways a prompt chunk keeps the state at its last full block's end (a
+    long chunk writes it through la.cache_interval = block size, a short one stores every
+    position and copies it): a second session acquired on that block starts from the state
+    and its next logits equal a session fed everything, to the bit; a block whose end state
+    was not kept is not acquired."""
+    stages = _Stages(tiny_export("qwen3_5", 2), kv_cache_bytes=POOL)
+    size = stages.runners[0].blocks.block_size
+    assert size == 32
+    rng = np.random.default_rng(7)
+    prompt, rest = rng.integers(3, 250, 40), rng.integers(3, 250, 6)
+    hashes = (b"block-0",)
+
+    at = 0
+    for count in chunks:
+        named = hashes if at < size <= at + count else ()
+        stages.feed([PagedStep("a", prompt[at : at + count], at, hashes=named)])
+        at += count
+    assert [r.acquire("b", [*hashes, b"block-1"]) for r in stages.runners] == [1, 1]
+    tail = np.concatenate([prompt[size:], rest])
+    got = stages.feed([PagedStep("b", tail, size, num_logits=len(tail))])[0]
+    whole = np.concatenate([prompt, rest])
+    want = stages.feed([PagedStep("c", whole, 0, num_logits=len(whole))])[0][size:]
+    assert np.array_equal(got, want)
+    assert [r.acquire("d", [b"unknown"]) for r in stages.runners] == [0, 0]
