@@ -763,21 +763,21 @@ class PagedRunner(ShardBase):
                     f"cannot roll back {count} positions of a session holding {table.length}"
                 )
             keep = table.length - count
+            held = {} if self.states is None else self.states.states.get(session_id, {})
+            if self.states is not None and count and keep and keep not in held:
+                raise InvalidStageInput(
+                    f"stage {self.stage.index} cannot roll back {count} positions: its "
+                    f"linear-attention layers {self.recurrent_layers} hold a recurrent "
+                    f"state, kept only after each of the last {self.states.window} "
+                    "positions fed in calls of at most one more position (positions "
+                    f"{sorted(held)} of {table.length} here)"
+                )
+            self.blocks.truncate(session_id, keep)  # may refuse: then nothing has changed
             if self.states is not None and count:
-                held = self.states.states.get(session_id, {})
                 if keep == 0:  # back to the start: zeros again, when it is next fed
                     self.states.release(session_id)
-                elif keep not in held:
-                    raise InvalidStageInput(
-                        f"stage {self.stage.index} cannot roll back {count} positions: its "
-                        f"linear-attention layers {self.recurrent_layers} hold a recurrent "
-                        f"state, kept only after each of the last {self.states.window} "
-                        "positions fed in calls of at most one more position (positions "
-                        f"{sorted(held)} of {table.length} here)"
-                    )
                 else:
                     self.states.keep(session_id, keep)
-            self.blocks.truncate(session_id, keep)
 
     def acquire(self, session_id: str, hashes: list[bytes]) -> int:
         """Open a session on the cached blocks of its prefix (see BlockManager.acquire); the
