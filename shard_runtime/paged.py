@@ -512,9 +512,7 @@ class PagedRunner(ShardBase):
         model = paged_model(
             core.read_model(self.model_xml), self.is_first, self.is_last, windows, recurrent
         )
-        self.compiled = core.compile_model(
-            model, self.options.device, self.options.compile_properties()
-        )
+        self.compiled = core.compile_model(model, self.options.device, self._compile_properties())
         self.release_weight_pages()
         self.request = self.compiled.create_infer_request()
         caches = [p for p in self.compiled.inputs if "_cache." in p.get_any_name()]
@@ -589,6 +587,20 @@ class PagedRunner(ShardBase):
                 self.recurrent_layers,
                 self.states.window,
             )
+
+    def _compile_properties(self) -> dict[str, Any]:
+        """The runner options' compile properties, less the model cache on CPU: OpenVINO's CPU
+        plugin writes a paged model's blob but cannot load it again (its PagedAttention nodes
+        lose the ``k_head_size`` / ``num_k_heads`` runtime info they need on the way through
+        the blob), so every start would write a blob the size of the stage's weights that no
+        later start reads (tests/test_runner.py checks that this still holds)."""
+        props = self.options.compile_properties()
+        if self.options.device.upper().startswith("CPU") and props.pop("CACHE_DIR", None):
+            log.info(
+                "paged stage on CPU: compiled without the OpenVINO model cache (the CPU plugin "
+                "cannot load a cached PagedAttention model)"
+            )
+        return props
 
     def _make_state_tables(self, budget: int, window: int) -> None:
         """Allocate the state tables: as many slots as ``budget`` bytes hold, no more than the

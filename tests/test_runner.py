@@ -156,7 +156,7 @@ def _resident_kib(paths: list[Path]) -> int | None:
         ("qwen3_moe", "stateful", False),
         ("qwen3_moe", "paged", False),
         ("qwen2", "stateful", True),  # a cache hit maps the blob instead of model.bin
-        ("qwen2", "paged", True),
+        ("qwen2", "paged", False),  # paged stages on CPU use no model cache (below)
     ],
 )
 def test_released_weight_pages_leave_the_output_unchanged(
@@ -203,3 +203,34 @@ def test_released_weight_pages_leave_the_output_unchanged(
     warm_up(runner)  # the stage server's: releases what its first inference read again
     assert _resident_kib(mapped) == 0
     np.testing.assert_array_equal(run("after"), before)
+
+
+def test_paged_stages_on_cpu_write_no_model_cache_blob_that_no_start_could_load(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """OpenVINO's CPU plugin cannot load a cached PagedAttention model (the blob loses the
+    runtime info its PagedAttention nodes need): compiled twice with CACHE_DIR, the second
+    compile is no cache hit. So a paged runner on CPU compiles without the cache instead of
+    writing, at every start, a blob the size of its weights that nothing reads; a stateful
+    runner keeps using it. When this test's first half fails, OpenVINO loads cached paged
+    models: PagedRunner._compile_properties can keep CACHE_DIR again."""
+    import openvino as ov
+
+    from shard_runtime.paged import paged_model
+
+    export = tiny_export("qwen2", 2)
+    stateful = ShardRunner(export, 1, dataclasses.replace(EXACT, cache_dir=tmp_path / "stateful"))
+    assert any((tmp_path / "stateful").iterdir())  # the stateful runner's blob
+    xml = stateful.model_xml
+    core = ov.Core()
+    props = {**EXACT.compile_properties(), "CACHE_DIR": str(tmp_path / "direct")}
+    loaded = []
+    for _ in range(2):
+        compiled = core.compile_model(paged_model(core.read_model(xml), False, True), "CPU", props)
+        loaded.append(bool(compiled.get_property("LOADED_FROM_CACHE")))
+    assert loaded == [False, False]
+    assert any((tmp_path / "direct").iterdir())  # the blob was written all the same
+
+    options = dataclasses.replace(EXACT, cache_dir=tmp_path / "paged")
+    PagedRunner(export, 1, options, kv_cache_bytes=1 << 20)
+    assert not (tmp_path / "paged").exists() or not any((tmp_path / "paged").iterdir())
