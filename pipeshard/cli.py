@@ -221,6 +221,18 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         "holds them (default: every free block, evicted oldest first; 0: no prefix cache)",
     )
     p.add_argument(
+        "--state-cache-size",
+        type=float,
+        help="paged, hybrid models: GiB of linear-attention state slots (default: as much as "
+        "--kv-cache-size, no more than --max-sessions can use)",
+    )
+    p.add_argument(
+        "--state-window",
+        type=int,
+        help="paged, hybrid models: positions a session can be rolled back, at least the "
+        "gateway's --spec-max-k (default {default})",
+    )
+    p.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         help="paged, CPU: each row's result independent of its batch, so greedy output is the same "

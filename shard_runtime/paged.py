@@ -14,6 +14,12 @@ gather of ``logits_indices``, so the head runs only for the rows each session sa
 The :class:`BlockManager` is pure bookkeeping (tested without a model): a session's block table
 grows as it is fed, rollback shortens it and frees trailing blocks (no copy: the next feed
 overwrites the stale slots), and release frees them all at once.
+
+A hybrid model's linear-attention layers become ``PagedCausalConv1D`` + ``PagedGatedDeltaNet``
+over state tables, a row per *state slot* (:class:`StateSlots`): each step names the slot its
+session's state is read from and the slots the states after its positions are written to
+(``la.block_indices``, ``la.cache_interval``), so a rollback selects an earlier slot and the
+prefix cache keeps the state at a cached block's end.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from shard_runtime.runner import (
 log = logging.getLogger(__name__)
 GIB = 1 << 30
 PAGED_OP = "PagedAttentionExtension"
+MIN_STATE_SLOTS = 4  # of a hybrid stage's state pool (PagedRunner._make_state_tables)
 SLIDING_WINDOW_INPUT = 10  # of PagedAttentionExtension: q, k, v, caches, lengths, ..., scale
 
 
@@ -106,6 +113,10 @@ class BlockManager:
     @property
     def enabled(self) -> bool:
         return self.max_cached > 0
+
+    def is_cached(self, digest: bytes) -> bool:
+        """Whether a block holds the prefix named ``digest``."""
+        return digest in self._block_of
 
     def blocks_for(self, length: int) -> int:
         return math.ceil(length / self.block_size)
@@ -226,15 +237,123 @@ class BlockManager:
         return len(table.blocks)
 
 
+class StateSlots:
+    """Slots of a hybrid stage's linear-attention state tables (one row of every conv and
+    recurrent state table per slot) and which states each session can return to.
+
+    A session's state is fixed-size, not per position: it is kept by position, ``{position:
+    slot}``, the state after that many positions. The latest one is always kept (the next
+    step reads it); the ones after each of the last ``window`` positions too where the calls
+    that fed them stored them (see :meth:`PagedRunner.forward`), so a rollback of up to
+    ``window`` positions selects an earlier slot instead of computing anything again.
+
+    Prefix cache: the state at the end of a cached KV block, by the block's hash
+    (:meth:`put_prefix`): a new session that starts on the cached blocks of its prefix starts
+    from a copy of it. No session holds these: like cached KV blocks they count as free, and
+    the least recently used goes when a session needs its slot (``max_prefix`` at most).
+    """
+
+    def __init__(self, num_slots: int, window: int, max_prefix: int = 0) -> None:
+        if num_slots < 1:
+            raise ValueError("a state pool needs at least one slot")
+        self.num_slots = num_slots
+        self.window = window
+        self.max_prefix = max_prefix
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.states: dict[str, dict[int, int]] = {}
+        self.prefix: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+
+    @property
+    def free(self) -> int:
+        """Slots a session can take: unused ones and prefix states."""
+        return len(self._free) + len(self.prefix)
+
+    @property
+    def used(self) -> int:
+        """Slots sessions hold."""
+        return self.num_slots - self.free
+
+    @property
+    def cached(self) -> int:
+        """Prefix states (of the free ones)."""
+        return len(self.prefix)
+
+    def take(self, count: int, why: str) -> list[int]:
+        if count > self.free:
+            raise BlocksExhausted(
+                f"state slots exhausted: {why} needs {count} linear-attention state slot(s), "
+                f"{self.free} of {self.num_slots} are free"
+            )
+        while len(self._free) < count:  # the oldest prefix states go first
+            self._free.append(self.prefix.popitem(last=False)[1])
+        return [self._free.pop() for _ in range(count)]
+
+    def put_prefix(self, digest: bytes, slot: int) -> None:
+        """Keep ``slot`` as the state at the end of the block named ``digest``."""
+        if digest in self.prefix or not self.max_prefix:
+            self.give([slot])
+            return
+        self.prefix[digest] = slot
+        while len(self.prefix) > self.max_prefix:
+            self._free.append(self.prefix.popitem(last=False)[1])
+
+    def prefix_slot(self, digest: bytes) -> int | None:
+        slot = self.prefix.get(digest)
+        if slot is not None:
+            self.prefix.move_to_end(digest)
+        return slot
+
+    def give(self, slots: list[int]) -> None:
+        self._free.extend(reversed(slots))
+
+    def keep(self, session_id: str, length: int, below: int | None = None) -> None:
+        """Drop the session's states that a rollback from ``length`` cannot reach (further
+        back than ``window``) and those after ``length``; ``below``: also every state before
+        that position but the one at ``length``."""
+        held = self.states.get(session_id)
+        if not held:
+            return
+        floor = length - self.window if below is None else below
+        drop = [p for p in held if p != length and (p < floor or p > length)]
+        self.give([held.pop(p) for p in drop])
+
+    def release(self, session_id: str) -> None:
+        held = self.states.pop(session_id, None)
+        if held:
+            self.give(list(held.values()))
+
+
 def paged_model(
-    model: ov.Model, is_first: bool, is_last: bool, windows: list[int] | None = None
+    model: ov.Model,
+    is_first: bool,
+    is_last: bool,
+    windows: list[int] | None = None,
+    recurrent: bool = False,
 ) -> ov.Model:
     """Turn a stateful stage IR into a PagedAttention one (in place; returns it).
 
     ``windows``: per layer of the stage, its sliding window (0: full attention); the stage's
-    own masks carried it, and the transformation drops masks."""
+    own masks carried it, and the transformation drops masks.
+
+    ``recurrent``: the stage holds a hybrid model's linear-attention layers, which the
+    transformation turns into ``PagedCausalConv1D`` + ``PagedGatedDeltaNet`` over state tables
+    (``conv_state_table.N``, ``gated_delta_state_table.N``) and ``la.*`` inputs. Its fusions
+    check shapes as they go, so the main input takes its packed shape first; and it refuses a
+    model without attention, so a stage of linear-attention layers only gets a placeholder
+    attention (one head of width one over the positions, its output times zero)."""
     from openvino._offline_transformations import paged_attention_transformation
 
+    main = "input_ids" if is_first else "inputs_embeds"
+    if recurrent:
+        if not any(op.get_type_name() == "ScaledDotProductAttention" for op in model.get_ops()):
+            _add_placeholder_attention(model)
+            model.validate_nodes_and_infer_types()
+        for param in model.get_parameters():
+            if main in param.output(0).get_names():
+                # the transformation unsqueezes the main input at axis 1 itself (see below);
+                # the graph is checked again once it has
+                shape = [-1] if is_first else [-1, param.get_partial_shape()[2]]
+                param.set_partial_shape(ov.PartialShape(shape))
     paged_attention_transformation(model, False, False)
     attention = [op for op in model.get_ordered_ops() if op.get_type_name() == PAGED_OP]
     if windows is not None and any(windows):
@@ -247,10 +366,9 @@ def paged_model(
                 op.input(SLIDING_WINDOW_INPUT).replace_source_output(
                     ops.constant(np.int32(window)).output(0)
                 )
-    main = "input_ids" if is_first else "inputs_embeds"
     for param in list(model.get_parameters()):
         names = param.output(0).get_names()
-        if main in names:
+        if main in names and not recurrent:  # a hybrid's: shaped before the transformation
             # The transformation unsqueezes the main input at axis 1 itself: the caller
             # passes the packed tokens of every session, [T] or [T, H].
             shape = [-1] if is_first else [-1, param.get_partial_shape()[2]]
@@ -259,6 +377,49 @@ def paged_model(
             _gather_logit_rows(model, param)
     model.validate_nodes_and_infer_types()
     return model
+
+
+def _add_placeholder_attention(model: ov.Model) -> None:
+    """Give a stage without attention layers an attention the paged transformation can work
+    on: one head of width one over the positions (a KV state beside the stage's own, behind
+    the same ``beam_idx`` Gather), whose output, summed and times zero, is added to the first
+    output. It adds a tiny KV cache (``key_cache.0``, ``value_cache.0``) and changes no number."""
+    from openvino.op.util import Variable, VariableInfo
+
+    params = {name: p for p in model.get_parameters() for name in p.output(0).get_names()}
+    positions, beam = params["position_ids"], params["beam_idx"]
+    row = ops.convert(positions, ov.Type.f32)  # [B, T]
+    x = ops.unsqueeze(ops.unsqueeze(row, ops.constant(np.int64(1))), ops.constant(np.int64(-1)))
+    batch = ops.gather(
+        ops.shape_of(positions), ops.constant(np.array([0], dtype=np.int64)), ops.constant(0)
+    )
+    empty = ops.concat([batch, ops.constant(np.array([1, 0, 1], dtype=np.int64))], 0)
+    kv = []
+    for kind in ("key", "value"):
+        info = VariableInfo()
+        info.data_shape = ov.PartialShape([-1, 1, -1, 1])
+        info.data_type = ov.Type.f32
+        info.variable_id = f"past_key_values.placeholder.{kind}"
+        variable = Variable(info)
+        past = ops.read_value(ops.broadcast(ops.constant(np.float32(0)), empty), variable)
+        full = ops.concat([ops.gather(past, beam, ops.constant(np.int64(0))), x], 2)
+        model.add_sinks([ops.assign(full, variable)])
+        model.add_variables([variable])
+        kv.append(full)
+    attended = ops.scaled_dot_product_attention(
+        x,
+        kv[0],
+        kv[1],
+        ops.constant(np.zeros((1, 1, 1, 1), np.float32)),
+        ops.constant(np.float32(1.0)),
+        causal=False,
+    )
+    total = ops.reduce_sum(attended, ops.constant(np.array([0, 1, 2, 3], dtype=np.int64)), False)
+    zero = ops.multiply(total, ops.constant(np.float32(0.0)))
+    result = model.get_results()[0]
+    result.input(0).replace_source_output(
+        ops.add(result.input(0).get_source_output(), zero).output(0)
+    )
 
 
 def _gather_logit_rows(model: ov.Model, num_logits: Any) -> None:
@@ -293,6 +454,19 @@ class PagedStep:
     hashes: tuple[bytes, ...] = ()
 
 
+@dataclass
+class _StatePlan:
+    """What one step of a hybrid stage's session reads and writes in the state tables."""
+
+    interval: int  # la.cache_interval
+    slots: list[int]  # la.block_indices: the slot read, then the slots written
+    kept: dict[int, int]  # the session's states (position: slot) once the call has run
+    own: list[int]  # the slots taken for the call (given back if it fails)
+    # prefix cache: (hash of the last block the step completes, that block's end, the slot its
+    # state is written to; None: copied from ``kept`` after the call)
+    prefix: tuple[bytes, int, int | None] | None = None
+
+
 class PagedRunner(ShardBase):
     """One stage shard over a shared KV block pool; a batch of sessions per inference call."""
 
@@ -309,18 +483,25 @@ class PagedRunner(ShardBase):
         core: ov.Core | None = None,
         manifest: ShardManifest | None = None,
         pad_lone_rows: bool | None = None,
+        state_cache_bytes: int | None = None,
+        state_window: int = 8,
     ) -> None:
         """``prefix_cache_blocks``: cached blocks no session holds kept at most (None: as many
         as are free; 0: no prefix cache). ``pad_lone_rows``: whether one-row calls are padded
-        to two (None: where this machine needs it for batch invariance, measured at load)."""
+        to two (None: where this machine needs it for batch invariance, measured at load).
+
+        A hybrid model's stage (linear-attention layers) also holds a pool of state slots
+        (:class:`StateSlots`): ``state_cache_bytes`` of them at most (None: as much as the KV
+        pool), and no more than ``max_sessions`` sessions can use (``state_window`` + 2 each;
+        ``MIN_STATE_SLOTS`` at least). ``state_window``: how many positions a session can be
+        rolled back (a speculative verification's rejected tokens, a draft's proposals): the
+        states after each of its last ``state_window`` positions are kept where they were fed
+        in calls of at most ``state_window`` + 1 positions (the window is cut to what the
+        pool holds for one session)."""
         super().__init__(export_dir, stage_index, options, manifest=manifest)
-        if self.recurrent_layers:
-            raise ValueError(
-                f"stage {self.stage.index} of {self.manifest.model.model_id} holds "
-                f"linear-attention layers {self.recurrent_layers} (a hybrid model's recurrent "
-                "state): the paged KV backend does not serve them yet (nor its prefix cache); "
-                "use --kv-backend stateful"
-            )
+        if state_window < 0:
+            raise ValueError(f"state_window must be at least 0, got {state_window}")
+        recurrent = bool(self.recurrent_layers)
         core = core or ov.Core()
         facts = self.manifest.model
         layer_types = facts.layer_types[self.stage.layer_start : self.stage.layer_end]
@@ -328,10 +509,11 @@ class PagedRunner(ShardBase):
             (facts.sliding_window or 0) if kind == "sliding_attention" else 0
             for kind in layer_types
         ]
-        model = paged_model(core.read_model(self.model_xml), self.is_first, self.is_last, windows)
-        self.compiled = core.compile_model(
-            model, self.options.device, self.options.compile_properties()
+        model = paged_model(
+            core.read_model(self.model_xml), self.is_first, self.is_last, windows, recurrent
         )
+        self.compiled = core.compile_model(model, self.options.device, self._compile_properties())
+        self.release_weight_pages()
         self.request = self.compiled.create_infer_request()
         caches = [p for p in self.compiled.inputs if "_cache." in p.get_any_name()]
         # Cache shapes come from the compiled model ([blocks, kv heads, block size, head dim]
@@ -346,6 +528,12 @@ class PagedRunner(ShardBase):
         # key cache out transposed)
         block_size = next(v for k, v in shapes.items() if k.startswith("value_cache."))[1]
         num_blocks = max(1, kv_cache_bytes // max(1, block_bytes))
+        if recurrent and all(kind == "linear_attention" for kind in layer_types):
+            # the placeholder attention's blocks (see paged_model) cost next to nothing: as
+            # many as every session at the longest context, twice over (the prefix cache),
+            # not the whole budget
+            most = 2 * self.options.max_sessions * math.ceil(self.max_context / block_size)
+            num_blocks = min(num_blocks, most)
         self._caches: list[ov.Tensor] = []
         for port in caches:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[port.get_any_name()]])
@@ -356,15 +544,25 @@ class PagedRunner(ShardBase):
         # subsequences, and where this machine computes a lone row differently from a row
         # among others, one block kept aside to pad one-row calls.
         cpu = self.options.device.upper().startswith("CPU")
-        self._split_verification = self.options.batch_invariant and cpu
+        # A hybrid's verification stays one subsequence: one-position subsequences of one
+        # session would update its recurrent state side by side (the kernel runs sequences in
+        # parallel), so it takes the several-token attention path, as the stateful backend does.
+        invariant = self.options.batch_invariant and cpu
+        self._split_verification = invariant and not recurrent
         self._scratch_block: int | None = None
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache_blocks)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
+        # hybrid stages: the linear-attention state tables, a slot per row
+        self._tables: list[ov.Tensor] = []
+        self.states: StateSlots | None = None
+        self.state_cache_bytes = 0
+        self._pending: dict[str, _StatePlan] = {}
+        self._scratch_slot = -1
+        if recurrent:
+            self._make_state_tables(state_cache_bytes or kv_cache_bytes, state_window)
         if pad_lone_rows is None:
-            pad_lone_rows = (
-                self._split_verification and num_blocks > 1 and not self.lone_row_is_invariant()
-            )
+            pad_lone_rows = invariant and num_blocks > 1 and not self._measured_invariant()
         if pad_lone_rows and num_blocks > 1:
             self._scratch_block = num_blocks - 1
             self.blocks = BlockManager(num_blocks - 1, block_size, prefix_cache_blocks)
@@ -379,6 +577,76 @@ class PagedRunner(ShardBase):
             caches[0].get_element_type(),
             "; one-row calls padded to two" if self._scratch_block is not None else "",
         )
+        if self.states is not None:
+            log.info(
+                "linear-attention state: %d slots of %.2f MiB, %.1f MiB (layers %s; rollback "
+                "up to %d positions)",
+                self.states.num_slots,
+                self._slot_bytes / (1 << 20),
+                self.state_cache_bytes / (1 << 20),
+                self.recurrent_layers,
+                self.states.window,
+            )
+
+    def _compile_properties(self) -> dict[str, Any]:
+        """The runner options' compile properties, less the model cache on CPU: OpenVINO's CPU
+        plugin writes a paged model's blob but cannot load it again (its PagedAttention nodes
+        lose the ``k_head_size`` / ``num_k_heads`` runtime info they need on the way through
+        the blob), so every start would write a blob the size of the stage's weights that no
+        later start reads (tests/test_runner.py checks that this still holds)."""
+        props = self.options.compile_properties()
+        if self.options.device.upper().startswith("CPU") and props.pop("CACHE_DIR", None):
+            log.info(
+                "paged stage on CPU: compiled without the OpenVINO model cache (the CPU plugin "
+                "cannot load a cached PagedAttention model)"
+            )
+        return props
+
+    def _make_state_tables(self, budget: int, window: int) -> None:
+        """Allocate the state tables: as many slots as ``budget`` bytes hold, no more than the
+        sessions can use (and prefix states, two per session), ``MIN_STATE_SLOTS`` at least
+        (a new session's first step writing a prefix state: its zeros, its end, the prefix
+        state, and the scratch slot); the window shrinks to what one session can use. The
+        scratch slot takes the writes nobody reads: a padded row's state, a prompt chunk's
+        states at block ends before the one kept."""
+        ports = [p for p in self.compiled.inputs if "state_table." in p.get_any_name()]
+        rows = {
+            p.get_any_name(): [d.get_length() for d in p.get_partial_shape()[1:]] for p in ports
+        }
+        self._slot_bytes = sum(
+            int(np.prod(rows[p.get_any_name()])) * p.get_element_type().size for p in ports
+        )
+        sessions = self.options.max_sessions
+        usable = sessions * (window + 2) + 1 + (2 * sessions if self.blocks.enabled else 0)
+        num_slots = max(MIN_STATE_SLOTS, min(usable, budget // max(1, self._slot_bytes)))
+        if window > num_slots - MIN_STATE_SLOTS:
+            # one session alone must always fit: its window's states, the state it reads and
+            # the slots one step writes
+            log.warning(
+                "state window cut from %d to %d positions: %d state slots of %.2f MiB hold no "
+                "more for one session (raise --state-cache-size)",
+                window,
+                num_slots - MIN_STATE_SLOTS,
+                num_slots,
+                self._slot_bytes / (1 << 20),
+            )
+            window = num_slots - MIN_STATE_SLOTS
+        for port in ports:
+            tensor = ov.Tensor(port.get_element_type(), [num_slots, *rows[port.get_any_name()]])
+            self.request.set_tensor(port.get_any_name(), tensor)
+            self._tables.append(tensor)
+        self.states = StateSlots(num_slots, window, num_slots if self.blocks.enabled else 0)
+        self.state_cache_bytes = num_slots * self._slot_bytes
+        (self._scratch_slot,) = self.states.take(1, "the scratch slot")
+
+    def _zero_slot(self, slot: int) -> None:
+        """A new session's initial state: zeros in every table."""
+        for tensor in self._tables:
+            tensor.data[slot] = 0
+
+    def _copy_slot(self, source: int, target: int) -> None:
+        for tensor in self._tables:
+            tensor.data[target] = tensor.data[source]
 
     def _has_experts(self) -> bool:
         """Whether the compiled stage computes MoE experts (GatherMatmul nodes)."""
@@ -401,6 +669,14 @@ class PagedRunner(ShardBase):
         """Whether this stage pads one-row calls to two (batch invariance on a machine that
         needs it; solo steps excepted)."""
         return self._scratch_block is not None
+
+    def _measured_invariant(self) -> bool:
+        """lone_row_is_invariant, or False where the pools cannot hold its two probe sessions
+        (a hybrid stage's smallest state pool): then one-row calls are padded unmeasured."""
+        try:
+            return self.lone_row_is_invariant()
+        except BlocksExhausted:
+            return False
 
     def lone_row_is_invariant(self) -> bool:
         """Whether a row computed alone equals the same row computed beside another, bit for
@@ -475,6 +751,9 @@ class PagedRunner(ShardBase):
 
     def release(self, session_id: str) -> bool:
         with self._lock:
+            if self.states is not None:
+                self._give_back_pending(session_id)
+                self.states.release(session_id)
             return self.blocks.release(session_id)
 
     def release_idle(self, max_idle_s: float) -> list[str]:
@@ -483,6 +762,9 @@ class PagedRunner(ShardBase):
             idle = [sid for sid, t in self.blocks.tables.items() if t.last_used < cutoff]
             for sid in idle:
                 self.blocks.release(sid)
+                if self.states is not None:
+                    self._give_back_pending(sid)
+                    self.states.release(sid)
         return idle
 
     def rollback(self, session_id: str, count: int) -> None:
@@ -493,7 +775,22 @@ class PagedRunner(ShardBase):
                 raise InvalidStageInput(
                     f"cannot roll back {count} positions of a session holding {table.length}"
                 )
-            self.blocks.truncate(session_id, table.length - count)
+            keep = table.length - count
+            held = {} if self.states is None else self.states.states.get(session_id, {})
+            if self.states is not None and count and keep and keep not in held:
+                raise InvalidStageInput(
+                    f"stage {self.stage.index} cannot roll back {count} positions: its "
+                    f"linear-attention layers {self.recurrent_layers} hold a recurrent "
+                    f"state, kept only after each of the last {self.states.window} "
+                    "positions fed in calls of at most one more position (positions "
+                    f"{sorted(held)} of {table.length} here)"
+                )
+            self.blocks.truncate(session_id, keep)  # may refuse: then nothing has changed
+            if self.states is not None and count:
+                if keep == 0:  # back to the start: zeros again, when it is next fed
+                    self.states.release(session_id)
+                else:
+                    self.states.keep(session_id, keep)
 
     def acquire(self, session_id: str, hashes: list[bytes]) -> int:
         """Open a session on the cached blocks of its prefix (see BlockManager.acquire); the
@@ -507,9 +804,39 @@ class PagedRunner(ShardBase):
                     f"(limit {self.options.max_sessions})"
                 )
             try:
+                if self.states is not None and self.blocks.enabled:
+                    return self._acquire_with_state(session_id, hashes)
                 return self.blocks.acquire(session_id, hashes)
             except ValueError as exc:
                 raise InvalidStageInput(str(exc)) from None
+
+    def _acquire_with_state(self, session_id: str, hashes: list[bytes]) -> int:
+        """A hybrid stage's acquire (holding the lock): only up to the last cached block whose
+        end state is kept (a prompt chunk's last full block, see _place_states), and the
+        session starts from a copy of that state."""
+        assert self.states is not None
+        usable = 0
+        for i, digest in enumerate(hashes):
+            if not self.blocks.is_cached(digest):
+                break
+            if digest in self.states.prefix:
+                usable = i + 1
+        table = self.blocks.tables.get(session_id)
+        before = None if table is None else table.length
+        taken = self.blocks.acquire(session_id, hashes[:usable])
+        length = taken * self.blocks.block_size
+        if before == length and length in self.states.states.get(session_id, {}):
+            return taken
+        self.states.release(session_id)  # opened, never fed: at most the state acquired
+        source = self.states.prefix_slot(hashes[taken - 1]) if taken else None
+        # a slot to copy into, without evicting the state to copy (the most recently used)
+        if source is None or self.states.free - 1 < 1:
+            self.blocks.truncate(session_id, 0)
+            return 0
+        (slot,) = self.states.take(1, f"session {session_id!r}")
+        self._copy_slot(source, slot)
+        self.states.states[session_id] = {length: slot}
+        return taken
 
     # -- compute ----------------------------------------------------------------------------
     def place(self, step: PagedStep) -> None:
@@ -540,12 +867,93 @@ class PagedRunner(ShardBase):
                 self.blocks.open(step.session_id)
                 try:
                     self.blocks.grow(step.session_id, count)
+                    self._place_states(step)
                 except BlocksExhausted:
                     self.blocks.release(step.session_id)
                     raise
                 return
             self.check_step(step.session_id, table.length, count, step.start, step.num_logits)
             self.blocks.grow(step.session_id, table.length + count)
+            try:
+                self._place_states(step)
+            except BlocksExhausted:
+                self.blocks.truncate(step.session_id, table.length)  # the reserved blocks back
+                raise
+
+    def _place_states(self, step: PagedStep) -> None:
+        """A hybrid stage: reserve the state slots a step writes (holding the lock). A call of
+        at most ``window`` + 1 positions stores the state after each of them
+        (``la.cache_interval`` 1: a later rollback into it selects one), a longer one only the
+        last (interval 0), or, when it names blocks for the prefix cache, the states at block
+        ends (interval: the block size), of which the one at the end of its last full block is
+        kept for the cache and the others go to the scratch slot. States the step pushes out
+        of the window are let go first."""
+        if self.states is None:
+            return
+        sid, count, start = step.session_id, len(step.data), step.start
+        self._give_back_pending(sid)
+        held = self.states.states.setdefault(sid, {})
+        fresh = start not in held
+        if fresh and start:
+            raise InvalidStageInput(f"session {sid!r} holds no state at position {start}")
+        size, end = self.blocks.block_size, start + count
+        cache = bool(step.hashes) and self.states.max_prefix > 0
+        edge = (start // size + len(step.hashes)) * size  # the last full block's end
+        if count <= self.states.window + 1:  # a verification of k proposals and a bonus
+            interval, writes = 1, count
+        elif cache:
+            interval, writes = size, 1 + (start % size + count - 1) // size
+        else:
+            interval, writes = 0, 1
+        at_edge = edge // size - start // size  # where interval `size` writes the edge state
+        real = writes if interval != size else 1 + (edge != end)
+        below = end - self.states.window
+        need = real + fresh
+        going = sum(1 for p in held if p != start and p < below)
+        if need > self.states.free + going:  # refused before anything changes
+            self.states.take(need, f"session {sid!r} ({count} positions)")
+        self.states.keep(sid, start, below=below)
+        slots = self.states.take(need, f"session {sid!r} ({count} positions)")
+        if fresh:  # a new session's initial state: zeros
+            held[0] = slots.pop()
+            self._zero_slot(held[0])
+        plan = _StatePlan(interval, [held[start], *slots], {}, slots)
+        if interval == 1:
+            plan.kept = {start + 1 + i: slot for i, slot in enumerate(slots)}
+        elif interval == 0:
+            plan.kept = {end: slots[0]}
+        else:
+            written = [self._scratch_slot] * writes
+            written[-1] = slots[0]
+            plan.kept = {end: slots[0]}
+            if edge != end:
+                written[at_edge - 1] = slots[1]
+            plan.slots = [held[start], *written]
+        if cache:
+            direct = slots[1] if interval == size and edge != end else None
+            plan.prefix = (step.hashes[-1], edge, direct)
+        self._pending[sid] = plan
+
+    def _keep_states(self, session_id: str, start: int, count: int) -> None:
+        """After a call: the states it wrote become the session's (see _place_states), and
+        the state at its last full block's end the prefix cache's."""
+        assert self.states is not None
+        plan = self._pending.pop(session_id)
+        held = self.states.states.setdefault(session_id, {})
+        held.update(plan.kept)
+        if plan.prefix is not None:
+            digest, edge, slot = plan.prefix
+            if slot is None and digest not in self.states.prefix and self.states.free > 1:
+                (slot,) = self.states.take(1, "a prefix state")
+                self._copy_slot(held[edge], slot)
+            if slot is not None:
+                self.states.put_prefix(digest, slot)
+        self.states.keep(session_id, start + count)
+
+    def _give_back_pending(self, session_id: str) -> None:
+        plan = self._pending.pop(session_id, None)
+        if plan is not None and self.states is not None:
+            self.states.give(plan.own)
 
     def forward(self, steps: list[PagedStep]) -> list[np.ndarray]:
         """Run placed steps (distinct sessions) in one inference call.
@@ -583,7 +991,13 @@ class PagedRunner(ShardBase):
         begins = np.zeros(len(steps) + 1, dtype=np.int32)
         np.cumsum(counts, out=begins[1:])
         subs: list[tuple[int, int, list[int]]] = []  # (past length, tokens, block table)
+        # hybrid stages, per subsequence: (cache interval, state slots: read, then written)
+        la: list[tuple[int, list[int]]] = []
         with self._lock:
+            for s in steps:
+                if self.states is not None:
+                    plan = self._pending[s.session_id]
+                    la.append((plan.interval, plan.slots))
             for s, c in zip(steps, counts, strict=True):
                 held = self.blocks.tables[s.session_id].blocks
                 if self._split_verification and 1 < c <= s.num_logits:
@@ -612,6 +1026,8 @@ class PagedRunner(ShardBase):
                 subs.append((0, 1, [scratch]))
                 data.append(np.zeros_like(steps[0].data))
                 positions.append(np.zeros(1, dtype=np.int64))
+            if la:  # the pad reads the real row's state and writes its own slot
+                la.append((0, [la[0][1][0], self._scratch_slot]))
         sub_begins = np.zeros(len(subs) + 1, dtype=np.int32)
         np.cumsum([n for _, n, _ in subs], out=sub_begins[1:])
         block_begins = np.zeros(len(subs) + 1, dtype=np.int32)
@@ -629,6 +1045,13 @@ class PagedRunner(ShardBase):
                 max(s.start + c for s, c in zip(steps, counts, strict=True)), np.int32
             ),
         }
+        if la:
+            la_begins = np.zeros(len(la) + 1, dtype=np.int32)
+            np.cumsum([len(slots) for _, slots in la], out=la_begins[1:])
+            inputs["la.block_indices"] = np.array([b for _, t in la for b in t], dtype=np.int32)
+            inputs["la.block_indices_begins"] = la_begins
+            inputs["la.past_lens"] = inputs["past_lens"]
+            inputs["la.cache_interval"] = np.array([i for i, _ in la], dtype=np.int32)
         if self.is_last:
             picks = [np.arange(e - s.num_logits, e) for s, e in zip(steps, begins[1:], strict=True)]
             if scratch is not None and sum(s.num_logits for s in steps) == 1:
@@ -639,6 +1062,7 @@ class PagedRunner(ShardBase):
         except Exception:
             with self._lock:
                 for s in steps:
+                    self._give_back_pending(s.session_id)
                     if self.has_session(s.session_id):
                         self.blocks.truncate(s.session_id, self.blocks.tables[s.session_id].length)
             raise
@@ -646,6 +1070,11 @@ class PagedRunner(ShardBase):
         with self._lock:
             for s, c in zip(steps, counts, strict=True):
                 table = self.blocks.tables.get(s.session_id)
+                if self.states is not None:
+                    if table is None:
+                        self._give_back_pending(s.session_id)
+                    else:
+                        self._keep_states(s.session_id, s.start, c)
                 if table is not None:  # released while computing: its blocks are gone
                     table.length, table.last_used = s.start + c, now
                     if s.hashes:

@@ -14,7 +14,9 @@ restoring the copy and feeding the chunk's accepted part again; further back it 
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, fields
@@ -174,6 +176,49 @@ class ShardBase:
         self.input_width = self.stage.input_width(self.hidden_size)
         self.max_context = self.manifest.model.max_context
 
+    def release_weight_pages(self) -> int:
+        """Drop this process's resident pages of the stage's mapped weights: the IR's model.bin
+        and OpenVINO's cache blobs (``RunnerOptions.cache_dir``); returns the bytes advised.
+
+        OpenVINO maps the weights file it compiles from (the IR, or on a cache hit the blob)
+        and the compiled model keeps the mapping, but the CPU plugin computes from its own
+        copies of the weights (an MoE stage's experts in its GatherMatmul layout, the other
+        matrices repacked on the first inference): the pages it read them from stay in RSS as
+        file-backed memory next to the copies, about twice the stage's weights. Those pages
+        are clean and shared read-only, so MADV_DONTNEED only unmaps them from this process:
+        whatever is still read from the file faults back in from the page cache, and the rest
+        is page cache the kernel may reclaim (in a process holding several stages with one
+        cache folder, their blobs' pages too: they fault back alike). Linux only; elsewhere
+        (or if the call fails) a no-op."""
+        if not sys.platform.startswith("linux"):
+            return 0
+        weights = str(self.model_xml.with_suffix(".bin").resolve())
+        cache = self.options.cache_dir
+        blobs = str(cache.resolve()) + "/" if cache is not None else None
+        try:
+            with open("/proc/self/maps") as maps:
+                spans = []
+                for line in maps:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) < 6:
+                        continue
+                    path = parts[5].rstrip("\n")
+                    ours = path == weights or (blobs is not None and path.startswith(blobs))
+                    # read-only shared file mappings only: never a page this process wrote
+                    if ours and parts[1][:2] == "r-" and parts[1][3] == "s":
+                        start, end = (int(x, 16) for x in parts[0].split("-"))
+                        spans.append((start, end - start))
+            libc = ctypes.CDLL(None, use_errno=True)
+            madvise = libc.madvise
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            return 0
+        advised = 0
+        for start, length in spans:
+            if madvise(start, length, 4) == 0:  # MADV_DONTNEED
+                advised += length
+        return advised
+
     def check_chunk(self, data: np.ndarray) -> np.ndarray:
         """Validate one step's input; token ids [T] (stage 0) or hidden states [T, W] (f32):
         W is ``input_width``."""
@@ -239,6 +284,7 @@ class ShardRunner(ShardBase):
         self.compiled = core.compile_model(
             core.read_model(self.model_xml), self.options.device, self.options.compile_properties()
         )
+        self.release_weight_pages()
         self._input_names = {port.get_any_name() for port in self.compiled.inputs}
         self._sessions: dict[str, StageSession] = {}
         self._lock = threading.Lock()

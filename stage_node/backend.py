@@ -138,6 +138,10 @@ class PagedBackend(_Backend):
             self.metrics.kv_blocks.labels("used").set(blocks.used)
             self.metrics.kv_blocks.labels("free").set(blocks.free)
             self.metrics.kv_blocks.labels("cached").set(blocks.cached)
+            states = self.runner.states
+            if states is not None:
+                self.metrics.state_slots.labels("used").set(states.used)
+                self.metrics.state_slots.labels("free").set(states.free)
             evictions = blocks.evictions
             self.metrics.kv_blocks_evicted.inc(evictions - self._evictions)
             self._evictions = evictions

@@ -89,6 +89,13 @@ class StageMetrics:
             ["state"],
             registry=self.registry,
         )
+        self.state_slots = Gauge(
+            "pipeshard_stage_state_slots",
+            "Linear-attention state slots of a hybrid model's paged stage by state (used, "
+            "free); absent elsewhere",
+            ["state"],
+            registry=self.registry,
+        )
         self.prefix_blocks = Counter(
             "pipeshard_stage_prefix_cache_hit_blocks",
             "KV blocks new sessions took from the prefix cache instead of computing them",

@@ -17,7 +17,7 @@ from prometheus_client import start_http_server
 from common import systemd
 from common.net import bind_problem, check_can_listen
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
-from protos.manifest import MANIFEST_NAME, load_manifest, manifest_hash
+from protos.manifest import MANIFEST_NAME, manifest_hash
 from protos.transport import MANIFEST_KEY, OPEN_METHODS, SECRET_KEY, SERVER_OPTIONS
 from shard_runtime.paged import GIB, PagedRunner, PagedStep
 from shard_runtime.runner import RunnerOptions, ShardRunner
@@ -106,16 +106,10 @@ def warm_up(runner: ShardRunner | PagedRunner) -> None:
                 runner.forward(session, chunk, np.arange(start, start + len(chunk)))
     finally:
         runner.release(session)
+    # The first inference read weights the plugin then keeps in its own form: drop the pages
+    # of the mapped weights file they came from (ShardBase.release_weight_pages)
+    runner.release_weight_pages()
     log.info("warmed up in %.2f s", time.perf_counter() - started)
-
-
-def _recurrent(settings: StageSettings) -> bool:
-    """Whether the stage's layers include linear-attention ones (PagedRunner refuses them)."""
-    manifest = load_manifest(settings.shards)
-    if not 0 <= settings.stage < manifest.num_stages:
-        return False  # the runner says what is wrong
-    stage = manifest.stages[settings.stage]
-    return bool(manifest.model.recurrent_layers(stage.layer_start, stage.layer_end))
 
 
 async def serve(settings: StageSettings, ready: Callable[[int], None] | None = None) -> None:
@@ -132,9 +126,6 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
         settings.ov_cache_dir.mkdir(parents=True, exist_ok=True)
     runner: ShardRunner | PagedRunner
     backend = settings.resolved_kv_backend()
-    if backend == "paged" and settings.kv_backend == "auto" and _recurrent(settings):
-        log.info("kv backend auto: stateful (the stage holds a hybrid model's recurrent state)")
-        backend = "stateful"
     try:
         if backend == "paged":
             runner = PagedRunner(
@@ -143,6 +134,12 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
                 options,
                 kv_cache_bytes=int(settings.kv_cache_size * GIB),
                 prefix_cache_blocks=settings.prefix_cache_blocks,
+                state_cache_bytes=(
+                    None
+                    if settings.state_cache_size is None
+                    else int(settings.state_cache_size * GIB)
+                ),
+                state_window=settings.state_window,
             )
         else:
             runner = ShardRunner(settings.shards, settings.stage, options)

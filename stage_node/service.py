@@ -158,6 +158,10 @@ class StageService(pb_grpc.StageServicer):
             info.kv_block_size, info.kv_blocks = blocks.block_size, blocks.num_blocks
             info.kv_blocks_free, info.kv_blocks_cached = blocks.free, blocks.cached
             info.prefix_cache = blocks.enabled
+            if self.runner.states is not None:
+                info.state_slots = self.runner.states.num_slots
+                info.state_slots_free = self.runner.states.free
+                info.state_window = self.runner.states.window
         return info
 
     def _pool_metrics(self) -> None:

@@ -37,8 +37,7 @@ class StageSettings(BaseSettings):
         default="auto",
         description="KV cache: an infer request per session (stateful), or a shared block pool "
         "with every ready session in one inference call (paged); auto: paged unless "
-        "max_sessions is 1 or the stage holds a hybrid model's linear-attention layers, which "
-        "only stateful serves",
+        "max_sessions is 1",
     )
     kv_cache_size: float = Field(
         default=1.0, gt=0, description="paged backend: GiB of KV blocks this stage holds"
@@ -49,6 +48,20 @@ class StageSettings(BaseSettings):
         description="paged backend: KV blocks of known prompt prefixes kept for later sessions "
         "when no session holds them (default: every free block; evicted oldest first when "
         "sessions need the room); 0: no prefix cache",
+    )
+    state_cache_size: float | None = Field(
+        default=None,
+        gt=0,
+        description="paged backend, hybrid models: GiB of linear-attention state slots "
+        "(default: as much as kv_cache_size; no more than max_sessions can use)",
+    )
+    state_window: int = Field(
+        default=8,
+        ge=0,
+        le=64,
+        description="paged backend, hybrid models: positions a session can be rolled back "
+        "(a speculative verification's rejected tokens; at least the gateway's spec_max_k), "
+        "each costing a state slot per session",
     )
     max_batch: int = Field(
         default=64, ge=1, description="paged backend: sessions in one inference call at most"

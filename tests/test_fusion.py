@@ -136,6 +136,18 @@ def test_linear_attention_layers_compile_to_gated_delta_net(
         assert types["ScaledDotProductAttention"] == kinds.count("full_attention")
         local = moe_layers[arch] & set(range(stage.layer_start, stage.layer_end))
         assert types["GatherMatmul"] == 3 * len(local), f"stage {stage.index}: {types}"
+        if weights == "fp32":  # the paged backend's transformation keeps them
+            from shard_runtime.paged import PagedRunner
+            from shard_runtime.runner import RunnerOptions
+
+            paged = PagedRunner(export_dir, stage.index, RunnerOptions(), kv_cache_bytes=1 << 22)
+            ops = paged.compiled.get_runtime_model().get_ops()
+            fused = Counter(str(op.get_rt_info()["layerType"].astype(str)) for op in ops)
+            linear = kinds.count("linear_attention")
+            assert fused["PagedGatedDeltaNet"] == fused["PagedCausalConv1D"] == linear, fused
+            assert fused["GatherMatmul"] == 3 * len(local), f"paged stage {stage.index}: {fused}"
+            # a stage without full attention gets the placeholder one (shard_runtime.paged)
+            assert fused["PagedAttention"] == max(1, kinds.count("full_attention"))
 
 
 def test_the_benchmarks_dense_moe_form_computes_every_expert_alike(

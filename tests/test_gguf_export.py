@@ -701,9 +701,9 @@ def test_a_hybrid_gguf_equals_the_hugging_face_model_it_was_written_from(
     tiled for Qwen3.5 (the graph repeats the key heads tiled to match), Qwen3-Next's qkvz
     regrouped and its b/a fused in ssm_ba, an MTP block after Qwen3.5's last layer (skipped).
     The Hugging Face weights are first rounded to what Q8_0 holds: 1, 2 (L L | L F) and 3
-    stages of the file give the folder's greedy tokens in transformers, also after a chunked
-    prefill; every linear-attention layer is one GatedDeltaNet node, every expert layer 3
-    GatherMatmul on i8 codes."""
+    stages of the file give the folder's greedy tokens in transformers on both KV backends, also
+    after a chunked prefill; every linear-attention layer is one GatedDeltaNet node, every expert
+    layer 3 GatherMatmul on i8 codes."""
     import torch
     from gguf import GGUFReader
     from safetensors.torch import load_file, save_file
@@ -749,18 +749,20 @@ def test_a_hybrid_gguf_equals_the_hugging_face_model_it_was_written_from(
             assert types["GatedDeltaNet"] == len(set(local) - {3}), types
             experts = 0 if arch == "qwen3_5" else len(local)
             assert types["GatherMatmul"] == 3 * experts, types
-        chain = LocalChain(out, EXACT_GGUF)
-        for i, prompt in enumerate(PROMPTS):
-            tokens, _ = chain.greedy(f"p{i}", prompt, 12)
-            assert tokens == expected[i], f"{stages} stages: {tokens} != {expected[i]}"
-            # a chunked prefill: 3 positions, 1, then the rest
-            session = f"c{i}"
-            for lo, hi in ((0, 3), (3, 4), (4, len(prompt))):
-                logits = chain.forward(session, np.asarray(prompt[lo:hi]))[-1]
-            chunked = [int(np.argmax(logits))]
-            for _ in range(11):
-                chunked.append(int(np.argmax(chain.forward(session, np.asarray(chunked[-1:]))[-1])))
-            assert chunked == expected[i], f"{stages} stages, chunked"
+        for backend in ("stateful", "paged"):
+            chain = LocalChain(out, EXACT_GGUF, kv_backend=backend, kv_cache_bytes=1 << 22)
+            for i, prompt in enumerate(PROMPTS):
+                tokens, _ = chain.greedy(f"p{i}", prompt, 12)
+                assert tokens == expected[i], f"{stages} {backend} stages: {tokens}"
+                # a chunked prefill: 3 positions, 1, then the rest
+                session = f"c{i}"
+                for lo, hi in ((0, 3), (3, 4), (4, len(prompt))):
+                    logits = chain.forward(session, np.asarray(prompt[lo:hi]))[-1]
+                chunked = [int(np.argmax(logits))]
+                for _ in range(11):
+                    step = chain.forward(session, np.asarray(chunked[-1:]))
+                    chunked.append(int(np.argmax(step[-1])))
+                assert chunked == expected[i], f"{stages} {backend} stages, chunked"
 
 
 def test_the_benchmarks_glm_stand_in_is_a_glm_4_5_air_shaped_glm4moe_file(tmp_path: Path) -> None:

@@ -179,16 +179,12 @@ def test_speculation_equals_plain_decoding(tiny_export: ExportFn) -> None:
 def test_what_the_stack_cannot_do_for_hybrids_yet_is_refused(
     tiny_export: ExportFn,
 ) -> None:
-    """Not supported yet, refused with the reason rather than computed wrong: the paged
-    backend (and so its prefix cache) at stage start, a rollback past the last chunk of
-    several positions at the request. A whole rollback (a fresh start of the session) stays
-    exact."""
-    from shard_runtime.paged import PagedRunner
+    """Not supported, refused with the reason rather than computed wrong: a stateful rollback
+    past the last chunk of several positions at the request (paged stages: see
+    test_hybrid_paged.py). A whole rollback (a fresh start of the session) stays exact."""
     from shard_runtime.runner import InvalidStageInput, ShardRunner
 
     export = tiny_export("qwen3_5", 2)
-    with pytest.raises(ValueError, match=r"linear-attention layers \[0, 1, 2\].*stateful"):
-        PagedRunner(export, 0, EXACT, kv_cache_bytes=1 << 22)
     runner = ShardRunner(export, 1, EXACT)
     hidden = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     first = runner.forward("s", hidden[:6])
@@ -242,14 +238,13 @@ def test_a_published_vision_language_folder_exports_its_text_model(
     assert all(r.reference is not None and r.reference.matched == 16 for r in report.results)
 
 
-def test_stage_processes_pick_the_stateful_backend_and_refuse_paged(
+def test_stage_processes_pick_the_paged_backend_and_serve_stateful_too(
     tiny_export: ExportFn, tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """`pipeshard stage` on a hybrid's stages: --kv-backend auto (paged for several sessions
-    elsewhere) serves them stateful, and a ring of them gives transformers' greedy tokens;
-    --kv-backend paged exits with the reason before serving."""
+    """`pipeshard stage` on a hybrid's stages: --kv-backend auto serves them paged (several
+    sessions in one inference call, as for every other model), and --kv-backend stateful
+    still serves them; a ring of either gives transformers' greedy tokens."""
     import asyncio
-    import subprocess
 
     from transformers import AutoModelForCausalLM
 
@@ -258,41 +253,34 @@ def test_stage_processes_pick_the_stateful_backend_and_refuse_paged(
     from server.engine.scheduler import SchedulerConfig
     from server.metrics import GatewayMetrics
     from server.ring.grpc_client import PipelineClient
-    from tests.processes import PIPESHARD, free_port, start_stages
+    from tests.processes import start_stages
 
     export = tiny_export("qwen3_5", 2)
-    stage = [PIPESHARD, "stage", "--shards", str(export), "--stage", "0"]
-    refused = subprocess.run(
-        [*stage, "--kv-backend", "paged", "--listen", f"127.0.0.1:{free_port()}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert refused.returncode != 0
-    assert "linear-attention layers [0, 1, 2]" in refused.stderr + refused.stdout
-
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_model("qwen3_5"))).eval()
     expected = reference_greedy(reference, PROMPT, 12)[0]
-    procs, addresses = start_stages(export, tmp_path, extra=["--hidden-dtype", "fp32"])
-    try:
+    for backend, want_paged in (("auto", True), ("stateful", False)):
+        procs, addresses = start_stages(
+            export, tmp_path, extra=["--hidden-dtype", "fp32", "--kv-backend", backend]
+        )
+        try:
 
-        async def generate() -> tuple[list[int], bool]:
-            client = PipelineClient(addresses)
-            await client.start()
-            engine = Engine(client, frozenset(), 256, SchedulerConfig(), GatewayMetrics())
-            try:
-                request = GenerationRequest("r", PROMPT, 12, SamplingParams())
-                return [t.token_id async for t in engine.generate(request)], client.paged
-            finally:
-                await engine.close()
-                await client.close()
+            async def generate(addresses: list[str]) -> tuple[list[int], bool]:
+                client = PipelineClient(addresses)
+                await client.start()
+                engine = Engine(client, frozenset(), 256, SchedulerConfig(), GatewayMetrics())
+                try:
+                    request = GenerationRequest("r", PROMPT, 12, SamplingParams())
+                    return [t.token_id async for t in engine.generate(request)], client.paged
+                finally:
+                    await engine.close()
+                    await client.close()
 
-        tokens, paged = asyncio.run(generate())
-    finally:
-        for proc in procs:
-            proc.stop()
-    assert not paged
-    assert tokens == expected
+            tokens, paged = asyncio.run(generate(addresses))
+        finally:
+            for proc in procs:
+                proc.stop()
+        assert paged == want_paged, backend
+        assert tokens == expected, backend
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])

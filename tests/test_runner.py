@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from shard_runtime.chain import LocalChain
+from shard_runtime.paged import PagedRunner, PagedStep
 from shard_runtime.runner import (
     CapacityExceeded,
     InvalidStageInput,
@@ -13,6 +18,7 @@ from shard_runtime.runner import (
     SessionNotFound,
     ShardRunner,
 )
+from stage_node.server import warm_up
 from tests.conftest import EXACT, ExportFn
 
 pytestmark = pytest.mark.component
@@ -126,3 +132,105 @@ def test_capacity_limits(tiny_export: ExportFn) -> None:
     with pytest.raises(CapacityExceeded):  # the tiny models' maximum context is 256
         runner.forward("b", np.ones(255, dtype=np.int64))
     assert runner.session_length("b") == 2
+
+
+def _resident_kib(paths: list[Path]) -> int | None:
+    """This process's resident KiB of its mappings of ``paths`` (None: none mapped)."""
+    names = {str(path) for path in paths}
+    total, mapped, current = 0, False, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                current = len(parts) == 6 and parts[5] in names
+                mapped = mapped or current
+            elif current and parts[0] == "Rss:":
+                total += int(parts[1])
+    return total if mapped else None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+@pytest.mark.parametrize(
+    ("arch", "backend", "cached"),
+    [
+        ("qwen3_moe", "stateful", False),
+        ("qwen3_moe", "paged", False),
+        ("qwen2", "stateful", True),  # a cache hit maps the blob instead of model.bin
+        ("qwen2", "paged", False),  # paged stages on CPU use no model cache (below)
+    ],
+)
+def test_released_weight_pages_leave_the_output_unchanged(
+    tiny_export: ExportFn, tmp_path: Path, arch: str, backend: str, cached: bool
+) -> None:
+    """The stage keeps OpenVINO's mapping of its weights file (model.bin, or on a model cache
+    hit the cache blob) but computes from the plugin's own copies after the first inference:
+    the warm-up leaves none of the file's pages resident in this process, and a session run
+    after the release computes exactly what one run before it did."""
+    export = tiny_export(arch, 2)
+    options = dataclasses.replace(EXACT, cache_dir=tmp_path / "ov-cache" if cached else None)
+
+    def load() -> ShardRunner | PagedRunner:
+        if backend == "paged":
+            return PagedRunner(export, 1, options, kv_cache_bytes=1 << 20)
+        return ShardRunner(export, 1, options)
+
+    if cached:
+        load()  # compiles and writes the cache: the runner below imports it
+    runner = load()
+    mapped = [(export / runner.stage.model_xml).with_suffix(".bin").resolve()]
+    if cached:
+        mapped += [blob.resolve() for blob in (tmp_path / "ov-cache").iterdir()]
+    hidden = np.random.default_rng(0).standard_normal((6, runner.input_width)).astype(np.float32)
+
+    def run(session: str) -> np.ndarray:
+        if isinstance(runner, PagedRunner):
+            outs = []
+            for start, chunk in ((0, hidden[:5]), (5, hidden[5:])):
+                step = PagedStep(session, chunk, start)
+                runner.place(step)
+                outs.append(runner.forward([step])[0])
+            runner.release(session)
+            return np.concatenate([np.asarray(o).reshape(-1) for o in outs])
+        first = runner.forward(session, hidden[:5], np.arange(5))
+        second = runner.forward(session, hidden[5:], np.arange(5, 6))
+        runner.release(session)
+        return np.concatenate([first.reshape(-1), second.reshape(-1)])
+
+    before = run("before")
+    assert _resident_kib(mapped) is not None  # the compiled model keeps a mapping
+    assert runner.release_weight_pages() > 0
+    assert _resident_kib(mapped) == 0
+    warm_up(runner)  # the stage server's: releases what its first inference read again
+    assert _resident_kib(mapped) == 0
+    np.testing.assert_array_equal(run("after"), before)
+
+
+def test_paged_stages_on_cpu_write_no_model_cache_blob_that_no_start_could_load(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """OpenVINO's CPU plugin cannot load a cached PagedAttention model (the blob loses the
+    runtime info its PagedAttention nodes need): compiled twice with CACHE_DIR, the second
+    compile is no cache hit. So a paged runner on CPU compiles without the cache instead of
+    writing, at every start, a blob the size of its weights that nothing reads; a stateful
+    runner keeps using it. When this test's first half fails, OpenVINO loads cached paged
+    models: PagedRunner._compile_properties can keep CACHE_DIR again."""
+    import openvino as ov
+
+    from shard_runtime.paged import paged_model
+
+    export = tiny_export("qwen2", 2)
+    stateful = ShardRunner(export, 1, dataclasses.replace(EXACT, cache_dir=tmp_path / "stateful"))
+    assert any((tmp_path / "stateful").iterdir())  # the stateful runner's blob
+    xml = stateful.model_xml
+    core = ov.Core()
+    props = {**EXACT.compile_properties(), "CACHE_DIR": str(tmp_path / "direct")}
+    loaded = []
+    for _ in range(2):
+        compiled = core.compile_model(paged_model(core.read_model(xml), False, True), "CPU", props)
+        loaded.append(bool(compiled.get_property("LOADED_FROM_CACHE")))
+    assert loaded == [False, False]
+    assert any((tmp_path / "direct").iterdir())  # the blob was written all the same
+
+    options = dataclasses.replace(EXACT, cache_dir=tmp_path / "paged")
+    PagedRunner(export, 1, options, kv_cache_bytes=1 << 20)
+    assert not (tmp_path / "paged").exists() or not any((tmp_path / "paged").iterdir())

@@ -282,6 +282,20 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
             why,
         )
     context = _context(gateway.pipeline, manifest.model.max_context)
+    spec_k, spec_max_k = settings.spec_k, settings.spec_max_k
+    window = gateway.pipeline.max_rollback
+    if proposer is not None and window is not None and max(spec_k, spec_max_k) > window:
+        # a hybrid model's paged stages roll back only this far: K rejected proposals at most
+        if window < 1:
+            log.warning("no speculation: the stages cannot roll back (--state-window 0)")
+            proposer = None
+        else:
+            log.warning(
+                "speculation proposes at most %d token(s): the stages roll back no further "
+                "(--state-window)",
+                window,
+            )
+            spec_k, spec_max_k = min(spec_k, window), min(spec_max_k, window)
     engine = Engine(
         gateway.pipeline,
         codec.eos_ids,
@@ -294,8 +308,8 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
         ),
         gateway.metrics,
         proposer=proposer,
-        spec_k=settings.spec_k,
-        spec_max_k=settings.spec_max_k,
+        spec_k=spec_k,
+        spec_max_k=spec_max_k,
         spec_max_users=spec_max_users,
         grammars=Grammars(codec.chat, codec.vocab_size, sorted(codec.eos_ids)),
     )

@@ -30,7 +30,7 @@ from protos.manifest import load_manifest, manifest_hash
 from protos.sampling import DraftDistribution, SamplingParams
 from server.engine.prefix import HashChain
 from shard_runtime.paged import PagedRunner, PagedStep
-from shard_runtime.runner import CapacityExceeded, RunnerOptions
+from shard_runtime.runner import CapacityExceeded, InvalidStageInput, RunnerOptions
 from shard_runtime.sampling import adjusted_logits, greedy_token, inverse_cdf, probabilities
 from shard_runtime.speculative import uniform
 
@@ -67,6 +67,10 @@ DRAFT_CHUNK = 64
 # The draft's KV block pool (allocated up front; a 0.5B draft with an f16 cache takes 12 KiB a
 # position: about 43,000 positions for every sequence together, and the prefix cache).
 DRAFT_KV_BYTES = 1 << 29
+
+# A hybrid draft (linear-attention layers) keeps its state after each of its last positions
+# for this many: a rollback of up to the largest K (--spec-max-k) selects one of them.
+DRAFT_STATE_WINDOW = 16
 
 
 class DraftProposer:
@@ -110,6 +114,7 @@ class DraftProposer:
             kv_cache_bytes=kv_cache_bytes,
             prefix_cache_blocks=prefix_cache_blocks,
             manifest=manifest,
+            state_window=DRAFT_STATE_WINDOW,
         )
         self._salt = manifest_hash(export_dir)  # draft and target hashes never mix
         # Per sequence: the tokens its draft session holds, and how many of them came from the
@@ -199,9 +204,10 @@ class DraftProposer:
         """Cut the session down to ``common`` positions (under the lock); the tokens it holds."""
         try:
             self.runner.rollback(seq_id, len(held) - common)
-        except ValueError:
+        except (ValueError, InvalidStageInput):
             # the cut falls inside a block shared with another sequence (the last token of a
-            # context seen before, at a block's end): start again on the cached blocks
+            # context seen before, at a block's end), or, on a hybrid draft, further back than
+            # the recurrent states it keeps: start again on the cached blocks
             self.runner.release(seq_id)
             del self._held[seq_id]
             return self._open(seq_id, context)[0]

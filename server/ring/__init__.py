@@ -113,6 +113,12 @@ class Ring(Protocol):
         """The block size every stage keeps prompt prefixes in (None: no prefix cache)."""
         ...
 
+    @property
+    def max_rollback(self) -> int | None:
+        """Positions a session can be rolled back on every stage (None: any): a hybrid
+        model's paged stages keep the recurrent states of a window of positions."""
+        ...
+
     async def start(self, timeout: float = 120.0) -> ShardManifest:
         """Connect to and check the stages; raises RingRefused or StageUnavailable."""
         ...

@@ -523,6 +523,15 @@ class PipelineClient:
         return sizes.pop() if len(sizes) == 1 else None
 
     @property
+    def max_rollback(self) -> int | None:
+        windows = [
+            s.info.state_window
+            for s in self.stages
+            if s.info is not None and s.info.kv_backend == "paged" and s.info.state_slots
+        ]
+        return min(windows) if windows else None
+
+    @property
     def ring_loop(self) -> bool:
         """Whether the last stage feeds decode steps back to stage 0 itself (Step.follow)."""
         info = self.stages[-1].info
@@ -698,7 +707,9 @@ class PipelineClient:
         self.check_ready()
         wanted = list(hashes)
         try:
-            for _ in range(2):  # the second round only cuts down: held blocks stay held
+            # later rounds only cut down (held blocks stay held); a hybrid model's stage may cut
+            # further, to a block whose end state it keeps, so rounds go on while they disagree
+            for _ in range(len(self.stages) + 1):
                 counts = await asyncio.gather(
                     *(self._acquire_on(s, session_id, wanted) for s in self.stages)
                 )

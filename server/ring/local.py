@@ -133,6 +133,15 @@ class LocalRing:
         sizes = {r.blocks.block_size for r in runners if isinstance(r, PagedRunner)}
         return sizes.pop() if len(sizes) == 1 else None
 
+    @property
+    def max_rollback(self) -> int | None:
+        windows = [
+            r.states.window
+            for r in self.chain.runners
+            if isinstance(r, PagedRunner) and r.states is not None
+        ]
+        return min(windows) if windows else None
+
     async def start(self, timeout: float = 120.0) -> ShardManifest:
         return self.manifest
 
@@ -187,7 +196,9 @@ class LocalRing:
 
         def acquire() -> int:
             wanted = list(hashes)
-            for _ in range(2):  # the second round only cuts down: held blocks stay held
+            # later rounds only cut down (held blocks stay held); a hybrid model's stage may cut
+            # further, to a block whose end state it keeps, so rounds go on while they disagree
+            for _ in range(len(runners) + 1):
                 counts = [r.acquire(session_id, wanted) for r in runners]
                 held = min(counts)
                 if all(c == held for c in counts):

@@ -1,0 +1,668 @@
+"""Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) on the paged backend: each sequence's
+linear-attention state lives in slots of the stage's state tables beside its KV blocks, many
+sequences share one inference call, and a rollback selects an earlier kept state."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from exporter.verify import reference_greedy
+from shard_runtime.chain import LocalChain
+from shard_runtime.paged import BlocksExhausted, PagedRunner, PagedStep, StateSlots
+from shard_runtime.runner import InvalidStageInput
+from tests.conftest import EXACT, ExportFn
+
+PROMPT = [5, 17, 33, 99, 100, 7, 42, 8, 61, 3, 200, 150]
+POOL = 1 << 22  # bytes of KV blocks (and so of state slots) per stage
+
+
+def _chunked_greedy(
+    chain: LocalChain, session: str, prompt: list[int], chunks: list[int], steps: int
+) -> tuple[list[int], np.ndarray]:
+    at = 0
+    for size in chunks:
+        logits = chain.forward(session, np.asarray(prompt[at : at + size]))[-1]
+        at += size
+    tokens: list[int] = []
+    rows = []
+    for step in range(steps):
+        rows.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        if step + 1 < steps:
+            logits = chain.forward(session, np.asarray(tokens[-1:]))[-1]
+    return tokens, np.stack(rows)
+
+
+@pytest.mark.unit
+def test_state_slots_keep_a_window_and_prefix_states_give_way() -> None:
+    """Bookkeeping: a session keeps its states within the window of its length (and none
+    after it), prefix states count as free and go least recently used first when a session
+    needs their slots, a state kept twice under one hash is given back, and a take that
+    cannot be met changes nothing."""
+    slots = StateSlots(num_slots=6, window=2, max_prefix=6)
+    held = slots.states.setdefault("a", {})
+    held.update(zip(range(5), slots.take(5, "a"), strict=True))  # states after 0..4
+    slots.keep("a", 4)
+    assert sorted(held) == [2, 3, 4] and (slots.free, slots.used) == (3, 3)
+    slots.keep("a", 3)  # rolled back to 3: the state after 4 goes
+    assert sorted(held) == [2, 3] and slots.free == 4
+    first, second, spare = slots.take(3, "prefix states")
+    slots.put_prefix(b"x", first)
+    slots.put_prefix(b"y", second)
+    slots.put_prefix(b"x", spare)  # already kept: the slot comes back
+    assert (slots.cached, slots.free, slots.used) == (2, 4, 2)
+    assert slots.prefix_slot(b"x") == first  # now the most recently used
+    taken = slots.take(3, "b")  # the two free ones, then the oldest prefix state (y)
+    assert second in taken and slots.prefix_slot(b"y") is None
+    assert slots.prefix_slot(b"x") == first
+    with pytest.raises(BlocksExhausted, match=r"needs 3 .* 1 of 6 are free"):
+        slots.take(3, "c")
+    assert (slots.free, slots.cached) == (1, 1)
+    slots.release("a")
+    slots.give(taken)
+    assert slots.free == 6 and not slots.states
+
+
+@pytest.mark.component
+@pytest.mark.parametrize(
+    ("arch", "stages"), [("qwen3_5", 1), ("qwen3_5", 3), ("qwen3_5_moe", 2), ("qwen3_next", 2)]
+)
+def test_paged_stages_equal_transformers(
+    tiny_export: ExportFn, tiny_model: Callable[..., Path], arch: str, stages: int
+) -> None:
+    """Paged stages (a stage of linear-attention layers only among them, at 3 stages) give
+    transformers' greedy tokens for the prompt at once, token for token, whatever the prefill
+    chunks (odd sizes, one at a time, shorter than the convolution's kernel); the linear
+    layers run as the fused paged kernels."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch))).eval()
+    expected, expected_logits = reference_greedy(reference, PROMPT, 24)
+    chain = LocalChain(tiny_export(arch, stages), EXACT, "paged", kv_cache_bytes=POOL)
+    manifest = chain.manifest
+    for runner in chain.runners:
+        assert isinstance(runner, PagedRunner)
+        kinds = Counter(
+            str(op.get_rt_info()["layerType"].astype(str))
+            for op in runner.compiled.get_runtime_model().get_ops()
+        )
+        linear = len(runner.recurrent_layers)
+        assert linear, "every stage of these tiny hybrids holds a linear-attention layer"
+        assert kinds["PagedGatedDeltaNet"] == kinds["PagedCausalConv1D"] == linear, kinds
+        assert kinds["TensorIterator"] == kinds["Loop"] == 0
+        assert runner.states is not None
+    assert manifest.model.layer_types
+    for n, chunks in enumerate(([12], [4, 1, 7], [1] * len(PROMPT), [2, 3, 7])):
+        tokens, logits = _chunked_greedy(chain, f"s{n}", PROMPT, chunks, 24)
+        chain.release(f"s{n}")
+        assert tokens == expected, f"chunks {chunks}"
+        assert np.abs(logits - expected_logits).max() < 1e-4
+    for runner in chain.runners:
+        assert isinstance(runner, PagedRunner) and runner.states is not None
+        assert runner.states.used == 1  # everything given back but the scratch slot
+        assert runner.blocks.used == 0
+
+
+class _Stages:
+    """The paged runners of an export, fed step lists through every stage in turn."""
+
+    def __init__(self, export: Path, **kw: object) -> None:
+        from protos.manifest import load_manifest
+
+        stages = load_manifest(export).num_stages
+        self.runners = [PagedRunner(export, k, EXACT, **kw) for k in range(stages)]  # type: ignore[arg-type]
+
+    def feed(self, steps: list[PagedStep]) -> list[np.ndarray]:
+        outs: list[np.ndarray] = []
+        for runner in self.runners:
+            for step in steps:
+                runner.place(step)
+            outs = runner.forward(steps)
+            steps = [  # every stage sees the step's block hashes, as in the ring
+                PagedStep(
+                    s.session_id, o.astype(np.float32), s.start, s.num_logits, hashes=s.hashes
+                )
+                for s, o in zip(steps, outs, strict=True)
+            ]
+        return outs  # the last stage's logits
+
+    def rollback(self, session: str, count: int) -> None:
+        for runner in self.runners:
+            runner.rollback(session, count)
+
+    def release(self, session: str) -> None:
+        for runner in self.runners:
+            runner.release(session)
+
+
+@pytest.mark.component
+def test_interleaved_sessions_in_one_call_each_equal_alone(tiny_export: ExportFn) -> None:
+    """Eight sessions whose prefill chunks and decodes share inference calls (joining late,
+    of different lengths) get the logits each gets alone."""
+    stages = _Stages(tiny_export("qwen3_5", 2), kv_cache_bytes=POOL)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 250, 3 + 5 * i) for i in range(8)]
+    alone = []
+    for i, prompt in enumerate(prompts):
+        out = [stages.feed([PagedStep(f"a{i}", prompt, 0)])[0][-1]]
+        for k in range(4):
+            token = np.array([int(np.argmax(out[-1]))])
+            out.append(stages.feed([PagedStep(f"a{i}", token, len(prompt) + k)])[0][-1])
+        alone.append(out)
+        stages.release(f"a{i}")
+    got: dict[int, list[np.ndarray]] = {i: [] for i in range(8)}
+    fed = dict.fromkeys(range(8), 0)
+    for round_ in range(8):  # sessions 2r and 2r+1 join in round r
+        steps = []
+        for i in range(min(8, 2 * round_ + 2)):
+            if len(got[i]) == 5:
+                continue
+            if not got[i]:
+                steps.append(PagedStep(f"b{i}", prompts[i], 0))
+            else:
+                token = np.array([int(np.argmax(got[i][-1]))])
+                steps.append(PagedStep(f"b{i}", token, fed[i]))
+        if not steps:
+            break
+        for step, out in zip(steps, stages.feed(steps), strict=True):
+            i = int(step.session_id[1:])
+            got[i].append(out[-1])
+            fed[i] += len(step.data)
+    for i in range(8):
+        assert len(got[i]) == 5
+        np.testing.assert_allclose(np.stack(got[i]), np.stack(alone[i]), atol=1e-5)
+        assert [int(np.argmax(r)) for r in got[i]] == [int(np.argmax(r)) for r in alone[i]]
+
+
+@pytest.mark.component
+def test_rollbacks_equal_never_feeding_the_rolled_back_positions(tiny_export: ExportFn) -> None:
+    """With a window of 4: verifications of 5 positions (4 proposals and a bonus) rolled back
+    by 3 and by 4, and a draft's pattern (4 one-token calls, then a rollback of 3), each leave
+    the session as feeding only the kept positions would: the next logits are the same.
+    Further back than the kept states it refuses and changes nothing."""
+    stages = _Stages(tiny_export("qwen3_5", 2), kv_cache_bytes=POOL, state_window=4)
+    rng = np.random.default_rng(1)
+    prompt, cont, nxt = rng.integers(3, 250, 13), rng.integers(3, 250, 5), rng.integers(3, 250, 3)
+
+    def reference(kept: np.ndarray) -> np.ndarray:
+        """The logits of ``nxt`` after the prompt and ``kept``, fed without rollbacks."""
+        stages.feed([PagedStep("ref", prompt, 0)])
+        if len(kept):
+            stages.feed([PagedStep("ref", kept, 13)])
+        out = stages.feed([PagedStep("ref", nxt, 13 + len(kept), num_logits=3)])[0]
+        stages.release("ref")
+        return out
+
+    # a verification of 4 proposals and a bonus position (the window + 1), 3 rejected, then
+    # one of 5 with all 4 proposals rejected
+    stages.feed([PagedStep("v", prompt, 0)])
+    stages.feed([PagedStep("v", cont, 13, num_logits=5)])
+    stages.rollback("v", 3)
+    got = stages.feed([PagedStep("v", nxt, 15, num_logits=3)])[0]
+    np.testing.assert_allclose(got, reference(cont[:2]), atol=1e-5)
+    stages.rollback("v", 3)
+    stages.feed([PagedStep("v", cont, 15, num_logits=5)])
+    stages.rollback("v", 4)
+    got = stages.feed([PagedStep("v", nxt, 16, num_logits=3)])[0]
+    np.testing.assert_allclose(got, reference(np.concatenate([cont[:2], cont[:1]])), atol=1e-5)
+
+    # a draft: one token at a time, then back by 3
+    stages.feed([PagedStep("d", prompt, 0)])
+    for i in range(4):
+        stages.feed([PagedStep("d", cont[i : i + 1], 13 + i)])
+    stages.rollback("d", 3)
+    got = stages.feed([PagedStep("d", nxt, 14, num_logits=3)])[0]
+    np.testing.assert_allclose(got, reference(cont[:1]), atol=1e-5)
+
+    # back to the start: a new sequence from zeros
+    stages.rollback("d", 17)
+    got = stages.feed([PagedStep("d", prompt, 0)])[0]
+    np.testing.assert_allclose(got, stages.feed([PagedStep("fresh", prompt, 0)])[0], atol=1e-6)
+
+    # a long prefill keeps only its end state: rolling back into it is refused, unchanged
+    length = stages.runners[0].session_length("d")
+    with pytest.raises(InvalidStageInput, match="recurrent state"):
+        stages.rollback("d", 2)
+    assert all(r.session_length("d") == length for r in stages.runners)
+    got = stages.feed([PagedStep("d", nxt, 13, num_logits=3)])[0]
+    np.testing.assert_allclose(got, reference(cont[:0]), atol=1e-5)
+
+
+@pytest.mark.component
+def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn) -> None:
+    """With the fewest state slots (4), a session's first step that finds too few free is
+    refused with RESOURCE_EXHAUSTED's error (BlocksExhausted) and leaves nothing behind (no
+    session, no blocks, no slots); the first session goes on as if nothing had happened. A
+    window the pool cannot hold for one session is cut to what it can: a lone session always
+    goes on."""
+    export = tiny_export("qwen3_5", 1)
+    runner = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_window=0)
+    assert runner.states is not None
+    # 4 slots (the least): the scratch slot's and, with no window, two sessions' one each
+    # between calls, but only one of them can take its zeros and its first state
+    small = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_cache_bytes=1, state_window=0)
+    assert small.states is not None and small.states.num_slots == 4
+    assert small.state_cache_bytes == 4 * small._slot_bytes
+    prompt = np.array(PROMPT)
+
+    def run(r: PagedRunner, sid: str, data: np.ndarray, start: int) -> np.ndarray:
+        step = PagedStep(sid, data, start)
+        r.place(step)
+        return r.forward([step])[0]
+
+    want = [run(runner, "a", prompt, 0), run(runner, "a", np.array([7]), 12)]
+    got = [run(small, "a", prompt, 0)]
+    others = 0
+    with pytest.raises(BlocksExhausted, match="state slots exhausted"):
+        while True:  # sessions until the slots run out
+            free, used = small.states.free, small.blocks.used
+            small.place(PagedStep(f"b{others}", prompt, 0))
+            small.forward([PagedStep(f"b{others}", prompt, 0)])
+            others += 1
+    assert others == 1
+    assert not small.has_session(f"b{others}") and small.states.free == free
+    assert small.blocks.used == used
+    for i in range(others):
+        small.release(f"b{i}")
+    got.append(run(small, "a", np.array([7]), 12))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6)
+    small.release("a")
+    assert small.states.used == 1  # the scratch slot
+
+    cut = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_cache_bytes=1)
+    assert cut.states is not None and cut.states.window == 0  # asked for 8
+    logits = run(cut, "a", prompt, 0)
+    for i in range(12):  # one-token steps: each needs a slot beside the state it reads
+        logits = run(cut, "a", np.array([int(np.argmax(logits[-1]))]), 12 + i)
+
+
+@pytest.mark.component
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_padded_lone_rows_compute_the_same(tiny_export: ExportFn, arch: str) -> None:
+    """Where one-row calls are padded to two (batch invariance), the pad row reads the real
+    row's state and writes a scratch slot of its own (a copy of the row on MoE stages): the
+    real row's logits are those of an unpadded stage, and the session's state is untouched."""
+    export = tiny_export(arch, 2)
+    padded = _Stages(export, kv_cache_bytes=POOL, pad_lone_rows=True)
+    plain = _Stages(export, kv_cache_bytes=POOL, pad_lone_rows=False)
+    assert all(r.pads_lone_rows for r in padded.runners)
+    outs = []
+    for stages in (padded, plain):
+        logits = [stages.feed([PagedStep("s", np.array(PROMPT), 0)])[0][-1]]
+        for i in range(6):
+            token = np.array([int(np.argmax(logits[-1]))])
+            logits.append(stages.feed([PagedStep("s", token, len(PROMPT) + i)])[0][-1])
+        outs.append(np.stack(logits))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def hybrid_with_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5 on 2 stages with a draft of its own family (its weights plus noise)."""
+    from exporter.export import ExportOptions, export_model
+    from exporter.tiny_models import make_draft, make_model
+    from protos.manifest import WeightSpec
+
+    base = tmp_path_factory.mktemp("hybrid-draft")
+    target = make_model("qwen3_5", base / "target")
+    draft = make_draft(target, base / "draft-model", noise=0.3)
+    out = base / "export"
+    export_model(
+        ExportOptions(
+            model=str(target),
+            out=out,
+            stages=2,
+            weights=WeightSpec(format="fp32"),
+            draft=str(draft),
+            quiet=True,
+        )
+    )
+    return out
+
+
+@pytest.mark.component
+def test_a_ring_of_paged_hybrid_stages_batches_and_speculates_exactly(
+    hybrid_with_draft: Path, tmp_path: Path
+) -> None:
+    """Stage processes with --kv-backend auto serve a hybrid on the paged backend. Eight
+    concurrent requests give each request's tokens alone; speculation with a hybrid draft
+    (which runs on the paged backend too, rolling its proposals back) gives plain decoding's
+    tokens (greedy), with proposals both accepted and rejected; seeded sampling with speculation
+    is the same whatever K and the batching."""
+    import asyncio
+
+    from protos.sampling import SamplingParams
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+    from server.engine.speculative import DraftProposer, Proposer
+    from server.metrics import GatewayMetrics
+    from server.ring.grpc_client import PipelineClient
+    from tests.processes import start_stages
+
+    export = hybrid_with_draft
+    prompts = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(8)]
+    procs, addresses = start_stages(export, tmp_path, extra=["--hidden-dtype", "fp32"])
+
+    def generate(
+        proposer: Proposer | None,
+        sampling: SamplingParams,
+        concurrent: bool,
+        metrics: GatewayMetrics | None = None,
+        spec_k: int = 4,
+    ) -> tuple[list[list[int]], bool]:
+        async def run() -> tuple[list[list[int]], bool]:
+            client = PipelineClient(addresses)
+            await client.start()
+            engine = Engine(
+                client,
+                frozenset(),
+                256,
+                SchedulerConfig(prefill_chunk=5),
+                metrics or GatewayMetrics(),
+                proposer=proposer,
+                spec_k=spec_k if proposer else 0,
+            )
+
+            async def one(i: int, prompt: list[int]) -> list[int]:
+                request = GenerationRequest(f"r{i}", prompt, 24, sampling)
+                return [t.token_id async for t in engine.generate(request)]
+
+            try:
+                if concurrent:
+                    out = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+                    return list(out), client.paged
+                return [await one(i, p) for i, p in enumerate(prompts)], client.paged
+            finally:
+                await engine.close()
+                infos = await client.stage_infos()
+                await client.close()
+                assert [i.sessions_in_use for i in infos if i] == [0, 0]
+                # every state slot given back (but a pad row's, where one-row calls are padded)
+                assert all(0 <= i.state_slots - i.state_slots_free <= 1 for i in infos if i)
+                assert all(i.state_slots > 0 for i in infos if i)
+
+        return asyncio.run(run())
+
+    greedy = SamplingParams()
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    try:
+        alone, paged = generate(None, greedy, concurrent=False)
+        assert paged  # auto chose the paged backend for the hybrid's stages
+        assert generate(None, greedy, concurrent=True)[0] == alone
+        proposer = DraftProposer(export / "draft", EXACT, 256)
+        assert proposer.runner.states is not None  # the draft is a hybrid on PagedRunner
+        metrics = GatewayMetrics()
+        assert generate(proposer, greedy, concurrent=True, metrics=metrics)[0] == alone
+        proposed = metrics.registry.get_sample_value("pipeshard_gateway_spec_proposed_tokens_total")
+        accepted = metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
+        assert proposed and accepted is not None and 0 < accepted < proposed
+        # seeded sampling with speculation: reproducible, whatever K and the batching
+        sampled = generate(proposer, seeded, concurrent=False, spec_k=1)[0]
+        assert generate(proposer, seeded, concurrent=True, spec_k=1)[0] == sampled
+        assert generate(proposer, seeded, concurrent=True, spec_k=5)[0] == sampled
+        assert len({tuple(t) for t in sampled}) == len(prompts)
+        assert proposer.runner.session_count == 0
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.component
+def test_a_cached_prefix_gives_the_uncached_tokens(tiny_export: ExportFn) -> None:
+    """The prefix cache on paged hybrid stages, through the gateway over HTTP: a prompt's
+    chunks keep the linear-attention state at their last full block's end beside the cached
+    blocks. A prompt sharing the first's start beyond that block opens on the blocks and that
+    state (visible in usage and the gateway's metrics) and gets the tokens (and their
+    log-probabilities) of a gateway without the prefix cache; a prompt whose shared part ends
+    before any kept state takes nothing from the cache."""
+    from server.ring.local import LocalRing
+    from tests.fleets import local_gateway
+
+    export = tiny_export("qwen3_5", 2)
+    rng = np.random.default_rng(5)
+    first = [int(t) for t in rng.integers(3, 250, 75)]  # blocks 0 and 1 full, chunk of 75
+    shared = [*first[:70], *(int(t) for t in rng.integers(3, 250, 9))]
+    early = [*first[:40], *(int(t) for t in rng.integers(3, 250, 30))]  # inside block 1
+
+    cached_ring = LocalRing(export, EXACT, hidden_dtype="fp32", kv_cache_bytes=POOL)
+    plain_ring = LocalRing(export, EXACT, hidden_dtype="fp32", kv_cache_bytes=POOL)
+    with (
+        local_gateway(export, "hybrid", ring=cached_ring, prefill_chunk=75) as cached,
+        local_gateway(
+            export, "hybrid", ring=plain_ring, prefill_chunk=75, prefix_cache=False
+        ) as plain,
+    ):
+        reply, hit = _complete(cached.url, first)
+        assert hit == 0 and _same(reply, _complete(plain.url, first)[0])
+        stage = cached_ring.chain.runners[0]
+        assert isinstance(stage, PagedRunner) and stage.states is not None
+        assert stage.states.cached >= 1  # the state at position 64
+        for prompt, want in ((shared, 64), (early, 0)):
+            got, hit = _complete(cached.url, prompt)
+            assert hit == want
+            assert _same(got, _complete(plain.url, prompt)[0])
+        assert cached.metric("pipeshard_gateway_prompt_cached_tokens_total") == 64
+
+
+def _complete(url: str, prompt: list[int]) -> tuple[list[tuple[str, float]], int]:
+    """The tokens and their log-probabilities (which a wrong initial state changes where
+    the tiny model's greedy tokens may not), and the cached prompt tokens."""
+    reply = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": "Bearer test-key"},
+        json={
+            "model": "hybrid",
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    details = body["usage"].get("prompt_tokens_details") or {}
+    logprobs = body["choices"][0]["logprobs"]
+    tokens = list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
+    return tokens, int(details.get("cached_tokens") or 0)
+
+
+def _same(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> bool:
+    """The same tokens with the same log-probabilities (to rounding)."""
+    return [t for t, _ in got] == [t for t, _ in want] and all(
+        abs(a - b) < 1e-5 for (_, a), (_, b) in zip(got, want, strict=True)
+    )
+
+
+@pytest.mark.component
+def test_sequences_the_state_pool_cannot_hold_are_preempted_and_resumed(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """Stage processes whose state pools hold about three of six concurrent sequences (the
+    gateway counts KV blocks, not state slots): the stages refuse the steps that find no slot
+    (RESOURCE_EXHAUSTED), the gateway preempts those sequences and re-prefills them later, and
+    every output equals the same request alone on stateful stages."""
+    import asyncio
+
+    from server.engine.loop import Engine, GenerationRequest
+    from server.engine.scheduler import SchedulerConfig
+    from server.metrics import GatewayMetrics
+    from server.ring.grpc_client import PipelineClient
+    from tests.processes import start_stages
+
+    export = tiny_export("qwen3_5", 2)
+    chain = LocalChain(export, EXACT)
+    prompts = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(6)]
+    expected = [chain.greedy(f"p{i}", p, 24)[0] for i, p in enumerate(prompts)]
+    window = 4
+    slot = max(PagedRunner(export, k, EXACT, kv_cache_bytes=POOL)._slot_bytes for k in (0, 1))
+    size = (3 * (window + 2) + 1) * slot / (1 << 30)
+    flags = ["--hidden-dtype", "fp32", "--state-window", str(window)]
+    procs, addresses = start_stages(
+        export, tmp_path, [*flags, "--state-cache-size", f"{size:.12f}"]
+    )
+    metrics = GatewayMetrics()
+
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        engine = Engine(client, frozenset(), 256, SchedulerConfig(prefill_chunk=16), metrics)
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            request = GenerationRequest(f"r{i}", prompt, 24)
+            return [t.token_id async for t in engine.generate(request)]
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        finally:
+            await engine.close()
+            infos = await client.stage_infos()
+            await client.close()
+            assert [i.sessions_in_use for i in infos if i] == [0, 0]
+
+    try:
+        assert asyncio.run(run()) == expected
+        assert metrics.registry.get_sample_value("pipeshard_gateway_preemptions_total")
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.component
+def test_a_ring_of_paged_hybrid_stages_serves_cached_prefixes_exactly(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """Stage processes and gateway processes: a gateway with the prefix cache opens a prompt
+    that shares a previous prompt's chunk on the stages' cached blocks and kept states (every
+    stage acquires over gRPC), and answers as a gateway without the cache on the same stages,
+    token for token and log-probability for log-probability."""
+    from tests.processes import start_gateway, start_stages
+
+    export = tiny_export("qwen3_5", 2)
+    rng = np.random.default_rng(6)
+    first = [int(t) for t in rng.integers(3, 250, 75)]
+    shared = [*first[:70], *(int(t) for t in rng.integers(3, 250, 9))]
+    procs, addresses = start_stages(export, tmp_path, ["--hidden-dtype", "fp32"])
+    flags = ["--prefill-chunk", "75", "--model-name", "hybrid"]
+    gateways = [
+        start_gateway(addresses, tmp_path / f"gateway-{n}.log", [*flags, *extra])
+        for n, extra in enumerate(([], ["--no-prefix-cache"]))
+    ]
+    (_, cached), (_, plain) = gateways
+    try:
+        reply, hit = _complete(cached, first)
+        assert hit == 0 and _same(reply, _complete(plain, first)[0])
+        got, hit = _complete(cached, shared)
+        assert hit == 64
+        assert _same(got, _complete(plain, shared)[0])
+        metrics = httpx.get(f"{cached}/metrics").text
+        assert "pipeshard_gateway_prompt_cached_tokens_total 64.0" in metrics
+    finally:
+        for gateway, _ in gateways:
+            gateway.stop()
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.component
+def test_the_stage_reports_its_state_slots(tiny_export: ExportFn) -> None:
+    """A hybrid paged stage's backend sets pipeshard_stage_state_slots (used, free) as its
+    sessions take and give back slots."""
+    from protos.step import StepRequest
+    from stage_node.backend import PagedBackend, StepInput
+    from stage_node.metrics import StageMetrics
+
+    runner = PagedRunner(tiny_export("qwen3_5", 1), 0, EXACT, kv_cache_bytes=POOL)
+    metrics = StageMetrics()
+    backend = PagedBackend(runner, metrics)
+
+    def gauge(state: str) -> float | None:
+        return metrics.registry.get_sample_value("pipeshard_stage_state_slots", {"state": state})
+
+    assert runner.states is not None
+    assert (gauge("used"), gauge("free")) == (1, runner.states.num_slots - 1)
+    out = backend.compute([StepInput(StepRequest("s", start_position=0), np.array(PROMPT))])
+    assert not isinstance(out[0], Exception)
+    assert gauge("used") == 2  # the session's latest state beside the scratch slot
+    runner.release("s")
+    backend.pool_metrics()
+    assert gauge("used") == 1
+
+
+@pytest.mark.component
+def test_the_gateway_proposes_no_more_than_the_stages_roll_back(
+    hybrid_with_draft: Path, tmp_path: Path
+) -> None:
+    """Stages that keep 2 positions of states (--state-window 2) and a gateway with a draft
+    asked for 6 proposals a step: it proposes at most 2 (and says so), so every rejected
+    proposal rolls back; the output equals a gateway's without speculation on the same
+    stages."""
+    from tests.processes import start_gateway, start_stages
+
+    export = hybrid_with_draft
+    procs, addresses = start_stages(
+        export, tmp_path, ["--hidden-dtype", "fp32", "--state-window", "2"]
+    )
+    flags = ["--model-name", "hybrid"]
+    drafting = [*flags, "--draft", str(export / "draft"), "--spec-k", "6"]
+    speculating, spec_url = start_gateway(addresses, tmp_path / "spec.log", drafting)
+    plain, plain_url = start_gateway(
+        addresses, tmp_path / "plain.log", [*flags, "--speculation", "off"]
+    )
+    try:
+        for prompt in ([5, 17, 33, 99] * 6, [9, 8, 7] * 7):
+            got = _complete(spec_url, prompt)[0]
+            assert _same(got, _complete(plain_url, prompt)[0])
+        log = (tmp_path / "spec.log").read_text()
+        assert "speculation proposes at most 2 token(s)" in log
+        metrics = httpx.get(f"{spec_url}/metrics").text
+        proposed = [
+            float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith("pipeshard_gateway_spec_proposed_tokens_total ")
+        ]
+        assert proposed and proposed[0] > 0
+    finally:
+        speculating.stop()
+        plain.stop()
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.component
+@pytest.mark.parametrize("chunks", [[40], [30, 5, 5]])
+def test_a_session_acquired_on_a_kept_state_computes_as_one_fed_whole(
+    tiny_export: ExportFn, chunks: list[int]
+) -> None:
+    """Runner level, both ways a prompt chunk keeps the state at its last full block's end (a
+    long chunk writes it through la.cache_interval = block size, a short one stores every
+    position and copies it): a second session acquired on that block starts from the state
+    and its next logits equal a session fed everything, to the bit; a block whose end state
+    was not kept is not acquired."""
+    stages = _Stages(tiny_export("qwen3_5", 2), kv_cache_bytes=POOL)
+    size = stages.runners[0].blocks.block_size
+    assert size == 32
+    rng = np.random.default_rng(7)
+    prompt, rest = rng.integers(3, 250, 40), rng.integers(3, 250, 6)
+    hashes = (b"block-0",)
+
+    at = 0
+    for count in chunks:
+        named = hashes if at < size <= at + count else ()
+        stages.feed([PagedStep("a", prompt[at : at + count], at, hashes=named)])
+        at += count
+    assert [r.acquire("b", [*hashes, b"block-1"]) for r in stages.runners] == [1, 1]
+    tail = np.concatenate([prompt[size:], rest])
+    got = stages.feed([PagedStep("b", tail, size, num_logits=len(tail))])[0]
+    whole = np.concatenate([prompt, rest])
+    want = stages.feed([PagedStep("c", whole, 0, num_logits=len(whole))])[0][size:]
+    assert np.array_equal(got, want)
+    assert [r.acquire("d", [b"unknown"]) for r in stages.runners] == [0, 0]
