@@ -3,14 +3,10 @@ contract (protos/codec.py) encodes; the stage samples with them (shard_runtime/s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-
-# A draft model's proposal distribution for one position: (token ids, probabilities), sent
-# with a speculative step so the last stage can verify sampled proposals exactly.
-DraftDistribution = tuple[Sequence[int], Sequence[float]]
 
 MAX_TOP_LOGPROBS = 20
 # repetition_penalty's range: far enough from 0 that dividing a logit by it stays finite

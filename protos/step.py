@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from protos import pipeshard_v1_pb2 as pb
 from protos.codec import sampling_from_pb, sampling_to_pb
-from protos.sampling import DraftDistribution, SamplingParams
+from protos.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,6 @@ class StepRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     history: tuple[int, ...] = ()  # generated tokens, for the penalties
     draft_tokens: tuple[int, ...] = ()  # speculative decoding: the last stage verifies them
-    draft_dists: tuple[DraftDistribution, ...] = ()
     group: int = 0  # micro-batch group
     solo: bool = False  # computed in calls of its own
     follow: int = 0  # decode steps the ring then runs on its own
@@ -56,7 +55,6 @@ class StepRequest:
             history=self.history,
             deadline_unix_ms=self.deadline_unix_ms,
             draft_tokens=self.draft_tokens,
-            draft_dists=[pb.DraftDistribution(ids=i, probs=p) for i, p in self.draft_dists],
             group=self.group,
             solo=self.solo,
             follow=self.follow,
@@ -79,7 +77,6 @@ class StepRequest:
             sampling=sampling_from_pb(step.sampling),
             history=tuple(step.history),
             draft_tokens=tuple(step.draft_tokens),
-            draft_dists=tuple((tuple(d.ids), tuple(d.probs)) for d in step.draft_dists),
             group=step.group,
             solo=step.solo,
             follow=step.follow,

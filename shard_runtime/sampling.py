@@ -49,9 +49,11 @@ from protos.sampling import SampledToken, SamplingParams
 __all__ = [
     "annotate",
     "greedy_token",
+    "pick",
     "probabilities",
     "sample",
     "suppress",
+    "uniform",
 ]
 
 FloatArray = npt.NDArray[np.float32]
@@ -80,13 +82,21 @@ def sample(
     if position < 0:
         raise ValueError(f"position must be >= 0, got {position}")
     adjusted = adjusted_logits(logits, params, history, prompt_seen)
-    if params.temperature == 0.0:
-        token = greedy_token(adjusted)
-    else:
-        u = float(np.random.default_rng([_seed_key(params.seed), position]).random())
-        token = _draw(adjusted, params, u)
+    return annotate(adjusted, params, pick(adjusted, params, position))
 
-    return annotate(adjusted, params, token)
+
+def pick(adjusted: FloatArray, params: SamplingParams, position: int) -> int:
+    """The token :func:`sample` picks at ``position`` from bias- and penalty-adjusted logits:
+    the ``argmax`` when greedy, else the inverse-CDF draw with the position's one uniform.
+    A draft proposes with it too (speculative decoding), on its own logits."""
+    if params.temperature == 0.0:
+        return greedy_token(adjusted)
+    return _draw(adjusted, params, uniform(params.seed, position))
+
+
+def uniform(seed: int | None, position: int) -> float:
+    """The one uniform of the draw at ``position``: ``(seed, position)`` alone decide it."""
+    return float(np.random.default_rng([_seed_key(seed), position]).random())
 
 
 def greedy_token(adjusted: FloatArray) -> int:

@@ -2,57 +2,37 @@
 
 The target was fed ``[x0, d1, ..., dK]``; its logits rows ``p_1 .. p_m`` (``m = K + 1``) predict
 the positions after each fed token. The draft proposed ``d_1 .. d_n`` with ``n = m`` (every
-position is tested) or ``n = m - 1`` (the last position is a plain "bonus" sample), and, when
-sampling, the distribution ``q_i`` it drew each ``d_i`` from (possibly truncated to its most
-probable tokens: any proposal distribution is valid as long as it is the one ``d_i`` was drawn
-from).
+position is tested) or ``n = m - 1`` (the last position is a plain "bonus" sample).
 
-* Greedy (``temperature == 0``): emit ``argmax p_i`` for i = 1, 2, ... and stop after the first
-  one that differs from ``d_i``. The output is the greedy output without speculation.
-* Sampling: accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; on rejection emit a
-  token drawn from the residual ``norm(max(0, p_i - q_i))`` and stop (Leviathan et al. 2023,
-  Chen et al. 2023). Each emitted token is then distributed exactly as ``p_i``.
+Coupled verification: at each tested position i, ``x_i`` is the token a plain
+:func:`~shard_runtime.sampling.sample` picks from the target's row there (bias, penalties with
+the prompt and the tokens before position i, then greedy ``argmax``, or temperature, min-p,
+top-k, top-p and the inverse-CDF draw with the position's one uniform ``u_i``, which depends
+only on ``(seed, position)``). ``d_i`` is accepted iff ``x_i == d_i``; at the first mismatch
+``x_i`` is emitted and verification stops; when every proposal was accepted, the bonus row (if
+any) gives a plain sample. Every emitted token is therefore the plain sampler's token at its
+position, whatever the draft proposed: speculative output is token for token the output
+without speculation, alone or batched, for greedy and seeded sampling alike.
 
-``p_i`` is the final sampling distribution of :mod:`shard_runtime.sampling` (bias, penalties
-with the prompt and the tokens before position i, temperature, min-p, top-k, top-p). Random
-numbers come from ``(seed, position, purpose)``, so a fixed seed gives the same output, and
-when the draft proposes every position (``n = m``) the output does not depend on how many
-tokens each step proposes.
+The draft proposes what the plain sampler would pick from the draft's own logits with the same
+``u_i`` (:func:`shard_runtime.sampling.pick`), so that where draft and target distributions are
+close the two picks agree (the same uniform falls in the same token's interval of both CDFs).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from protos.sampling import DraftDistribution, SampledToken, SamplingParams
-from shard_runtime.sampling import (
-    _distribution,
-    _peak,
-    _seed_key,
-    _weights,
-    adjusted_logits,
-    annotate,
-    greedy_token,
-    inverse_cdf,
-    sample,
-)
-
-_ACCEPT = 1  # random stream for acceptance tests
-_RESIDUAL = 2  # random stream for draws from the residual
-
-
-def uniform(seed: int | None, position: int, purpose: int) -> float:
-    return float(np.random.default_rng([_seed_key(seed), position, purpose]).random())
+from protos.sampling import SampledToken, SamplingParams
+from shard_runtime.sampling import adjusted_logits, annotate, pick, sample
 
 
 def verify(
     rows: npt.ArrayLike,
     draft: Sequence[int],
-    dists: Sequence[DraftDistribution],
     params: SamplingParams,
     first_position: int,
     history: Sequence[int] = (),
@@ -69,9 +49,6 @@ def verify(
     m = logits.shape[0]
     if len(draft) not in (m, m - 1) or len(draft) == 0:
         raise ValueError(f"{m} rows verify {m} or {m - 1} draft tokens, got {len(draft)}")
-    greedy = params.temperature == 0.0
-    if not greedy and len(dists) != len(draft):
-        raise ValueError("sampling needs the draft distribution of every draft token")
     seen = list(history)
     out: list[SampledToken] = []
     for i in range(m):
@@ -80,49 +57,9 @@ def verify(
             out.append(sample(logits[i], params, position, seen, prompt_seen))
             break
         adjusted = adjusted_logits(logits[i], params, seen, prompt_seen)
-        if greedy:
-            token = greedy_token(adjusted)
-            accepted = token == draft[i]
-        else:
-            token, accepted = _test(adjusted, params, draft[i], dists[i], position)
+        token = pick(adjusted, params, position)
         out.append(annotate(adjusted, params, token))
         seen.append(token)
-        if not accepted:
+        if token != draft[i]:
             break
     return out
-
-
-def _test(
-    adjusted: npt.NDArray[np.float32],
-    params: SamplingParams,
-    proposed: int,
-    dist: DraftDistribution,
-    position: int,
-) -> tuple[int, bool]:
-    """One speculative-sampling step: (emitted token, whether it was the accepted proposal)."""
-    q_ids = np.asarray(dist[0], dtype=np.int64)
-    q_probs = np.asarray(dist[1], dtype=np.float64)
-    truncated = 0 < params.top_k < adjusted.size or params.top_p < 1.0 or params.min_p > 0
-    if truncated:
-        ids, probs = _distribution(adjusted, params)
-        where = np.flatnonzero(ids == proposed)
-        p = float(probs[where[0]]) if where.size else 0.0
-    else:  # p(proposed) without sorting the vocabulary
-        weights = _weights(adjusted, _peak(adjusted), params.temperature)
-        p = float(weights[proposed]) / float(weights.astype(np.float64).sum())
-    hit = np.flatnonzero(q_ids == proposed)
-    q = float(q_probs[hit[0]]) if hit.size else 0.0
-    if q > 0.0 and uniform(params.seed, position, _ACCEPT) < min(1.0, p / q):
-        return proposed, True
-    if not truncated:
-        ids, probs = _distribution(adjusted, params)
-    # Residual max(0, p - q) in the target's canonical order (probability desc, id asc).
-    q_dense = np.zeros(adjusted.size, dtype=np.float64)
-    q_dense[q_ids] = q_probs
-    q_on_p = q_dense[ids]
-    residual = np.maximum(probs - q_on_p, 0.0)
-    total = float(residual.sum())
-    if total <= 0.0 or not math.isfinite(total):  # p == q on p's support: any p-draw is exact
-        residual, total = probs, float(probs.sum())
-    index = inverse_cdf(residual / total, uniform(params.seed, position, _RESIDUAL))
-    return int(ids[index]), False

@@ -53,9 +53,7 @@ def last_stage_tokens(rows: np.ndarray, step: StepRequest, fed: int) -> list[Sam
     if step.suppress_ids and first + 1 < step.suppress_before:
         rows = suppress(rows, step.suppress_ids, first + 1, step.suppress_before)
     if step.draft_tokens:
-        return verify(
-            rows, step.draft_tokens, step.draft_dists, step.sampling, first + 1, history, seen
-        )
+        return verify(rows, step.draft_tokens, step.sampling, first + 1, history, seen)
     return [sample(row, step.sampling, first + i + 1, history, seen) for i, row in enumerate(rows)]
 
 
@@ -78,7 +76,6 @@ def next_ring_step(step: StepRequest, emitted: Sequence[int], length: int) -> St
         num_logits=1,
         history=(*step.history, *emitted) if penalised else (),
         draft_tokens=(),
-        draft_dists=(),
         follow=step.follow - 1,
         block_hashes=(),
         token_masks=(),

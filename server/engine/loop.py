@@ -322,7 +322,6 @@ class Engine:
                 sampling=sampling,
                 history=tuple(seq.generated) if penalised and item.samples else (),
                 draft_tokens=plan.draft,
-                draft_dists=tuple(plan.dists),
                 group=item.group,
                 solo=self.solo,
                 follow=follow,

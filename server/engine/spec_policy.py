@@ -85,7 +85,7 @@ class SpeculationPolicy:
             return StepPlan(tokens, level=level)
         context = [*seq.prompt, *seq.generated]
         proposal = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self.proposer.propose, seq.seq_id, context, k, sampling
+            self._pool, self.proposer.propose, seq.seq_id, context, k, sampling, len(seq.prompt)
         )
         draft = proposal.tokens
         if not draft:
@@ -93,12 +93,12 @@ class SpeculationPolicy:
             return StepPlan(tokens, level=level)
         self._count_step("speculative")
         # Greedy: feed every proposal and verify one more position (the bonus). Sampling: every
-        # position tests a proposal, so the output does not depend on k.
+        # position tests a proposal.
         fed = (*tokens, *(draft if greedy else draft[:-1]))
         if self.metrics is not None:
             self.metrics.spec_k.observe(len(draft))
             self.metrics.draft_seconds.observe(proposal.seconds)
-        return StepPlan(fed, tuple(draft), proposal.dists, proposal.seconds, level)
+        return StepPlan(fed, tuple(draft), proposal.seconds, level)
 
     def learn(
         self,

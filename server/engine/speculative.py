@@ -2,9 +2,12 @@
 
 A decode step with speculation feeds the target ``[x0, d1 .. dk]`` (greedy: ``k`` proposals and a
 bonus position) or ``[x0, d1 .. d(k-1)]`` (sampling: every one of the ``k`` positions tests a
-proposal, so the output does not depend on ``k``), and the last stage verifies
-(:mod:`shard_runtime.speculative`). Rejected positions are rolled back on every stage by the next
-step's ``rollback`` (the stages trim their KV state: no garbage, no growth) and in the draft here.
+proposal), and the last stage verifies (:mod:`shard_runtime.speculative`): it emits exactly the
+tokens plain decoding would, so proposals only change the speed. A proposer picks each token as
+the plain sampler would from its own guess (the draft: its logits, with the request's penalties
+and the position's uniform), so that it agrees with the target where its guess is close.
+Rejected positions are rolled back on every stage by the next step's ``rollback`` (the stages
+trim their KV state: no garbage, no growth) and in the draft here.
 
 * :class:`DraftProposer`: the small draft model of the export (``export/draft``), run with
   OpenVINO on the gateway with one KV session per sequence, on a paged KV pool with its own
@@ -27,27 +30,31 @@ from typing import Protocol
 import numpy as np
 
 from protos.manifest import load_manifest, manifest_hash
-from protos.sampling import DraftDistribution, SamplingParams
+from protos.sampling import SamplingParams
 from server.engine.prefix import HashChain
 from shard_runtime.paged import PagedRunner, PagedStep
 from shard_runtime.runner import CapacityExceeded, InvalidStageInput, RunnerOptions
-from shard_runtime.sampling import adjusted_logits, greedy_token, inverse_cdf, probabilities
-from shard_runtime.speculative import uniform
-
-DRAFT_TOP_K = 64  # the draft's sampling distribution is truncated to this many tokens
-_DRAFT_STREAM = 3  # random stream of draft draws (the verifier uses 1 and 2)
+from shard_runtime.sampling import adjusted_logits, pick
 
 
 @dataclass
 class Proposal:
     tokens: list[int]
-    dists: list[DraftDistribution]  # empty for greedy
     seconds: float = 0.0
 
 
 class Proposer(Protocol):
-    def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
-        """Up to ``k`` tokens to follow ``context`` (the sequence so far); blocking."""
+    def propose(
+        self,
+        seq_id: str,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        prompt_len: int | None = None,
+    ) -> Proposal:
+        """Up to ``k`` tokens to follow ``context`` (the sequence so far); blocking.
+        ``prompt_len``: how much of ``context`` is the prompt (the rest, generated tokens, is
+        the history the penalties count); None: propose without penalties."""
         ...
 
     def warm(self, seq_id: str, prompt: list[int]) -> bool:
@@ -82,8 +89,9 @@ class DraftProposer:
     with the draft's manifest hash), and a new sequence starts on the cached blocks of its prefix,
     as the stages do, so a conversation's next turn or a shared system prompt is not taken in
     again.
-    Its numbers only affect speed (the target verifies every proposal), so it computes without
-    batch invariance. A sequence the pool cannot hold gets no proposals (plain steps).
+    Its numbers only affect speed (the target verifies every proposal and emits its own plain
+    tokens), so it computes without batch invariance. A sequence the pool cannot hold gets no
+    proposals (plain steps).
     """
 
     def __init__(
@@ -131,10 +139,20 @@ class DraftProposer:
                 f"({vocab_size}); a draft must share the target's tokenizer"
             )
 
-    def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
+    def propose(
+        self,
+        seq_id: str,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        prompt_len: int | None = None,
+    ) -> Proposal:
         started = time.perf_counter()
         tokens: list[int] = []
-        dists: list[DraftDistribution] = []
+        # the penalties' inputs as the target sees them at each proposed position
+        penalised = prompt_len is not None and params.uses_history
+        history = list(context[prompt_len:]) if penalised else []
+        prompt_seen = context[:prompt_len] if penalised else []
         with self._lock:
             try:
                 held, common = self._open(seq_id, context)
@@ -151,27 +169,26 @@ class DraftProposer:
                     # far behind (a long prompt not yet taken in, or many plain steps): take in
                     # one chunk now and propose on a later step (this one goes plain)
                     self._take_in(seq_id, held, feed[: self.chunk])
-                    return Proposal([], [], time.perf_counter() - started)
+                    return Proposal([], time.perf_counter() - started)
                 # the first feed is the sequence's own: the blocks it fills are published
                 hashes = self._chains[seq_id].filled(context, common, len(context))
-                greedy = params.temperature == 0.0
                 for _ in range(k):
                     logits = self._forward(seq_id, feed, len(held), hashes)[-1]
                     held.extend(feed)
                     self._held[seq_id] = (held, len(context))
-                    position = len(held)
-                    if greedy:
-                        token = greedy_token(adjusted_logits(logits, params, ()))
-                    else:
-                        token, dist = _draw(logits, params, position)
-                        dists.append(dist)
+                    # the plain sampler's pick from the draft's logits, with the uniform the
+                    # target's row at this position draws with
+                    adjusted = adjusted_logits(logits, params, history, prompt_seen)
+                    token = pick(adjusted, params, len(held))
                     tokens.append(token)
+                    if penalised:
+                        history.append(token)
                     feed, hashes = [token], []
             except CapacityExceeded:
                 # the pool (or the context) cannot hold more of this sequence now: what was
                 # proposed so far (often nothing: a plain step); the session is as it was
                 pass
-        return Proposal(tokens, dists, time.perf_counter() - started)
+        return Proposal(tokens, time.perf_counter() - started)
 
     def warm(self, seq_id: str, prompt: list[int]) -> bool:
         # all but the last token: a proposal always needs to feed at least one
@@ -246,7 +263,14 @@ class NgramProposer:
     def __init__(self, max_ngram: int = 3) -> None:
         self.max_ngram = max_ngram
 
-    def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
+    def propose(
+        self,
+        seq_id: str,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        prompt_len: int | None = None,
+    ) -> Proposal:
         started = time.perf_counter()
         found: list[int] = []
         for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
@@ -257,10 +281,7 @@ class NgramProposer:
                     break
             if found:
                 break
-        dists: list[DraftDistribution] = (
-            [] if params.temperature == 0.0 else [([t], [1.0]) for t in found]
-        )
-        return Proposal(found, dists, time.perf_counter() - started)
+        return Proposal(found, time.perf_counter() - started)
 
     def warm(self, seq_id: str, prompt: list[int]) -> bool:
         return True
@@ -545,13 +566,3 @@ class KByConcurrency:
             k, left = self.level(c).choose(greedy), self.EPOCH * c
         self._epoch[c] = (k, left - 1)
         return k
-
-
-def _draw(
-    logits: np.ndarray, params: SamplingParams, position: int
-) -> tuple[int, DraftDistribution]:
-    """A draft token and the truncated distribution it was drawn from."""
-    top_k = min(params.top_k, DRAFT_TOP_K) if params.top_k else DRAFT_TOP_K
-    ids, probs = probabilities(logits, replace(params, top_k=top_k))
-    index = inverse_cdf(probs, uniform(params.seed, position, _DRAFT_STREAM))
-    return int(ids[index]), (ids.tolist(), probs.astype(np.float32).tolist())

@@ -5,9 +5,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from protos.sampling import DraftDistribution
 from server.engine.constraints import Matcher
 
 
@@ -17,7 +16,6 @@ class StepPlan:
 
     tokens: tuple[int, ...]
     draft: tuple[int, ...] = ()
-    dists: list[DraftDistribution] = field(default_factory=list)
     draft_s: float = 0.0
     level: int = 1  # requests decoding at once when k was chosen (KByConcurrency)
 
@@ -38,5 +36,5 @@ def grammar_masks(matcher: Matcher, plan: StepPlan, greedy: bool) -> tuple[list[
         else:
             # greedy feeds every proposal and verifies a bonus; sampling tests each proposal
             fed = (*x0, *(draft if greedy else draft[:-1]))
-            plan = StepPlan(fed, draft, plan.dists[:used], plan.draft_s, plan.level)
+            plan = StepPlan(fed, draft, plan.draft_s, plan.level)
     return masks[: plan.num_logits], plan
