@@ -48,7 +48,6 @@ def test_a_speculative_plan_feeds_the_proposals_and_verifies_a_bonus_when_greedy
     sampled = _plan(policy, _sequence(), sampling=SAMPLED)
     # sampling: every fed position tests a proposal (the last proposal is not fed)
     assert sampled.draft == (7, 8, 9) and sampled.tokens == (6, 7, 8)
-    assert len(sampled.dists) == 3
 
 
 def test_speculation_pauses_above_its_user_limit_and_stops_at_max_tokens() -> None:
@@ -115,14 +114,14 @@ class _Grammar:
 
 
 def test_grammar_masks_trim_the_draft_at_the_first_refused_token() -> None:
-    plan = StepPlan((6, 7, 8, 9), (7, 8, 9), [([7], [1.0])] * 3, 0.5, 2)
+    plan = StepPlan((6, 7, 8, 9), (7, 8, 9), 0.5, 2)
     masks, same = grammar_masks(_Grammar(3), plan, greedy=True)  # type: ignore[arg-type]
     assert same == plan and masks == [b"\x00", b"\x01", b"\x02", b"\x03"]
     masks, cut = grammar_masks(_Grammar(1), plan, greedy=True)  # type: ignore[arg-type]
-    assert cut == StepPlan((6, 7), (7,), [([7], [1.0])], 0.5, 2) and masks == [b"\x00", b"\x01"]
+    assert cut == StepPlan((6, 7), (7,), 0.5, 2) and masks == [b"\x00", b"\x01"]
     masks, plain = grammar_masks(_Grammar(0), plan, greedy=True)  # type: ignore[arg-type]
     assert plain == StepPlan((6,), level=2, draft_s=0.5) and masks == [b"\x00"]
-    sampled = StepPlan((6, 7, 8), (7, 8, 9), [([7], [1.0])] * 3, 0.5, 2)
+    sampled = StepPlan((6, 7, 8), (7, 8, 9), 0.5, 2)
     masks, cut = grammar_masks(_Grammar(2), sampled, greedy=False)  # type: ignore[arg-type]
     assert cut.tokens == (6, 7) and cut.draft == (7, 8) and len(masks) == 2
 

@@ -41,7 +41,6 @@ def test_a_step_survives_the_wire() -> None:
         ),
         history=(7, 8),
         draft_tokens=(5, 6),
-        draft_dists=(((5, 2), (0.75, 0.25)), ((6,), (1.0,))),
         group=2,
         solo=True,
         follow=0,
