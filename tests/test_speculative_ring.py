@@ -175,18 +175,35 @@ def test_speculation_on_paged_stages_equals_plain_decoding(
             proc.stop()
 
 
-def test_seeded_sampling_is_reproducible_and_independent_of_k(
+def test_seeded_sampling_with_the_draft_is_plain_sampling(
     exports: dict[int, Path], tmp_path: Path
 ) -> None:
+    """Coupled verification: seeded sampling (a frequency penalty too) with a draft gives the
+    tokens of the same requests without speculation, whatever K, and 4 requests at once give
+    each one's tokens alone: every emitted token is plain sampling's at its position. Two
+    drafts: the noisy one (its proposals are rejected: corrections) and the target itself,
+    run as a draft without batch invariance (its proposals are accepted, but where its
+    numbers differ). The former acceptance rule, min(1, p/q) and a draw from the residual,
+    emits other tokens."""
     procs, addresses = start_stages(exports[2], tmp_path)
     try:
-        proposer = make_draft_proposer(exports)
-        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
-        first = generate(addresses, proposer, 1, sampling)
-        assert generate(addresses, proposer, 1, sampling) == first
-        assert generate(addresses, proposer, 5, sampling) == first
-        assert generate(addresses, proposer, 0, sampling, concurrent=True) == first
-        assert len({tuple(t) for t in first}) == len(PROMPTS)
+        sampling = SamplingParams(temperature=0.9, seed=11, frequency_penalty=0.7)
+        plain = generate(addresses, None, 0, sampling)
+        assert len({tuple(t) for t in plain}) == len(PROMPTS)
+        vocab = load_manifest(exports[2]).model.vocab_size
+        metrics = GatewayMetrics()
+        for proposer in (
+            make_draft_proposer(exports),
+            DraftProposer(exports[1], EXACT, vocab),  # the target as its own draft
+        ):
+            assert generate(addresses, proposer, 0, sampling, metrics=metrics) == plain
+            assert generate(addresses, proposer, 1, sampling) == plain
+            assert generate(addresses, proposer, 5, sampling) == plain
+            assert generate(addresses, proposer, 0, sampling, concurrent=True) == plain
+            assert generate(addresses, proposer, 3, sampling, concurrent=True) == plain
+        accepted = metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
+        proposed = metrics.registry.get_sample_value("pipeshard_gateway_spec_proposed_tokens_total")
+        assert proposed and accepted is not None and 0 < accepted < proposed  # rollbacks too
     finally:
         for proc in procs:
             proc.stop()
@@ -236,11 +253,18 @@ class _Watched:
         self.engine: Engine | None = None
         self.decoding: list[int] = []
 
-    def propose(self, seq_id: str, context: list[int], k: int, params: SamplingParams) -> Proposal:
+    def propose(
+        self,
+        seq_id: str,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        prompt_len: int | None = None,
+    ) -> Proposal:
         assert self.engine is not None
         sequences = self.engine.scheduler.sequences.values()
         self.decoding.append(sum(1 for s in sequences if s.phase is Phase.DECODE))
-        return self.proposer.propose(seq_id, context, k, params)
+        return self.proposer.propose(seq_id, context, k, params, prompt_len)
 
     def warm(self, seq_id: str, prompt: list[int]) -> bool:
         return self.proposer.warm(seq_id, prompt)
