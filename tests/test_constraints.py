@@ -158,8 +158,8 @@ def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring
     """Four constrained requests (greedy and seeded sampling) together equal each alone, and
     so do 16 at once under preemption; with
     speculative decoding (the draft's proposals cut where the grammar refuses them) greedy
-    output is the same, and sampled output (speculative sampling draws from the same
-    distribution, not the same tokens) still validates."""
+    and seeded sampled output is the same (a draft token is kept only where it is the token
+    plain sampling picks)."""
     params = [
         SamplingParams(),
         SamplingParams(temperature=0.9, seed=7),
@@ -184,8 +184,7 @@ def test_constrained_output_is_the_same_alone_batched_and_speculative(ring: Ring
     metrics = GatewayMetrics()
     speculative = generate(ring, constraint, params, prompts, proposer=proposer, metrics=metrics)
     assert metrics.registry.get_sample_value("pipeshard_gateway_spec_accepted_tokens_total")
-    assert speculative[0::2] == alone[0::2]
-    assert all(_valid(text(ring, t)) for t in speculative)
+    assert speculative == alone
 
 
 @pytest.mark.component  # trains a tokenizer and builds its grammar: seconds
