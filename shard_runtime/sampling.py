@@ -15,25 +15,33 @@ Pipeline, in this order:
    probability is below ``min_p`` times the most probable one's are dropped; what is left is
    truncated to ``top_k`` and then to the nucleus ``top_p`` (the smallest set of most
    probable tokens whose cumulative probability is ``>= top_p``, at least one token),
-   renormalised, and one token is drawn by inverse CDF over the
-   kept tokens ordered by (probability desc, token id asc) - precisely by adjusted logit desc,
-   then id asc, which temperature cannot reorder. :func:`probabilities` returns exactly
-   that ordered distribution; :func:`sample` draws from it.
+   renormalised. :func:`probabilities` returns exactly that distribution, sorted by
+   (probability desc, token id asc). One token is drawn from it by **Gumbel-max**: the kept
+   token ``j`` with the largest ``logit_j / temperature + g_j``, where ``g_j = -log(-log(u_j))``
+   is Gumbel noise and ``u_j`` a uniform that only ``(seed, position, j)`` decide (a
+   SplitMix64 hash of the three, 24 bits, ``u_j = (k + 0.5) / 2**24``). The argmax of
+   log-probabilities plus independent Gumbel noise is distributed exactly as the
+   probabilities, so the draw is the distribution itself, after every truncation, penalty and
+   bias. Speculative decoding relies on the noise being per token: a draft that proposes the
+   same draw from its own logits (:func:`pick`) proposes the target's token whenever the two
+   models' winners under the same noise coincide.
 
-Reproducibility: the draw for a token depends only on ``(seed, position)``. Each token uses
-exactly one uniform ``u = np.random.default_rng([seed mod 2**64, position]).random()``, so a token
-is the same whatever the batching, retries or rollbacks around it. ``seed=None`` means the fixed
-seed 0: choosing a random seed per request when the user gave none is the caller's (the
-gateway's) job, so that the seed it picked can be recorded and the request replayed.
+Reproducibility: the draw for a token depends only on ``(seed, position)`` (and the logits).
+The noise of a token id does not depend on the vocabulary's size or the rest of the row, so a
+token is the same whatever the batching, retries or rollbacks around it. ``seed=None`` means
+the fixed seed 0: choosing a random seed per request when the user gave none is the caller's
+(the gateway's) job, so that the seed it picked can be recorded and the request replayed.
 
-Speed (vocab ~152k, every token): nothing sorts the whole vocabulary in the common case. Top-k
-selection (``top_k``, ``top_logprobs`` and the 512 nucleus candidates) first bounds the k-th
-largest value from below by the k-th largest maximum over strided groups of the vocabulary, one
-cheap pass, and only partitions the few survivors. ``top_p`` without ``top_k``, and plain
-temperature sampling, look at the 512 most probable tokens first; only when those do not reach
-``top_p`` (or, for plain temperature, when ``u`` falls past them) do they widen to 8192 and then
-to a full sort. Every prefix has the same probabilities and cumulative sums as the full sorted
-distribution, so the wider look gives the identical token, only slower.
+Speed (vocab ~152k, every token): nothing sorts the whole vocabulary in the common case. The
+noise is bounded (``u_j`` lies in ``[2**-25, 1 - 2**-25]``, so ``g_j <= G_MAX ~= 17.33``): once
+the noise of the most probable token ``t`` is known, a token ``j`` can only win if
+``logit_j / T >= logit_t / T + g_t - G_MAX``; one compare over the row finds those few
+candidates, and only they are hashed (exact: no token outside them can win). Top-k selection
+(``top_k``, ``top_logprobs`` and the 512 nucleus candidates) first bounds the k-th largest
+value from below by the k-th largest maximum over strided groups of the vocabulary, one cheap
+pass, and only partitions the few survivors. ``top_p`` without ``top_k`` looks at the 512 most
+probable tokens first; only when those do not reach ``top_p`` does it widen to 8192 and then
+to a full sort.
 """
 
 from __future__ import annotations
@@ -49,11 +57,11 @@ from protos.sampling import SampledToken, SamplingParams
 __all__ = [
     "annotate",
     "greedy_token",
+    "gumbel_noise",
     "pick",
     "probabilities",
     "sample",
     "suppress",
-    "uniform",
 ]
 
 FloatArray = npt.NDArray[np.float32]
@@ -64,6 +72,14 @@ ProbArray = npt.NDArray[np.float64]
 NUCLEUS_CANDIDATES = 512
 _GROUP = 64  # stride-group size of the top-k prefilter
 _SEED_MOD = 1 << 64
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment
+_NOISE_BITS = 24
+# The largest Gumbel noise a token can get (its uniform at most 1 - 2**-25), and a margin for
+# the rounding of the candidate bound, so that the pruning never drops a possible winner.
+G_MAX = -math.log(-math.log1p(-0.5 / (1 << _NOISE_BITS)))
+_PRUNE_MARGIN = 1e-3
+_BANDED = 256  # candidates past which the draw filters them by band first
 
 
 def sample(
@@ -87,16 +103,48 @@ def sample(
 
 def pick(adjusted: FloatArray, params: SamplingParams, position: int) -> int:
     """The token :func:`sample` picks at ``position`` from bias- and penalty-adjusted logits:
-    the ``argmax`` when greedy, else the inverse-CDF draw with the position's one uniform.
+    the ``argmax`` when greedy, else the Gumbel-max draw with the position's noise.
     A draft proposes with it too (speculative decoding), on its own logits."""
     if params.temperature == 0.0:
         return greedy_token(adjusted)
-    return _draw(adjusted, params, uniform(params.seed, position))
+    return _draw(adjusted, params, position)
 
 
-def uniform(seed: int | None, position: int) -> float:
-    """The one uniform of the draw at ``position``: ``(seed, position)`` alone decide it."""
-    return float(np.random.default_rng([_seed_key(seed), position]).random())
+def gumbel_noise(seed: int | None, position: int, ids: npt.ArrayLike) -> ProbArray:
+    """The Gumbel noise of token ``ids`` at ``position`` (float64): ``(seed, position, id)``
+    alone decide it, ``-log(-log(u))`` of a 24-bit uniform ``u = (k + 0.5) / 2**24`` from a
+    SplitMix64 hash."""
+    noise: ProbArray = -np.log(-np.log(_uniforms(_noise_bits(seed, position, ids))))
+    return noise
+
+
+def _noise_bits(seed: int | None, position: int, ids: npt.ArrayLike) -> npt.NDArray[np.uint64]:
+    """The 24-bit integers ``k`` of the tokens' uniforms: SplitMix64 output ``id + 1`` of the
+    stream keyed by ``mix(seed ^ mix(position))``, its top 24 bits."""
+    key = _mix64(_seed_key(seed) ^ _mix64(position & _MASK64))
+    z = np.asarray(ids, dtype=np.int64).astype(np.uint64) + np.uint64(1)
+    z *= np.uint64(_GOLDEN)  # wraps modulo 2**64, as SplitMix64's counter does
+    z += np.uint64(key)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    bits: npt.NDArray[np.uint64] = z >> np.uint64(64 - _NOISE_BITS)
+    return bits
+
+
+def _uniforms(bits: npt.NDArray[np.uint64]) -> ProbArray:
+    uniforms: ProbArray = (bits.astype(np.float64) + 0.5) * (0.5**_NOISE_BITS)
+    return uniforms
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser on a Python int (the per-(seed, position) key)."""
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 def greedy_token(adjusted: FloatArray) -> int:
@@ -243,15 +291,8 @@ def _nucleus(probs: ProbArray, top_p: float) -> int:
     return int(np.searchsorted(cdf, top_p, side="left")) + 1
 
 
-def _distribution(
-    adjusted: FloatArray, params: SamplingParams, reach: float | None = None
-) -> tuple[IdArray, ProbArray]:
-    """The sorted sampling distribution; see :func:`probabilities`.
-
-    With ``reach`` set and no truncation, the result may be just the most probable prefix of the
-    full distribution, not renormalised, whose cumulative probability exceeds ``reach``: an
-    inverse-CDF draw of ``u == reach`` on it is exactly the draw on the whole distribution.
-    """
+def _distribution(adjusted: FloatArray, params: SamplingParams) -> tuple[IdArray, ProbArray]:
+    """The sorted sampling distribution; see :func:`probabilities`."""
     # Order and top-k selection use the adjusted logits themselves, not the scaled ones: scaling
     # is monotone, and float32 rounding after it could merge distinct logits into ties.
     peak = _peak(adjusted)
@@ -284,7 +325,7 @@ def _distribution(
         total = float(weights32[kept].sum())
     else:
         total = float(weights32.sum())
-    count = limit if not truncate_p and reach is None else min(NUCLEUS_CANDIDATES, limit)
+    count = limit if not truncate_p else min(NUCLEUS_CANDIDATES, limit)
     while True:
         ids = _top_sorted(adjusted, count)
         probs = weights32[ids].astype(np.float64) / total
@@ -293,25 +334,45 @@ def _distribution(
             if keep or count == limit:  # rounding can leave the full sum just under top_p
                 probs = probs[: keep or limit]
                 return ids[: keep or limit], probs / probs.sum()
-        elif count == limit or (reach is not None and np.cumsum(probs)[-1] > reach):
+        elif count == limit:
             return ids, probs
         count = count * 16
         if 2 * count > limit:
             count = limit
 
 
-def inverse_cdf(probs: ProbArray, u: float) -> int:
-    """Index of the draw ``u`` in sorted ``probs``; never a zero-probability tail entry."""
-    cdf = np.cumsum(probs)
-    index = int(np.searchsorted(cdf, u, side="right"))
-    if index >= cdf.size:  # u beyond the rounded total: the last token with probability > 0
-        index = int(np.searchsorted(cdf, cdf[-1], side="left"))
-    return index
-
-
-def _draw(adjusted: FloatArray, params: SamplingParams, u: float) -> int:
-    ids, probs = _distribution(adjusted, params, reach=u)
-    return int(ids[inverse_cdf(probs, u)])
+def _draw(adjusted: FloatArray, params: SamplingParams, position: int) -> int:
+    """Gumbel-max over the kept tokens: ``argmax logit_j / T + g_j`` (ties: the lowest id)."""
+    scale = 1.0 / params.temperature
+    if (0 < params.top_k < adjusted.size) or params.top_p < 1.0:
+        ids, _ = _distribution(adjusted, params)
+        ids = np.sort(ids)
+        scores = adjusted[ids].astype(np.float64) * scale + gumbel_noise(params.seed, position, ids)
+        return int(ids[int(np.argmax(scores))])
+    peak = _peak(adjusted)
+    top = int(np.argmax(adjusted))
+    # The top token's score is a floor for the winner's: a token j can only win with noise
+    # g_j > g_top + (peak - logit_j) / T, so within G_MAX - g_top (scaled) of the top.
+    g_top = float(gumbel_noise(params.seed, position, [top])[0])
+    gap = (G_MAX - g_top + _PRUNE_MARGIN) * params.temperature
+    ids = np.flatnonzero(adjusted >= np.float32(float(peak) - gap))
+    if params.min_p > 0:
+        ids = ids[_weights(adjusted[ids], peak, params.temperature) >= np.float32(params.min_p)]
+    if ids.size > _BANDED:
+        # Most candidates lie far below the top and would need a near-1 uniform: in band b
+        # (scaled distance from the top in [b, b + 1)) a token needs g_j > g_top + b, that is
+        # its integer k above a per-band bound. Compare the integers; take logs of the few left.
+        bits = _noise_bits(params.seed, position, ids)
+        band = ((np.float64(peak) - adjusted[ids]) * scale).astype(np.int64)
+        floors = g_top + np.arange(int(band.max()) + 1, dtype=np.float64)
+        need = np.exp(-np.exp(-floors)) * float(1 << _NOISE_BITS) - 1.0  # k + 0.5 > 2**24 u
+        left = (bits.astype(np.float64) >= need[band]) | (ids == top)
+        ids, bits = ids[left], bits[left]
+        noise = -np.log(-np.log(_uniforms(bits)))
+    else:
+        noise = gumbel_noise(params.seed, position, ids)
+    scores = adjusted[ids].astype(np.float64) * scale + noise
+    return int(ids[int(np.argmax(scores))])
 
 
 def suppress(

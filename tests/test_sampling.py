@@ -16,9 +16,26 @@ DRAWS = 4000
 SMALL = np.array([0.3, 0.2, 0.1, 0.0, -0.1, -0.2], dtype=np.float32)
 
 
-def _uniform(seed: int, position: int) -> float:
-    """The documented draw: one uniform keyed by (seed, position)."""
-    return float(np.random.default_rng([seed, position]).random())
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """SplitMix64: the documented hash, in plain Python integers."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _noise(seed: int, position: int, ids: np.ndarray) -> np.ndarray:
+    """The documented Gumbel noise of token ids at (seed, position): -log(-log(u)), u the top
+    24 bits of SplitMix64 at counter id + 1 from the key mix(seed ^ mix(position)), + 0.5."""
+    key = _mix(seed ^ _mix(position))
+    out = []
+    for token in ids.tolist():
+        z = _mix((key + token * 0x9E3779B97F4A7C15) & _M64)  # mix adds the increment once more
+        out.append(-np.log(-np.log(((z >> 40) + 0.5) / (1 << 24))))
+    return np.array(out)
 
 
 def _reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
@@ -88,12 +105,51 @@ def test_draws_depend_only_on_seed_and_position() -> None:
     assert len(set(first)) > 30  # positions give different draws
     other_seed = SamplingParams(temperature=1.0, seed=99)
     assert [sample(logits, other_seed, p).token_id for p in range(40)] != first
-    # Flat over 5000 ids sorted by id: the token is exactly floor(u * 5000).
-    assert first[7] == int(_uniform(1234, 7) * 5000)
+    # Flat over 5000 ids: the token is the one with the largest noise.
+    assert first[7] == int(np.argmax(_noise(1234, 7, np.arange(5000))))
     # seed=None is the fixed seed 0.
     none = SamplingParams(temperature=1.0)
     zero = SamplingParams(temperature=1.0, seed=0)
     assert sample(logits, none, 11).token_id == sample(logits, zero, 11).token_id
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, seed=11),
+        SamplingParams(temperature=1.3, top_k=7, seed=12),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=13),
+        SamplingParams(temperature=0.9, min_p=0.05, seed=14),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.02, seed=15),
+        SamplingParams(
+            temperature=1.0,
+            logit_bias={3: 2.0, 0: -1.5},
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.3,
+            seed=16,
+        ),
+    ],
+)
+def test_gumbel_draws_follow_the_final_distribution(params: SamplingParams) -> None:
+    """Chi-square: the Gumbel-max draw is distributed as probabilities() (after truncation,
+    bias and penalties), and never leaves the kept set."""
+    logits = (np.random.default_rng(21).standard_normal(40) * 1.5).astype(np.float32)
+    history, prompt_seen = [3, 5, 5, 9], [1, 2]
+    ids, probs = probabilities(logits, params, history, prompt_seen)
+    tokens = [
+        sample(logits, params, position, history, prompt_seen).token_id for position in range(DRAWS)
+    ]
+    counts = np.bincount(tokens, minlength=logits.size)
+    assert counts.sum() == counts[ids].sum()  # nothing outside the kept set
+    expected = probs * DRAWS
+    big = expected >= 5  # merge the rare tokens into one cell
+    observed = np.append(counts[ids][big], counts[ids][~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    expected *= observed.sum() / expected.sum()  # float rounding of the total
+    assert chisquare(observed, expected).pvalue > 0.001
 
 
 @pytest.mark.parametrize(
@@ -116,10 +172,8 @@ def test_sample_draws_from_probabilities(
     ref_ids, ref_probs = _reference(logits, temperature, top_k, top_p)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_allclose(probs, ref_probs, rtol=2e-4, atol=1e-9)
-    cdf = np.cumsum(probs)
-    for position in range(25):
-        u = _uniform(7, position)
-        expected = int(ids[min(int(np.searchsorted(cdf, u, side="right")), ids.size - 1)])
+    for position in range(25):  # Gumbel-max over the kept tokens
+        expected = int(ids[np.argmax(np.log(probs) + _noise(7, position, ids))])
         assert sample(logits, params, position).token_id == expected
 
 
