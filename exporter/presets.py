@@ -103,6 +103,11 @@ EXPERT_RUNTIME_BYTES: dict[str, float] = {
 EXPORT_FACTOR = 1.25
 EXPORT_ALLOWANCE = 1.5 * GIB
 STATE_BYTES_PER_VALUE = 4  # the linear-attention states are f32
+# A hybrid's paged stage (its default backend) keeps up to --state-window + 2 states a sequence
+# (its latest, the ones a rollback of up to the window returns to, and the one a step writes)
+# and a scratch slot, in every linear-attention layer: stage_node/settings.py's default window
+# (tests/test_presets.py checks that they agree). A stateful stage keeps one a sequence.
+PAGED_STATE_WINDOW = 8
 
 # The quantizations a plan can take, smallest first (of the files llama-quantize makes)
 QUANTS = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "MXFP4")
@@ -633,9 +638,16 @@ def kv_bytes(p: Preset, layer: int, context: int, sequences: int = 1) -> int:
     return 2 * p.kv_heads * p.head_dim * context * KV_BYTES_PER_VALUE * sequences
 
 
+def state_slots(sequences: int, window: int = PAGED_STATE_WINDOW) -> int:
+    """The state slots a paged stage holds for ``sequences`` sequences at most: ``window`` + 2
+    each, and its scratch slot."""
+    return sequences * (window + 2) + 1
+
+
 def state_bytes(p: Preset, layer: int, sequences: int = 1) -> int:
     """A linear-attention layer's fixed state per sequence: conv [conv_dim, kernel] and
-    recurrent [Hv, head_k_dim, head_v_dim], f32."""
+    recurrent [Hv, head_k_dim, head_v_dim], f32 (one state; a paged stage holds
+    ``state_slots`` of them)."""
     if p.full_attention(layer):
         return 0
     conv = p.conv_dim * p.conv_kernel
@@ -651,7 +663,7 @@ class StageCost:
     weight_bytes: int  # at run time
     file_bytes: int  # of those tensors in the GGUF
     kv_bytes: int
-    state_bytes: int
+    state_bytes: int  # the state slots of a paged stage (state_slots)
     budget: int
 
     @property
@@ -716,7 +728,7 @@ def _layer_costs(p: Preset, quant: str, context: int, sequences: int) -> _Layers
         weights,
         files,
         [kv_bytes(p, i, context, sequences) for i in range(p.layers)],
-        [state_bytes(p, i, sequences) for i in range(p.layers)],
+        [state_bytes(p, i) * state_slots(sequences) for i in range(p.layers)],
         (first[0], first[1]),
         (last[0], last[1]),
     )
@@ -893,7 +905,15 @@ def format_preset_plan(plan: PresetPlan) -> str:
         f"GGUF {plan.file_bytes / 1e9:.1f} GB ({_gib(plan.file_bytes)} GiB); weights at run "
         f"time {_gib(plan.runtime_bytes)} GiB; KV cache at {plan.context} positions{seqs} "
         f"{_gib(kv_total)} GiB"
-        + (f"; recurrent state {state_total / 2**20:.0f} MiB" if state_total else "")
+        + (
+            f"; recurrent state {state_total / 2**20:.0f} MiB, as paged stages hold it "
+            f"({state_slots(plan.sequences)} states a layer: --state-window "
+            f"{PAGED_STATE_WINDOW} + 2 a sequence and a scratch slot; stateful stages hold "
+            f"{plan.sequences}: "
+            f"{state_total * plan.sequences / state_slots(plan.sequences) / 2**20:.0f} MiB)"
+            if state_total
+            else ""
+        )
         + "."
         + (
             f" The file's {p.nextn_layers} NextN/MTP layer(s) after the last layer are not "

@@ -18,10 +18,11 @@ Pipeline, in this order:
    renormalised. :func:`probabilities` returns exactly that distribution, sorted by
    (probability desc, token id asc). One token is drawn from it by **Gumbel-max**: the kept
    token ``j`` with the largest ``logit_j / temperature + g_j``, where ``g_j = -log(-log(u_j))``
-   is Gumbel noise and ``u_j`` a uniform that only ``(seed, position, j)`` decide (a
-   SplitMix64 hash of the three, 24 bits, ``u_j = (k + 0.5) / 2**24``). The argmax of
-   log-probabilities plus independent Gumbel noise is distributed exactly as the
-   probabilities, so the draw is the distribution itself, after every truncation, penalty and
+   is Gumbel noise and ``u_j`` a uniform that only ``(seed, position, j)`` decide (SplitMix64
+   hashes, 24-bit uniforms, built per block of 64 ids so that each block's largest uniform is
+   known first: see :func:`_uniforms`). The argmax of log-probabilities plus independent
+   Gumbel noise is distributed exactly as the probabilities, so the draw is the distribution
+   itself, after every truncation, penalty and
    bias. Speculative decoding relies on the noise being per token: a draft that proposes the
    same draw from its own logits (:func:`pick`) proposes the target's token whenever the two
    models' winners under the same noise coincide.
@@ -32,16 +33,16 @@ token is the same whatever the batching, retries or rollbacks around it. ``seed=
 the fixed seed 0: choosing a random seed per request when the user gave none is the caller's
 (the gateway's) job, so that the seed it picked can be recorded and the request replayed.
 
-Speed (vocab ~152k, every token): nothing sorts the whole vocabulary in the common case. The
-noise is bounded (``u_j`` lies in ``[2**-25, 1 - 2**-25]``, so ``g_j <= G_MAX ~= 17.33``): once
-the noise of the most probable token ``t`` is known, a token ``j`` can only win if
-``logit_j / T >= logit_t / T + g_t - G_MAX``; one compare over the row finds those few
-candidates, and only they are hashed (exact: no token outside them can win). Top-k selection
-(``top_k``, ``top_logprobs`` and the 512 nucleus candidates) first bounds the k-th largest
-value from below by the k-th largest maximum over strided groups of the vocabulary, one cheap
-pass, and only partitions the few survivors. ``top_p`` without ``top_k`` looks at the 512 most
-probable tokens first; only when those do not reach ``top_p`` does it widen to 8192 and then
-to a full sort.
+Speed (vocab ~152k, every token): nothing sorts the whole vocabulary in the common case.
+Without top-k / top-p the draw is pruned exactly: the most probable token's score
+``logit_t / T + g_t`` is a floor for the winner's, and no token of a block of 64 ids scores
+above the block's largest logit plus its largest noise (one hash per block), so one pass of
+block maxima picks the few blocks whose bound reaches the floor and only their ids get noise.
+Top-k selection (``top_k``, ``top_logprobs`` and the 512 nucleus candidates) first bounds the
+k-th largest value from below by the k-th largest maximum over strided groups of the
+vocabulary, one cheap pass, and only partitions the few survivors. ``top_p`` without
+``top_k`` looks at the 512 most probable tokens first; only when those do not reach ``top_p``
+does it widen to 8192 and then to a full sort.
 """
 
 from __future__ import annotations
@@ -75,11 +76,9 @@ _SEED_MOD = 1 << 64
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment
 _NOISE_BITS = 24
-# The largest Gumbel noise a token can get (its uniform at most 1 - 2**-25), and a margin for
-# the rounding of the candidate bound, so that the pruning never drops a possible winner.
-G_MAX = -math.log(-math.log1p(-0.5 / (1 << _NOISE_BITS)))
-_PRUNE_MARGIN = 1e-3
-_BANDED = 256  # candidates past which the draw filters them by band first
+_ULP = 0.5**_NOISE_BITS
+_BLOCK = 64  # ids per block of the noise (see _uniforms)
+_PRUNE_MARGIN = 1e-6  # float rounding of a block's bound: the pruning never drops a winner
 
 
 def sample(
@@ -111,18 +110,43 @@ def pick(adjusted: FloatArray, params: SamplingParams, position: int) -> int:
 
 
 def gumbel_noise(seed: int | None, position: int, ids: npt.ArrayLike) -> ProbArray:
-    """The Gumbel noise of token ``ids`` at ``position`` (float64): ``(seed, position, id)``
-    alone decide it, ``-log(-log(u))`` of a 24-bit uniform ``u = (k + 0.5) / 2**24`` from a
-    SplitMix64 hash."""
-    noise: ProbArray = -np.log(-np.log(_uniforms(_noise_bits(seed, position, ids))))
+    """The Gumbel noise ``-log(-log(u_j))`` of token ``ids`` at ``position`` (float64):
+    ``(seed, position, id)`` alone decide it; see :func:`_uniforms`."""
+    noise: ProbArray = -np.log(-np.log(_uniforms(seed, position, np.asarray(ids, np.int64))))
     return noise
 
 
-def _noise_bits(seed: int | None, position: int, ids: npt.ArrayLike) -> npt.NDArray[np.uint64]:
-    """The 24-bit integers ``k`` of the tokens' uniforms: SplitMix64 output ``id + 1`` of the
-    stream keyed by ``mix(seed ^ mix(position))``, its top 24 bits."""
-    key = _mix64(_seed_key(seed) ^ _mix64(position & _MASK64))
-    z = np.asarray(ids, dtype=np.int64).astype(np.uint64) + np.uint64(1)
+def _uniforms(seed: int | None, position: int, ids: IdArray) -> ProbArray:
+    """The tokens' uniforms, built per block of 64 ids (``j // 64``) so that a block's largest
+    one is known first: block ``b``'s largest uniform is ``M_b = V_b ** (1 / 64)``, at id
+    ``64 b + L_b``; every other id's is ``M_b * v_j``. ``V_b``, ``v_j`` (24-bit uniforms
+    ``(k + 0.5) / 2**24``) and ``L_b`` (6 bits) come from SplitMix64 keyed by
+    ``mix(seed ^ mix(position))``, output ``2 b + 2`` for the block and ``2 j + 1`` for the
+    token. The 64 uniforms of a block are then independent and uniform, as if drawn directly."""
+    top, where = _block_maxima(seed, position, ids // _BLOCK)
+    own = _splitmix(_stream_key(seed, position), 2 * ids + 1) >> np.uint64(64 - _NOISE_BITS)
+    uniforms: ProbArray = np.where(
+        ids % _BLOCK == where, top, top * ((own.astype(np.float64) + 0.5) * _ULP)
+    )
+    return uniforms
+
+
+def _block_maxima(seed: int | None, position: int, blocks: IdArray) -> tuple[ProbArray, IdArray]:
+    """Each block's largest uniform ``M_b`` and where it is (``L_b``, the id modulo 64)."""
+    z = _splitmix(_stream_key(seed, position), 2 * blocks + 2)
+    where = (z & np.uint64(_BLOCK - 1)).astype(np.int64)
+    top: ProbArray = ((z >> np.uint64(64 - _NOISE_BITS)).astype(np.float64) + 0.5) * _ULP
+    np.power(top, 1.0 / _BLOCK, out=top)
+    return top, where
+
+
+def _stream_key(seed: int | None, position: int) -> int:
+    return _mix64(_seed_key(seed) ^ _mix64(position & _MASK64))
+
+
+def _splitmix(key: int, counters: IdArray) -> npt.NDArray[np.uint64]:
+    """SplitMix64's outputs number ``counters`` of the stream that starts at ``key``."""
+    z = counters.astype(np.uint64)
     z *= np.uint64(_GOLDEN)  # wraps modulo 2**64, as SplitMix64's counter does
     z += np.uint64(key)
     z ^= z >> np.uint64(30)
@@ -130,13 +154,7 @@ def _noise_bits(seed: int | None, position: int, ids: npt.ArrayLike) -> npt.NDAr
     z ^= z >> np.uint64(27)
     z *= np.uint64(0x94D049BB133111EB)
     z ^= z >> np.uint64(31)
-    bits: npt.NDArray[np.uint64] = z >> np.uint64(64 - _NOISE_BITS)
-    return bits
-
-
-def _uniforms(bits: npt.NDArray[np.uint64]) -> ProbArray:
-    uniforms: ProbArray = (bits.astype(np.float64) + 0.5) * (0.5**_NOISE_BITS)
-    return uniforms
+    return z
 
 
 def _mix64(x: int) -> int:
@@ -347,31 +365,31 @@ def _draw(adjusted: FloatArray, params: SamplingParams, position: int) -> int:
     if (0 < params.top_k < adjusted.size) or params.top_p < 1.0:
         ids, _ = _distribution(adjusted, params)
         ids = np.sort(ids)
-        scores = adjusted[ids].astype(np.float64) * scale + gumbel_noise(params.seed, position, ids)
-        return int(ids[int(np.argmax(scores))])
-    peak = _peak(adjusted)
-    top = int(np.argmax(adjusted))
-    # The top token's score is a floor for the winner's: a token j can only win with noise
-    # g_j > g_top + (peak - logit_j) / T, so within G_MAX - g_top (scaled) of the top.
-    g_top = float(gumbel_noise(params.seed, position, [top])[0])
-    gap = (G_MAX - g_top + _PRUNE_MARGIN) * params.temperature
-    ids = np.flatnonzero(adjusted >= np.float32(float(peak) - gap))
-    if params.min_p > 0:
-        ids = ids[_weights(adjusted[ids], peak, params.temperature) >= np.float32(params.min_p)]
-    if ids.size > _BANDED:
-        # Most candidates lie far below the top and would need a near-1 uniform: in band b
-        # (scaled distance from the top in [b, b + 1)) a token needs g_j > g_top + b, that is
-        # its integer k above a per-band bound. Compare the integers; take logs of the few left.
-        bits = _noise_bits(params.seed, position, ids)
-        band = ((np.float64(peak) - adjusted[ids]) * scale).astype(np.int64)
-        floors = g_top + np.arange(int(band.max()) + 1, dtype=np.float64)
-        need = np.exp(-np.exp(-floors)) * float(1 << _NOISE_BITS) - 1.0  # k + 0.5 > 2**24 u
-        left = (bits.astype(np.float64) >= need[band]) | (ids == top)
-        ids, bits = ids[left], bits[left]
-        noise = -np.log(-np.log(_uniforms(bits)))
     else:
-        noise = gumbel_noise(params.seed, position, ids)
-    scores = adjusted[ids].astype(np.float64) * scale + noise
+        # Exact pruning: the top token's score is a floor for the winner's, and no token of a
+        # block scores above the block's largest logit plus its largest noise; expand only
+        # the blocks whose bound reaches the floor.
+        peak = _peak(adjusted)
+        top = int(np.argmax(adjusted))
+        size = adjusted.size
+        body = size - size % _BLOCK
+        maxima = adjusted[:body].reshape(-1, _BLOCK).max(axis=1)
+        if body < size:
+            maxima = np.append(maxima, adjusted[body:].max())
+        blocks = np.arange(maxima.size, dtype=np.int64)
+        block_top, _ = _block_maxima(params.seed, position, blocks)
+        bound = maxima.astype(np.float64) * scale - np.log(-np.log(block_top))
+        floor = float(peak) * scale + float(gumbel_noise(params.seed, position, [top])[0])
+        reach = bound >= floor - _PRUNE_MARGIN
+        if params.min_p > 0:  # blocks whose largest weight min_p drops hold no kept token
+            reach &= _weights(maxima, peak, params.temperature) >= np.float32(params.min_p)
+        near = np.flatnonzero(reach)
+        ids = (near[:, None] * _BLOCK + np.arange(_BLOCK)).ravel()
+        ids = ids[ids < size]
+        ids = ids[np.isfinite(adjusted[ids])]
+        if params.min_p > 0:
+            ids = ids[_weights(adjusted[ids], peak, params.temperature) >= np.float32(params.min_p)]
+    scores = adjusted[ids].astype(np.float64) * scale + gumbel_noise(params.seed, position, ids)
     return int(ids[int(np.argmax(scores))])
 
 

@@ -7,16 +7,16 @@ position is tested) or ``n = m - 1`` (the last position is a plain "bonus" sampl
 Coupled verification: at each tested position i, ``x_i`` is the token a plain
 :func:`~shard_runtime.sampling.sample` picks from the target's row there (bias, penalties with
 the prompt and the tokens before position i, then greedy ``argmax``, or temperature, min-p,
-top-k, top-p and the inverse-CDF draw with the position's one uniform ``u_i``, which depends
-only on ``(seed, position)``). ``d_i`` is accepted iff ``x_i == d_i``; at the first mismatch
+top-k, top-p and the Gumbel-max draw with the position's noise ``g_ij``, which depends only
+on ``(seed, position, token id)``). ``d_i`` is accepted iff ``x_i == d_i``; at the first mismatch
 ``x_i`` is emitted and verification stops; when every proposal was accepted, the bonus row (if
 any) gives a plain sample. Every emitted token is therefore the plain sampler's token at its
 position, whatever the draft proposed: speculative output is token for token the output
 without speculation, alone or batched, for greedy and seeded sampling alike.
 
 The draft proposes what the plain sampler would pick from the draft's own logits with the same
-``u_i`` (:func:`shard_runtime.sampling.pick`), so that where draft and target distributions are
-close the two picks agree (the same uniform falls in the same token's interval of both CDFs).
+noise (:func:`shard_runtime.sampling.pick`), so that where draft and target distributions are
+close the two picks agree (the same token has the largest log-probability plus noise in both).
 """
 
 from __future__ import annotations

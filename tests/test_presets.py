@@ -17,18 +17,22 @@ from exporter.plan import RUNTIME_OVERHEAD_BYTES
 from exporter.presets import (
     EXPERT_RUNTIME_BYTES,
     FILE_BYTES,
+    PAGED_STATE_WINDOW,
     PRESETS,
     RUNTIME_BYTES,
     Tensor,
     find_preset,
+    format_preset_plan,
     gguf_type,
     kv_bytes,
     parse_hosts,
     plan_preset,
     state_bytes,
+    state_slots,
     tensors,
 )
 from pipeshard.cli import main
+from stage_node.settings import StageSettings
 
 pytestmark = pytest.mark.unit
 
@@ -174,9 +178,29 @@ def test_kv_cache_only_on_full_attention_and_fixed_state_on_linear_attention() -
     assert state_bytes(p, 3) == 0
     plan = plan_preset(p, "Q4_K_M", "2x32GB", context=32768, sequences=2)
     assert sum(s.kv_bytes for s in plan.stages) == 2 * 10 * 64 * 2**20
-    assert sum(s.state_bytes for s in plan.stages) == 2 * 30 * 2_228_224
+    # as a paged stage holds them: 10 states a sequence (--state-window 8 + 2) and a scratch
+    # slot, in every linear-attention layer
+    assert sum(s.state_bytes for s in plan.stages) == 30 * (2 * 10 + 1) * 2_228_224
     twice = plan_preset(p, "Q4_K_M", "2x32GB", context=65536)
-    assert sum(s.state_bytes for s in twice.stages) == 30 * 2_228_224  # whatever the context
+    assert sum(s.state_bytes for s in twice.stages) == 30 * 11 * 2_228_224  # whatever the context
+
+
+def test_the_state_column_is_what_a_paged_stage_holds() -> None:
+    """The plan counts a hybrid's state as the paged backend keeps it at its default window:
+    the window it assumes is the stage's default, and the slots are those the stage's pool
+    needs for that many sessions (shard_runtime/paged.py: sessions x (window + 2) + 1, the
+    prefix states aside, which are evicted when sessions need the room)."""
+    assert StageSettings.model_fields["state_window"].default == PAGED_STATE_WINDOW
+    assert state_slots(1) == 11 and state_slots(8) == 81 and state_slots(8, window=0) == 17
+    p = PRESETS["qwen3.6-35b-a3b"]
+    plan = plan_preset(p, "Q4_K_M", "2x32GB", sequences=8)
+    first = plan.stages[0]
+    linear = [i for i in range(first.layer_start, first.layer_end) if not p.full_attention(i)]
+    assert first.state_bytes == len(linear) * 81 * 2_228_224
+    text = format_preset_plan(plan)
+    total = sum(s.state_bytes for s in plan.stages)
+    assert f"recurrent state {total / 2**20:.0f} MiB, as paged stages hold it" in text
+    assert f"stateful stages hold 8: {8 * 30 * 2_228_224 / 2**20:.0f} MiB)" in text
 
 
 def test_the_split_is_the_best_over_every_alternative() -> None:

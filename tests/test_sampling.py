@@ -8,7 +8,7 @@ from scipy.special import log_softmax, softmax
 from scipy.stats import chisquare
 
 from protos.sampling import SamplingParams
-from shard_runtime.sampling import probabilities, sample
+from shard_runtime.sampling import gumbel_noise, probabilities, sample
 
 pytestmark = pytest.mark.unit
 
@@ -28,13 +28,22 @@ def _mix(x: int) -> int:
 
 
 def _noise(seed: int, position: int, ids: np.ndarray) -> np.ndarray:
-    """The documented Gumbel noise of token ids at (seed, position): -log(-log(u)), u the top
-    24 bits of SplitMix64 at counter id + 1 from the key mix(seed ^ mix(position)), + 0.5."""
+    """The documented Gumbel noise of token ids at (seed, position): -log(-log(u)); block
+    b = id // 64 has its largest uniform M = V ** (1/64) at id 64 b + L (V the top 24 bits of
+    SplitMix64 output 2 b + 2 plus 0.5 over 2**24, L its low 6 bits), every other id M * v
+    (v from output 2 id + 1), the stream keyed by mix(seed ^ mix(position))."""
     key = _mix(seed ^ _mix(position))
+
+    def output(counter: int) -> int:  # mix adds the increment once more
+        return _mix((key + (counter - 1) * 0x9E3779B97F4A7C15) & _M64)
+
     out = []
     for token in ids.tolist():
-        z = _mix((key + token * 0x9E3779B97F4A7C15) & _M64)  # mix adds the increment once more
-        out.append(-np.log(-np.log(((z >> 40) + 0.5) / (1 << 24))))
+        block = output(2 * (token // 64) + 2)
+        top = (((block >> 40) + 0.5) / (1 << 24)) ** (1 / 64)
+        own = ((output(2 * token + 1) >> 40) + 0.5) / (1 << 24)
+        u = top if token % 64 == block & 63 else top * own
+        out.append(-np.log(-np.log(u)))
     return np.array(out)
 
 
@@ -330,3 +339,24 @@ def test_bad_inputs_raise() -> None:
         sample(SMALL, SamplingParams(), -1)
     with pytest.raises(ValueError, match="temperature"):
         probabilities(SMALL, SamplingParams())
+
+
+@pytest.mark.parametrize("size", [151936, 1000, 130])
+def test_pruned_draw_is_the_argmax_over_the_whole_vocabulary(size: int) -> None:
+    """The exact pruning never changes the token: the Gumbel-max over every kept id, computed
+    by brute force, on rows with -inf entries, a partial last block and min_p."""
+    rng = np.random.default_rng(size)
+    for trial in range(30):
+        logits = (rng.standard_normal(size) * rng.choice([0.5, 2.0, 5.0])).astype(np.float32)
+        logits[rng.integers(0, size, size // 10)] = -np.inf
+        params = SamplingParams(
+            temperature=float(rng.choice([0.3, 0.7, 1.0, 2.0])),
+            min_p=float(rng.choice([0.0, 0.01])),
+            seed=trial,
+        )
+        ids, _ = probabilities(logits, params)
+        ids = np.sort(ids)
+        scores = logits[ids].astype(np.float64) / params.temperature
+        scores += gumbel_noise(params.seed, 3 + trial, ids)
+        expected = int(ids[np.argmax(scores)])
+        assert sample(logits, params, 3 + trial).token_id == expected

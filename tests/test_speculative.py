@@ -134,7 +134,7 @@ def test_verify_emits_the_plain_samplers_tokens_whatever_the_draft(params: Sampl
 
 
 def test_a_draft_with_the_targets_logits_is_always_accepted() -> None:
-    """Coupling: the draft picks with the position's uniform, so a draft whose logits are the
+    """Coupling: the draft picks with the position's noise, so a draft whose logits are the
     target's proposes exactly what is emitted, and a close one mostly does."""
     rng = np.random.default_rng(3)
     params = SamplingParams(temperature=0.9, seed=5, frequency_penalty=0.5)

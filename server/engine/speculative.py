@@ -5,7 +5,7 @@ bonus position) or ``[x0, d1 .. d(k-1)]`` (sampling: every one of the ``k`` posi
 proposal), and the last stage verifies (:mod:`shard_runtime.speculative`): it emits exactly the
 tokens plain decoding would, so proposals only change the speed. A proposer picks each token as
 the plain sampler would from its own guess (the draft: its logits, with the request's penalties
-and the position's uniform), so that it agrees with the target where its guess is close.
+and the position's Gumbel noise), so that it agrees with the target where its guess is close.
 Rejected positions are rolled back on every stage by the next step's ``rollback`` (the stages
 trim their KV state: no garbage, no growth) and in the draft here.
 
@@ -176,7 +176,7 @@ class DraftProposer:
                     logits = self._forward(seq_id, feed, len(held), hashes)[-1]
                     held.extend(feed)
                     self._held[seq_id] = (held, len(context))
-                    # the plain sampler's pick from the draft's logits, with the uniform the
+                    # the plain sampler's pick from the draft's logits, with the noise the
                     # target's row at this position draws with
                     adjusted = adjusted_logits(logits, params, history, prompt_seen)
                     token = pick(adjusted, params, len(held))
