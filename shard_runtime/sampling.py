@@ -22,10 +22,10 @@ Pipeline, in this order:
    hashes, 24-bit uniforms, built per block of 64 ids so that each block's largest uniform is
    known first: see :func:`_uniforms`). The argmax of log-probabilities plus independent
    Gumbel noise is distributed exactly as the probabilities, so the draw is the distribution
-   itself, after every truncation, penalty and
-   bias. Speculative decoding relies on the noise being per token: a draft that proposes the
-   same draw from its own logits (:func:`pick`) proposes the target's token whenever the two
-   models' winners under the same noise coincide.
+   itself, after every truncation, penalty and bias. Speculative decoding relies on the noise
+   being per token: a draft that proposes the same draw from its own logits (:func:`pick`)
+   proposes the target's token whenever the two models' winners under the same noise
+   coincide.
 
 Reproducibility: the draw for a token depends only on ``(seed, position)`` (and the logits).
 The noise of a token id does not depend on the vocabulary's size or the rest of the row, so a
@@ -195,7 +195,7 @@ def probabilities(
 ) -> tuple[IdArray, ProbArray]:
     """The final sampling distribution for ``temperature > 0`` as ``(token_ids, probs)``.
 
-    Only the kept (truncated) tokens are returned, in draw order (probability desc, id asc), with
+    Only the kept (truncated) tokens are returned, sorted by (probability desc, id asc), with
     ``probs`` (float64) renormalised to sum to 1. ``history`` feeds the penalties as in
     :func:`sample`. Without ``top_k``/``top_p`` this is the whole vocabulary (a full sort).
     """
