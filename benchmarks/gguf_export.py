@@ -249,6 +249,18 @@ def stage_tensors(tensors: list[Tensor], start: int, end: int, last: bool) -> li
 # ------------------------------------------------------------------------------ write
 
 
+def _k_quant_blocks(
+    rng: np.random.Generator, n: int, size: int, d_range: tuple[float, float], centre: float
+) -> np.ndarray:
+    """``n`` random Q4_K / Q5_K blocks of ``size`` bytes: f16 ``d`` drawn from ``d_range`` and
+    f16 ``dmin = centre * d``, which centres the weights; every other bit random."""
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    d = rng.uniform(*d_range, n).astype(np.float16)
+    blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
+    blocks[:, 2:4] = (d.astype(np.float32) * centre).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks
+
+
 def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
     """``n`` valid blocks of ``kind`` with weights of roughly +-0.02."""
     if kind == "Q5_0":
@@ -266,12 +278,7 @@ def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
     if kind == "Q4_K":
         # f16 d, f16 dmin, 12 bytes of 6-bit scales/mins (any bits are valid), 128 nibbles;
         # w = d*sc*q - dmin*m: dmin = 7.5 d centres it (sc, m average 31.5, q 7.5)
-        blocks = rng.integers(0, 256, (n, 144), dtype=np.uint8)
-        d = (rng.uniform(2e-5, 6e-5, n)).astype(np.float16)
-        dmin = (d.astype(np.float32) * 7.5).astype(np.float16)
-        blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
-        blocks[:, 2:4] = dmin.view(np.uint8).reshape(n, 2)
-        return blocks
+        return _k_quant_blocks(rng, n, 144, (2e-5, 6e-5), 7.5)
     if kind == "Q5_1":
         # f16 d, f16 m, 4 bytes of high bits, 16 bytes of nibbles; w = d*q + m, q in 0..31
         blocks = rng.integers(0, 256, (n, 24), dtype=np.uint8)
@@ -284,12 +291,7 @@ def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
     if kind == "Q5_K":
         # as Q4_K with a fifth bit (32 bytes qh before the 128 of nibbles): q in 0..31,
         # dmin = 15.5 d centres it
-        blocks = rng.integers(0, 256, (n, 176), dtype=np.uint8)
-        d = (rng.uniform(1e-5, 3e-5, n)).astype(np.float16)
-        dmin = (d.astype(np.float32) * 15.5).astype(np.float16)
-        blocks[:, 0:2] = d.view(np.uint8).reshape(n, 2)
-        blocks[:, 2:4] = dmin.view(np.uint8).reshape(n, 2)
-        return blocks
+        return _k_quant_blocks(rng, n, 176, (1e-5, 3e-5), 15.5)
     if kind == "Q6_K":
         # 128 bytes ql, 64 qh, 16 int8 scales, f16 d; w = d*sc*(q-32)
         blocks = rng.integers(0, 256, (n, 210), dtype=np.uint8)
