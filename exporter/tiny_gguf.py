@@ -24,23 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from exporter.families import FAMILIES
+from exporter.families.gguf_names import gguf_name
 from exporter.tiny_models import VOCAB, make_tokenizer, randomize_buffers
 
 QK_K = 256  # super-block length of the K-quants
-GGUF_ARCH = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma3_text": "gemma3",
-    "phi3": "phi3",
-    "qwen3_moe": "qwen3moe",
-    "mixtral": "llama",  # llama.cpp's Mixtral: a llama file with experts
-    "glm4_moe": "glm4moe",
-    "gpt_oss": "gpt-oss",
-    "qwen3_5_text": "qwen35",
-    "qwen3_5_moe_text": "qwen35moe",
-    "qwen3_next": "qwen3next",
-}
+# transformers model_type -> llama.cpp architecture: the families' (exporter/families/)
+GGUF_ARCH = {name: f.gguf_arch for name, f in FAMILIES.items() if f.gguf_arch is not None}
 _HYBRID_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
 TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
 # general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
@@ -233,8 +223,8 @@ def _stack_experts(state: dict[str, Any]) -> dict[str, Any]:
 def _gpt_oss_experts(state: dict[str, Any]) -> dict[str, Any]:
     """convert_hf_to_gguf's GptOssModel for dense (not MXFP4) experts: ``gate_up_proj``
     [E, H, 2I] (x @ W, gate and up columns interleaved) -> ``gate_proj`` and ``up_proj``
-    [E, I, H], ``down_proj`` [E, I, H] -> [E, H, I], their biases split likewise; the sinks
-    named ``.weight``."""
+    [E, I, H], ``down_proj`` [E, I, H] -> [E, H, I], their biases split likewise (the
+    sinks' ``.weight`` is the family's rename: exporter.families.gguf_names)."""
     out: dict[str, Any] = {}
     for name, tensor in state.items():
         stem = name.rsplit(".", 1)[0]
@@ -249,8 +239,6 @@ def _gpt_oss_experts(state: dict[str, Any]) -> dict[str, Any]:
             out[f"{stem}.down_proj.weight"] = tensor.transpose(-1, -2).contiguous()
         elif name.endswith("experts.down_proj_bias"):
             out[f"{stem}.down_proj.bias"] = tensor
-        elif name.endswith(".sinks"):
-            out[f"{name}.weight"] = tensor
         else:
             out[name] = tensor
     return out
@@ -338,9 +326,9 @@ def _hybrid_tensors(state: dict[str, Any], config: Any, arch: str) -> dict[str, 
     """What llama.cpp's converter does to Qwen3.5's and Qwen3-Next's tensors (conversion/qwen.py:
     Qwen3NextModel, _LinearAttentionVReorderBase): the text model's names; value heads tiled
     (qwen35, qwen35moe, where there are more value heads than key heads); A_log stored as
-    -exp(A_log), dt_bias as dt_proj.bias, the convolution squeezed, the norms plus one (not the
-    Gated DeltaNet's own); Qwen3-Next's in_proj_qkvz regrouped into qkv and z; stacked experts
-    (Qwen3.5-MoE's gate_up_proj) split into gate and up."""
+    -exp(A_log) (dt_bias as dt_proj.bias: the family's rename), the convolution squeezed, the
+    norms plus one (not the Gated DeltaNet's own); Qwen3-Next's in_proj_qkvz regrouped into
+    qkv and z; stacked experts (Qwen3.5-MoE's gate_up_proj) split into gate and up."""
     import torch
 
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
@@ -366,8 +354,6 @@ def _hybrid_tensors(state: dict[str, Any], config: Any, arch: str) -> dict[str, 
                 w = _tiled(w, 1, hk, per_key, dv)
         if name.endswith(".A_log"):
             w = -torch.exp(w)
-        elif name.endswith(".dt_bias"):
-            name = name.replace(".dt_bias", ".dt_proj.bias")
         elif ".conv1d." in name:
             w = w.squeeze()
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
@@ -470,7 +456,6 @@ def write_gguf(
     if config.model_type not in GGUF_ARCH:
         raise ValueError(f"no GGUF writer for {config.model_type}")
     arch = GGUF_ARCH[config.model_type]
-    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     n_layers, n_head = config.num_hidden_layers, config.num_attention_heads
     n_kv = config.num_key_value_heads
     raw_cfg = json.loads((hf_folder / "config.json").read_text())
@@ -565,13 +550,9 @@ def write_gguf(
         # llama.cpp's generate_extra_tensors: written first, before the model's own.
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
     tied = bool(config.tie_word_embeddings)
-    names = gguf.get_tensor_name_map(model_arch, n_layers + nextn)
     state = load_file(str(hf_folder / "model.safetensors"))
     state = _stack_experts(state)
     if arch == "glm4moe":
-        # the router's correction bias under the name gguf-py maps (exp_probs_b.bias)
-        fix = ".e_score_correction_bias", ".e_score_correction.bias"
-        state = {name.replace(*fix): tensor for name, tensor in state.items()}
         state.update(_nextn_block(config, n_layers, nextn))
     if arch == "gpt-oss":
         state = _gpt_oss_experts(state)
@@ -583,9 +564,10 @@ def write_gguf(
     for hf_name, tensor in state.items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reuses token_embd as the output head
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))  # keeps the suffix
-        if name is None:
-            raise ValueError(f"no GGUF name for {hf_name}")
+        try:  # the reader's names (gguf-py's map and the family's converter renames)
+            name = gguf_name(hf_name, config.model_type)
+        except KeyError:
+            raise ValueError(f"no GGUF name for {hf_name}") from None
         w = tensor.float().numpy()
         if arch == "llama" and name.endswith("attn_q.weight"):
             w = _permute(w, n_head)
