@@ -484,8 +484,11 @@ def _write_file(
 ) -> int:
     import gguf
 
-    from exporter.tiny_gguf import FILE_TYPES, write_tokenizer
-    from exporter.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
+    from benchmarks.fixtures import use_testing_support
+
+    use_testing_support()
+    from testing_support.tiny_gguf import FILE_TYPES, write_tokenizer
+    from testing_support.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
 
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name)

@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from exporter.tiny_models import make_model
+    from testing_support.tiny_models import make_model
 
     made: dict[tuple[str, int, int], Path] = {}
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from exporter.families import FAMILIES
 from exporter.families.gguf_names import gguf_name
-from exporter.tiny_models import VOCAB, make_tokenizer, randomize_buffers
+from testing_support.tiny_models import VOCAB, make_tokenizer, randomize_buffers
 
 QK_K = 256  # super-block length of the K-quants
 # transformers model_type -> llama.cpp architecture: the families' (exporter/families/)
@@ -596,7 +596,7 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
     """A tiny config whose every field survives transformers' GGUF loader, with rows (hidden
     and intermediate sizes) that are multiples of 256 for the K-quants.
 
-    exporter.tiny_models.tiny_config cannot serve: its llama uses llama3 rope scaling and its
+    testing_support.tiny_models.tiny_config cannot serve: its llama uses llama3 rope scaling and its
     gemma3 a layer pattern and query scale that GGUF does not carry back.
     """
     common: dict[str, Any] = dict(
@@ -655,21 +655,21 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
     if arch == "gpt_oss":
         from transformers import GptOssConfig
 
-        from exporter.tiny_models import gpt_oss_fields
+        from testing_support.tiny_models import gpt_oss_fields
 
         # the tiny Hugging Face gpt-oss's layers, routing and YaRN; experts of 256 channels
         return GptOssConfig(**{**gpt_oss_fields(common), "head_dim": 64, "intermediate_size": 256})
     if arch == "glm4_moe":
         from transformers import Glm4MoeConfig
 
-        from exporter.tiny_models import glm4_moe_fields
+        from testing_support.tiny_models import glm4_moe_fields
 
         # the tiny Hugging Face GLM's routing and layer types, with K-quant-sized experts
         return Glm4MoeConfig(
             **{**glm4_moe_fields(common), "head_dim": 64, "moe_intermediate_size": 256}
         )
     if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        from exporter.tiny_models import hybrid_experts, qwen3_5_fields
+        from testing_support.tiny_models import hybrid_experts, qwen3_5_fields
 
         # the tiny Hugging Face hybrid's heads, with value heads of 32 channels (out_proj's
         # columns move by whole value heads when llama.cpp tiles them: whole Q8_0 blocks)
@@ -718,7 +718,7 @@ def make_hf_model(
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 2:
-                param.mul_(2.0)  # as exporter.tiny_models.make_model: avoid near-tied logits
+                param.mul_(2.0)  # as testing_support.tiny_models.make_model: avoid near-tied logits
             elif param.dim() == 3 and arch == "gpt_oss":
                 pass  # its stacked experts: widened by randomize_buffers instead
             else:
