@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -440,12 +441,15 @@ def write_gguf(
     out: Path,
     types: str | dict[str, str] = "Q4_K_M",
     extra: dict[str, int] | None = None,
+    names: Callable[[str, str, int], str] | None = None,
 ) -> Path:
     """Write the HF model in ``hf_folder`` (config, safetensors, tokenizer) as the GGUF ``out``.
 
     ``types``: "F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K" for every 2-D weight, "Q4_K_M" for
     llama-quantize's mix, or a dict of name substring -> type (see ``tensor_type``). ``extra``:
-    more uint32 metadata, e.g. ``{"llama.expert_count": 8}``.
+    more uint32 metadata, e.g. ``{"llama.expert_count": 8}``. ``names``: (Hugging Face name,
+    llama.cpp architecture, blocks) -> the tensor's GGUF name (KeyError: none), instead of the
+    reader's own (exporter.families.gguf_names): a test names the tensors from outside.
     """
     import gguf
     from safetensors.torch import load_file
@@ -565,7 +569,10 @@ def write_gguf(
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reuses token_embd as the output head
         try:  # the reader's names (gguf-py's map and the family's converter renames)
-            name = gguf_name(hf_name, config.model_type)
+            if names is None:
+                name = gguf_name(hf_name, config.model_type)
+            else:
+                name = names(hf_name, arch, n_layers + nextn)
         except KeyError:
             raise ValueError(f"no GGUF name for {hf_name}") from None
         w = tensor.float().numpy()
