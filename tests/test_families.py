@@ -94,6 +94,11 @@ def test_a_tensor_a_family_s_gguf_does_not_have_has_no_name() -> None:
     assert tensor_name("OUTPUT_NORM") == "output_norm.weight"
 
 
+def test_every_family_has_a_row_in_the_export_docs() -> None:
+    docs = (FAMILY_DIR.parents[1] / "docs" / "export.md").read_text()
+    assert [name for name in FAMILIES if f"| `{name}` |" not in docs] == []
+
+
 def test_the_gateway_s_reasoning_defaults_are_the_families() -> None:
     """The runtime does not import the exporter: server/api/reasoning.py keeps its own copy of
     the families' reasoning defaults, which must say the same."""
