@@ -362,6 +362,9 @@ def test_bad_input_is_a_400_in_ollamas_envelope(fleet: Fleet) -> None:
     with pytest.raises(ollama.ResponseError) as refused:
         _client(fleet).chat(model=fleet.model, messages=USER, options={"top_p": 2})
     assert refused.value.status_code == 400 and "top_p" in refused.value.error
+    # a null content is empty, as Ollama reads it
+    empty = _post(fleet, "/api/chat", {**good, "messages": [{"role": "user", "content": None}]})
+    assert empty.status_code == 200 and empty.json()["done"] is True, empty.text
     # nothing changed: the same greedy answer as before the refusals, no session left
     again = _client(fleet).chat(model=fleet.model, messages=USER, options=GREEDY, stream=False)
     assert (

@@ -170,7 +170,7 @@ class Message(_Request):
     ``tool_calls`` and ``thinking``, a tool result's ``tool_name`` / ``tool_call_id``."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str = ""  # (null: empty, as Ollama reads it)
     thinking: str | None = None  # an earlier answer's thinking: left out of the prompt
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -181,6 +181,11 @@ class Message(_Request):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value  # (as Ollama reads it)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _null_is_empty(cls, value: Any) -> Any:
+        return "" if value is None else value
 
     @field_validator("images")
     @classmethod
