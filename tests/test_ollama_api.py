@@ -155,6 +155,24 @@ def test_generate_whole_streamed_and_raw(fleet: Fleet) -> None:
         and parts[-1].response == ""
         and parts[-1].prompt_eval_count == reply.prompt_eval_count
     )
+    # JSON sent as a form (curl -d without a Content-Type, as Ollama's documentation does)
+    form = httpx.post(
+        f"{fleet.url}/api/generate",
+        content=json.dumps(
+            {
+                "model": fleet.model,
+                "prompt": USER[0]["content"],
+                "system": "be brief",
+                "options": GREEDY,
+                "stream": False,
+            }
+        ),
+        headers={
+            "Authorization": f"Bearer {KEY}",
+            "Content-Type": "application/x-www-form-urlencoded",
+        },
+    )
+    assert form.status_code == 200 and form.json()["response"] == reply.response, form.text
     # raw: the prompt as it is, as a legacy completion reads it
     legacy = fleet.client().completions.create(
         model=fleet.model, prompt="once upon", max_tokens=6, temperature=0
@@ -212,6 +230,7 @@ def test_tags_show_ps_and_version(fleet: Fleet) -> None:
     assert [m.model for m in running] == [f"{fleet.model}:latest"] and running[
         0
     ].context_length == context
+    assert httpx.head(fleet.url).status_code == 200  # Ollama's heartbeat, open
     version = httpx.get(
         f"{fleet.url}/api/version", headers={"Authorization": f"Bearer {KEY}"}
     ).json()

@@ -606,7 +606,8 @@ def _add_ollama_routes(app: FastAPI, gateway: Gateway) -> None:
     async def generate(request: Request, kind: ollama_render.Kind) -> Response:
         clock = ollama_render.Clock()
         svc = _service(gateway)
-        _check_json_body(request)
+        # (no Content-Type check: Ollama reads any body as JSON, and its documentation's curl
+        # examples send JSON as a form)
         body = await _read_body(request, max_body)
         req: OllamaChatRequest | OllamaGenerateRequest
         if kind == "chat":
@@ -658,7 +659,6 @@ def _add_ollama_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/api/show", include_in_schema=False)
     async def show(request: Request) -> Response:
         model = served()
-        _check_json_body(request)
         req = parse_request(OllamaShowRequest, await _read_body(request, max_body))
         ignored = ignored_fields_headers(gateway.settings, req.ignored_fields, request)
         if not ollama_lowering.served_name(model.service, req.wanted):
@@ -668,6 +668,11 @@ def _add_ollama_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.api_route("/api/version", methods=["GET", "HEAD"], include_in_schema=False)
     async def version() -> dict[str, str]:
         return {"version": ollama_models.OLLAMA_API_VERSION}
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def running() -> PlainTextResponse:
+        # Ollama's heartbeat (its CLI asks HEAD / before anything else); open, as /health
+        return PlainTextResponse("pipeshard is running (Ollama's API: /api/*, OpenAI's: /v1/*)")
 
 
 def _add_operations_routes(app: FastAPI, gateway: Gateway) -> None:
