@@ -25,6 +25,8 @@ import httpx
 import jsonschema
 import ollama
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from exporter.tiny_models import CORPUS, JSON_CORPUS, THINK_TEMPLATE, make_tokenizer
@@ -586,3 +588,100 @@ def test_think_splits_and_switches_reasoning(thinker: Fleet) -> None:
         thinker, "/api/chat", {"model": thinker.model, "messages": USER, "think": "high"}
     )
     _refused(levels, 400, "reasoning effort")
+
+
+# --- fuzzed fields: a 200 or a 4xx in Ollama's envelope, never a 5xx --------------------------------
+
+_ANY: Any = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 70), 1 << 70)
+    | st.floats()
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_FIELDS = {
+    "/api/chat": [
+        "messages",
+        "tools",
+        "format",
+        "think",
+        "keep_alive",
+        "stream",
+        "truncate",
+        "shift",
+    ],
+    "/api/generate": [
+        "prompt",
+        "system",
+        "raw",
+        "suffix",
+        "format",
+        "think",
+        "keep_alive",
+        "images",
+    ],
+}
+_OPTIONS = [
+    "num_predict",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop",
+    "repeat_penalty",
+    "repeat_last_n",
+    "num_ctx",
+    "mirostat",
+]
+
+
+@pytest.mark.integration
+def test_fuzzed_fields_are_answered_or_refused(fleet: Fleet) -> None:
+    statuses: set[int] = set()
+
+    @given(
+        path=st.sampled_from(sorted(_FIELDS)),
+        fields=st.dictionaries(
+            st.sampled_from(sorted({f for fs in _FIELDS.values() for f in fs})), _ANY, max_size=3
+        ),
+        options=st.dictionaries(st.sampled_from(_OPTIONS), _ANY, max_size=2),
+    )
+    @settings(
+        max_examples=60,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def fuzz(path: str, fields: dict[str, Any], options: dict[str, Any]) -> None:
+        body = {
+            "model": fleet.model,
+            "messages": USER,
+            "prompt": "the fox",
+            **fields,
+            "options": {**options, "num_predict": 2},
+        }
+        response = httpx.post(
+            f"{fleet.url}{path}",
+            content=json.dumps(body, allow_nan=True),
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+        )
+        statuses.add(response.status_code)
+        assert response.status_code in (200, 400), response.text
+        if response.status_code == 400:
+            _refused(response, 400)
+        elif response.headers["content-type"] == "application/x-ndjson":
+            lines = [json.loads(line) for line in response.text.splitlines()]
+            assert lines[-1]["done"] is True and "error" not in lines[-1], lines[-1]
+        else:
+            assert response.json()["done"] is True
+
+    fuzz()
+    assert statuses == {200, 400}, statuses
+    assert fleet.stage_sessions() == [0, 0]
