@@ -652,7 +652,7 @@ def test_fuzzed_fields_are_answered_or_refused(fleet: Fleet) -> None:
         options=st.dictionaries(st.sampled_from(_OPTIONS), _ANY, max_size=2),
     )
     @settings(
-        max_examples=60,
+        max_examples=30,
         deadline=None,
         derandomize=True,
         database=None,
