@@ -359,8 +359,8 @@ def _context(ring: Ring, model_context: int) -> int:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error leaves in the OpenAI envelope (Anthropic's on /v1/messages); an unexpected
-    one is a logged 500."""
+    """Every error leaves in the OpenAI envelope (Anthropic's on /v1/messages, Ollama's on
+    /api/); an unexpected one is a logged 500."""
 
     def refused(request: Request, exc: APIError) -> JSONResponse:
         # the reason beside the access log's status line (a client's 400 says why to its
