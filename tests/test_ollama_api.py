@@ -377,7 +377,10 @@ def test_bad_input_is_a_400_in_ollamas_envelope(fleet: Fleet) -> None:
     _refused(httpx.get(f"{fleet.url}/api/tags"), 401)  # no key
     _refused(httpx.get(f"{fleet.url}/api/tags", headers={"Authorization": "Bearer wrong"}), 401)
     _refused(
-        httpx.get(f"{fleet.url}/api/pull", headers={"Authorization": f"Bearer {KEY}"}), 404
+        httpx.get(f"{fleet.url}/api/pull", headers={"Authorization": f"Bearer {KEY}"}),
+        404,
+        "/api/pull",
+        "/api/chat",
     )  # not served
     _refused(httpx.get(f"{fleet.url}/api/chat", headers={"Authorization": f"Bearer {KEY}"}), 405)
     with pytest.raises(ollama.ResponseError) as refused:

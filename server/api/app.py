@@ -384,10 +384,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = str(exc.detail)
+        if exc.status_code == 404 and request.url.path.startswith("/api/"):
+            message = f"{request.url.path} is not served here ({OLLAMA_ROUTES})"
         # Keep the exception's headers: a 405 must say which methods are allowed (Allow).
         return error_response_for(
             request.url.path,
-            APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})),
+            APIError(exc.status_code, message, type=kind, headers=dict(exc.headers or {})),
         )
 
     @app.exception_handler(Exception)
@@ -595,6 +598,11 @@ def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> 
                 code="model_not_found",
             )
         return ModelCard(id=model_id, created=gateway.created).model_dump()
+
+
+OLLAMA_ROUTES = (
+    "Ollama's API here: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version"
+)
 
 
 def _add_ollama_routes(app: FastAPI, gateway: Gateway) -> None:
