@@ -221,10 +221,17 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         "holds them (default: every free block, evicted oldest first; 0: no prefix cache)",
     )
     p.add_argument(
+        "--state-sessions",
+        type=int,
+        help="paged, hybrid models: sessions the linear-attention state pool holds at once, "
+        "each at the full --state-window; the gateway admits no more (default: "
+        "--max-sessions, at most 8)",
+    )
+    p.add_argument(
         "--state-cache-size",
         type=float,
-        help="paged, hybrid models: GiB of linear-attention state slots (default: as much as "
-        "--kv-cache-size, no more than --max-sessions can use)",
+        help="paged, hybrid models: GiB of linear-attention state slots instead of "
+        "--state-sessions (as many sessions as it holds at the window)",
     )
     p.add_argument(
         "--state-window",
