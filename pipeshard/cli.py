@@ -113,6 +113,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    from exporter.plan_sessions import format_sessions
     from exporter.presets import (
         PRESETS,
         describe_preset,
@@ -140,7 +141,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     ]
     print(f"### {preset.title}\n\n{describe_preset(preset)}.\n\n{summary_table(plans)}")
     for plan in plans:
-        print(f"\n{format_preset_plan(plan)}")
+        sessions = format_sessions(plan)
+        print(f"\n{format_preset_plan(plan)}" + (f"\n\n{sessions}" if sessions else ""))
     return 0
 
 
