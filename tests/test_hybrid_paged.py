@@ -767,7 +767,7 @@ def test_the_gateway_proposes_no_more_than_the_stages_roll_back(
     """Stages that keep 2 positions of states (--state-window 2) and a gateway with a draft
     asked for 6 proposals a step: it proposes at most 2 (and says so), so every rejected
     proposal rolls back; the output equals a gateway's without speculation on the same
-    stages."""
+    stages. Its start says that the stages' state pools hold fewer sessions than it runs."""
     from tests.processes import start_gateway, start_stages
 
     export = hybrid_with_draft
@@ -786,6 +786,8 @@ def test_the_gateway_proposes_no_more_than_the_stages_roll_back(
             assert _same(got, _complete(plain_url, prompt)[0])
         log = (tmp_path / "spec.log").read_text()
         assert "speculation proposes at most 2 token(s)" in log
+        # the stages' default state pools: 8 sessions (4 slots each at the window of 2)
+        assert "state pools hold 8 session(s) at once (fewer than --max-concurrent 16)" in log
         metrics = httpx.get(f"{spec_url}/metrics").text
         proposed = [
             float(line.split()[1])
