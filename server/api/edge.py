@@ -71,9 +71,9 @@ class Edge:
             )
 
     def _refusal(self, path: str, headers: Headers) -> JSONResponse | None:
-        """A 401 without a valid key (on /v1/ when keys are set), a 413 for a declared body
-        over the limit; None to go on."""
-        if self.keys and path.startswith("/v1/"):
+        """A 401 without a valid key (on /v1/ and Ollama's /api/ when keys are set), a 413 for
+        a declared body over the limit; None to go on."""
+        if self.keys and path.startswith(("/v1/", "/api/")):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             presented = token.strip().encode() if scheme.lower() == "bearer" else b""
             if not presented:  # the Anthropic SDK's (and Claude Code's) way to send the key

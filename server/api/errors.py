@@ -200,11 +200,27 @@ def anthropic_error(exc: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+OLLAMA_PATHS = "/api"  # the routes that answer in Ollama's envelope
+
+
+def ollama_error(exc: APIError) -> dict[str, Any]:
+    """``exc`` in Ollama's envelope: ``{"error": "message"}`` (the failing field, OpenAI's
+    ``param``, is named in the message)."""
+    message = exc.message
+    if exc.param and f"'{exc.param}'" not in message:
+        message = f"{message} (parameter: {exc.param})"
+    return {"error": message}
+
+
 def error_response_for(
     path: str, exc: APIError, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     """``exc`` as the response of a request to ``path``: Anthropic's envelope on the Messages
-    API's routes, OpenAI's everywhere else."""
+    API's routes, Ollama's on ``/api/*``, OpenAI's everywhere else."""
+    if path == OLLAMA_PATHS or path.startswith(f"{OLLAMA_PATHS}/"):
+        return JSONResponse(
+            ollama_error(exc), status_code=exc.status, headers={**exc.headers, **(headers or {})}
+        )
     if path == ANTHROPIC_PATHS or path.startswith(f"{ANTHROPIC_PATHS}/"):
         return JSONResponse(
             anthropic_error(exc),
