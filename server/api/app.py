@@ -305,6 +305,7 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
                 window,
             )
             spec_k, spec_max_k = min(spec_k, window), min(spec_max_k, window)
+    _log_state_sessions(gateway.pipeline, settings.max_concurrent)
     engine = Engine(
         gateway.pipeline,
         codec.eos_ids,
@@ -314,6 +315,7 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
             gateway.pipeline.paged,
             gateway.pipeline.kv_pools,
             gateway.pipeline.prefix_block_size,
+            gateway.pipeline.state_pools,
         ),
         gateway.metrics,
         proposer=proposer,
@@ -340,6 +342,20 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
     gateway.created = int(time.time())
     gateway.manifest = manifest
     return engine, model, manifest.num_stages
+
+
+def _log_state_sessions(ring: Ring, max_concurrent: int) -> None:
+    """Say where a hybrid model's paged stages hold fewer sessions' states than the gateway
+    runs requests: the rest wait in the queue for slots (admission counts them)."""
+    sessions = min((slots // per for slots, per in ring.state_pools), default=None)
+    if sessions is not None and sessions < max_concurrent:
+        log.info(
+            "the stages' linear-attention state pools hold %d session(s) at once (fewer "
+            "than --max-concurrent %d): more requests wait for slots (raise the stages' "
+            "--state-sessions)",
+            sessions,
+            max_concurrent,
+        )
 
 
 def _context(ring: Ring, model_context: int) -> int:
