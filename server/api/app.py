@@ -378,6 +378,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in the OpenAI envelope (Anthropic's on /v1/messages, Ollama's on
     /api/); an unexpected one is a logged 500."""
 
+    def envelope(request: Request, exc: APIError) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
+        return error_response_for(request.url.path, exc, request_id=request_id)
+
     def refused(request: Request, exc: APIError) -> JSONResponse:
         # the reason beside the access log's status line (a client's 400 says why to its
         # operator too); the message names fields and limits, never a prompt
@@ -387,7 +391,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             exc.status,
             exc.message[:300],
         )
-        return error_response_for(request.url.path, exc)
+        return envelope(request, exc)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -404,17 +408,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and request.url.path.startswith("/api/"):
             message = f"{request.url.path} is not served here ({OLLAMA_ROUTES})"
         # Keep the exception's headers: a 405 must say which methods are allowed (Allow).
-        return error_response_for(
-            request.url.path,
+        return envelope(
+            request,
             APIError(exc.status_code, message, type=kind, headers=dict(exc.headers or {})),
         )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in request %s", getattr(request.state, "request_id", "?"))
-        return error_response_for(
-            request.url.path, APIError(500, "internal error", type="server_error")
-        )
+        return envelope(request, APIError(500, "internal error", type="server_error"))
 
 
 def _service(gateway: Gateway) -> CompletionService:
@@ -587,6 +589,16 @@ def _add_responses_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...])
         if not store.delete(response_id):
             raise responses_api.not_found(response_id)
         return responses_api.Deleted(id=response_id).model_dump()
+
+    @app.post("/v1/responses/{rest:path}", include_in_schema=False)
+    async def not_served(rest: str) -> None:
+        # POST /v1/responses/compact (compaction), /{id}/cancel (background responses): a 404
+        # in the envelope, as for any unknown route, not the 405 that /{id}'s GET would make
+        raise APIError(
+            404,
+            f"POST /v1/responses/{rest} is not served (no compaction, no background responses)",
+            type="not_found_error",
+        )
 
 
 def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:
