@@ -236,7 +236,7 @@ def ring_overhead(
 ) -> dict[str, Any]:
     """Greedy decode steps over real stage processes; per step: the client's wall time, each
     stage's forward and busy time (from its metrics)."""
-    from benchmarks.processes import run_async, start_pinned_stages
+    from benchmarks.processes import PIPESHARD, Proc, free_port, run_async
     from protos.manifest import load_manifest
     from server.ring.grpc_client import PipelineClient
 
@@ -262,10 +262,24 @@ def ring_overhead(
         return walls
 
     with tempfile.TemporaryDirectory(prefix="profile-ring-") as logs:
-        procs, addresses, ports = start_pinned_stages(
-            export, Path(logs), metrics=True, threads=threads, extra=["--kv-backend", backend]
-        )
+        procs: list[Any] = []
         try:
+            # started here, not by start_pinned_stages, so that a stage that never gets
+            # ready (a slow compile on a loaded machine) is stopped with the others
+            addresses, ports = [], []
+            for index in range(manifest.num_stages):
+                port, metrics = free_port(), free_port()
+                args = [
+                    PIPESHARD, "stage", "--shards", str(export), "--stage", str(index),
+                    "--listen", f"127.0.0.1:{port}", "--cpus", str(index % (os.cpu_count() or 1)),
+                    "--threads", str(threads), "--kv-backend", backend,
+                    "--metrics-port", str(metrics),
+                ]  # fmt: skip
+                procs.append(Proc(args, Path(logs) / f"stage-{index}.log").start())
+                addresses.append(f"127.0.0.1:{port}")
+                ports.append(metrics)
+            for proc in procs:
+                proc.wait_ready(timeout=900)
             run_async(run(addresses, 4))  # warm-up
             before = [_scrape(p) for p in ports]
             walls = run_async(run(addresses, tokens))
@@ -419,6 +433,10 @@ def report(
                 "",
                 *top_ops(run["decode"], opts.top),
             ]
+    failed = [r for r in ring if "error" in r]
+    ring = [r for r in ring if "error" not in r]
+    for r in failed:
+        lines += ["", f"The served ring on {r['backend']} stages failed: {r['error'][:300]}"]
     if ring:
         lines += [
             "",
@@ -496,12 +514,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stage {index} {backend}: {time.perf_counter() - started:.1f} s, load "
                   f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
         stages.append(stage)
-    ring = []
+    ring: list[dict[str, Any]] = []
     if opts.ring:
         for backend in backends:
-            ring.append(
-                ring_overhead(opts.export, backend, opts.threads, opts.ring_tokens, opts.chunk)
-            )
+            try:
+                ring.append(
+                    ring_overhead(opts.export, backend, opts.threads, opts.ring_tokens, opts.chunk)
+                )
+            except Exception as exc:  # keep the profile: say what stopped the ring
+                ring.append({"backend": backend, "error": f"{type(exc).__name__}: {exc}"[:2000]})
     text = report(manifest, opts.export, stages, ring, opts, info)
     text += f"\nLoad average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}.\n"
     data = {"export": str(opts.export), "stages": stages, "ring": ring}
