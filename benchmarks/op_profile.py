@@ -57,12 +57,14 @@ from benchmarks.report import add_results_option, describe, machine, save
 
 
 class TimedRequest:
-    """An infer request that keeps the wall time of its last ``infer()`` call (everything
-    else goes to the request itself): how the runners' calls are timed without changing them."""
+    """An infer request that keeps the wall time of its last ``infer()`` call and counts its
+    calls (everything else goes to the request itself): how the runners' calls are timed
+    without changing them."""
 
     def __init__(self, request: Any) -> None:
         self._request = request
         self.seconds = 0.0
+        self.calls = 0
 
     def infer(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -70,6 +72,7 @@ class TimedRequest:
             return self._request.infer(*args, **kwargs)
         finally:
             self.seconds = time.perf_counter() - started
+            self.calls += 1
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._request, name)
@@ -93,34 +96,50 @@ class Classifier:
         return self._cache[key]
 
 
-def read_counters(request: Any, classify: Classifier) -> dict[str, Any]:
-    """One call's executed ops: ms by category and by op (name, type, kernel)."""
-    by_category: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
-    ops: list[dict[str, Any]] = []
-    for info in request.get_profiling_info():
-        if info.status != info.Status.EXECUTED:
-            continue
-        ms = info.real_time.total_seconds() * 1000
-        category = classify(info.node_name, info.node_type)
-        by_category[category] += ms
-        ops.append(
-            {
-                "name": info.node_name,
-                "type": info.node_type,
-                "kernel": info.exec_type,
-                "category": category,
-                "ms": ms,
-            }
-        )
-    return {"categories": by_category, "counters_ms": sum(by_category.values()), "ops": ops}
+class CallCounters:
+    """Per-call times from the CPU plugin's counters, which report each op's *mean* over every
+    call of the compiled graph so far (whole microseconds), not its last call: the call's time
+    is the growth of the op's running total (mean x calls). The graph's calls are those of the
+    one request timed (a paged stage's; a stateful stage's one session)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def read(self, request: TimedRequest, classify: Classifier) -> dict[str, Any]:
+        """The last call's executed ops: ms by category and by op (name, type, kernel)."""
+        by_category: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+        ops: list[dict[str, Any]] = []
+        for info in request.get_profiling_info():
+            if info.status != info.Status.EXECUTED:
+                continue
+            total = info.real_time.total_seconds() * 1000 * request.calls
+            ms = total - self.totals.get(info.node_name, 0.0)
+            self.totals[info.node_name] = total
+            category = classify(info.node_name, info.node_type)
+            by_category[category] += ms
+            ops.append(
+                {
+                    "name": info.node_name,
+                    "type": info.node_type,
+                    "kernel": info.exec_type,
+                    "category": category,
+                    "ms": ms,
+                }
+            )
+        return {"categories": by_category, "counters_ms": sum(by_category.values()), "ops": ops}
 
 
-def profiled(request: TimedRequest, classify: Classifier, call: Any) -> dict[str, Any]:
+def profiled(
+    request: TimedRequest, counters: CallCounters, classify: Classifier, call: Any
+) -> dict[str, Any]:
     """Run ``call`` (one runner forward, one inference) and read its counters and walls."""
+    calls = request.calls
     started = time.perf_counter()
     call()
     forward = time.perf_counter() - started
-    out = read_counters(request, classify)
+    if request.calls != calls + 1:
+        raise RuntimeError(f"a profiled call ran {request.calls - calls} inferences, not one")
+    out = counters.read(request, classify)
     out["infer_ms"] = request.seconds * 1000
     out["forward_ms"] = forward * 1000
     return out
@@ -164,11 +183,13 @@ def profile_stateful(export: Path, index: int, options: Any, chunk: int, steps: 
     runner._open(sid)
     session = runner._sessions[sid]
     request = session.request = TimedRequest(session.request)
-    prefill = profiled(request, classify, lambda: runner.forward(sid, _data(runner, rng, chunk)))
-    decode = [
-        profiled(request, classify, lambda: runner.forward(sid, _data(runner, rng, 1)))
-        for _ in range(steps)
-    ]
+    counters = CallCounters()
+
+    def feed(count: int) -> None:
+        runner.forward(sid, _data(runner, rng, count))
+
+    prefill = profiled(request, counters, classify, lambda: feed(chunk))
+    decode = [profiled(request, counters, classify, lambda: feed(1)) for _ in range(steps)]
     return runner, {"prefill": mean_call([prefill]), "decode": mean_call(decode[1:])}
 
 
@@ -181,6 +202,7 @@ def profile_paged(export: Path, index: int, options: Any, chunk: int, steps: int
     classify = Classifier(runner)
     rng = np.random.default_rng(index)
     request = runner.request = TimedRequest(runner.request)
+    counters = CallCounters()
     sid, length = "profile", 0
 
     def feed(count: int, solo: bool) -> None:
@@ -190,11 +212,11 @@ def profile_paged(export: Path, index: int, options: Any, chunk: int, steps: int
         runner.forward([step])
         length += count
 
-    prefill = profiled(request, classify, lambda: feed(chunk, False))
+    prefill = profiled(request, counters, classify, lambda: feed(chunk, False))
     padded, alone = [], []
     for _ in range(steps):
-        padded.append(profiled(request, classify, lambda: feed(1, False)))
-        alone.append(profiled(request, classify, lambda: feed(1, True)))
+        padded.append(profiled(request, counters, classify, lambda: feed(1, False)))
+        alone.append(profiled(request, counters, classify, lambda: feed(1, True)))
     return (
         runner,
         {

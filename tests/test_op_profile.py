@@ -111,6 +111,9 @@ def test_profile_puts_every_op_of_both_backends_in_a_category(
             assert sum(call["categories"].values()) == pytest.approx(call["counters_ms"])
             assert sum(op["ms"] for op in call["ops"]) == pytest.approx(call["counters_ms"])
             assert call["counters_ms"] > 0 and call["infer_ms"] > 0
+            # the ops ran inside the infer() call: their times (each a running mean's growth,
+            # in whole microseconds) add up to no more than its wall, within that rounding
+            assert call["counters_ms"] < call["infer_ms"] + 1.0, label
             assert call["calls"] == (1 if "prefill" in label else 2), label
             ran = {c for c, ms in call["categories"].items() if ms > 0}
             # each layer: experts, their router, the shared expert, a norm, Gated DeltaNet
