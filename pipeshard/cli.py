@@ -664,10 +664,19 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    """A thin entry: the benchmarks are not installed with pipeshard (`pip install .` ships the
+    runtime and the exporter); they run from a checkout, whose root is put on the path here,
+    and only when `pipeshard bench` is used."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "benchmarks" / "suite" / "cli.py").is_file() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
     try:
         from benchmarks.suite.cli import main as bench_main
     except ImportError as exc:
-        raise ValueError(f"the benchmarks are not installed here ({exc})") from None
+        raise ValueError(
+            f"pipeshard bench runs from a checkout of pipeshard installed with "
+            f"`bash deploy/bootstrap.sh --dev` (the benchmarks are not installed: {exc})"
+        ) from None
     result: int = bench_main(args.bench_args)
     return result
 
