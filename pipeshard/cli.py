@@ -665,11 +665,16 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     """A thin entry: the benchmarks are not installed with pipeshard (`pip install .` ships the
-    runtime and the exporter); they run from a checkout, whose root is put on the path here,
-    and only when `pipeshard bench` is used."""
+    runtime and the exporter); they run from a checkout, whose root is put on the path here
+    (and on PYTHONPATH, for the workers they start), and only when `pipeshard bench` is used."""
+    import os
+
     checkout = Path(__file__).resolve().parents[1]
-    if (checkout / "benchmarks" / "suite" / "cli.py").is_file() and str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
+    if (checkout / "benchmarks" / "suite" / "cli.py").is_file():
+        if str(checkout) not in sys.path:
+            sys.path.insert(0, str(checkout))
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(checkout), *paths])
     try:
         from benchmarks.suite.cli import main as bench_main
     except ImportError as exc:
