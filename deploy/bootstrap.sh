@@ -31,7 +31,8 @@ fi
 # that asks for no extra beyond them (`up` after the tests) installs nothing.
 stamp=.venv/.pipeshard-installed
 want=$(cat pyproject.toml deploy/bootstrap.sh | sha256sum | cut -d' ' -f1)
-read -r have installed < "$stamp" 2>/dev/null || { have=""; installed=""; }
+have="" installed=""
+if [ -f "$stamp" ]; then read -r have installed < "$stamp" || true; fi
 covered=true
 for extra in ${extras//,/ }; do
   [[ ",$installed," == *",$extra,"* ]] || covered=false
@@ -42,7 +43,10 @@ if [ "$have" != "$want" ] || ! $covered; then
   fi
   echo "bootstrap: installing pipeshard[$extras] into .venv" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]"
+  # grpcio-tools (pyproject's build requirement, pinned there) generates the stubs below
+  tools=$(.venv/bin/python -c 'import tomllib; print(next(r for r in tomllib.load(open(
+    "pyproject.toml", "rb"))["build-system"]["requires"] if r.startswith("grpcio-tools")))')
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]" "$tools"
   # optimum-intel declares torchvision, pinned beside the CPU torch so pip does not pull a CUDA
   # torch; but PyPI's torchvision cannot load beside the CPU torch build, and transformers
   # imports it when present. Nothing here needs it (it is only for vision-language models).
