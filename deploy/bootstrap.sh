@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment at .venv with `pipeshard` on its PATH.
-#   bash deploy/bootstrap.sh         what serving needs: the runtime and the export extra
+#   bash deploy/bootstrap.sh         what serving needs: the runtime and the gguf extra
 #                                    (`pipeshard up` exports the default model on its first run)
 #   bash deploy/bootstrap.sh --dev   also the test bench: the bench and dev extras, and (as root
 #                                    on Debian) the system tools the tests drive
@@ -20,7 +20,7 @@ done
 if $dev; then
   extras=${PIPESHARD_EXTRAS:-export,bench,dev}
 else
-  extras=${PIPESHARD_EXTRAS:-export}
+  extras=${PIPESHARD_EXTRAS:-gguf}
 fi
 
 if [ ! -x .venv/bin/python ]; then
@@ -35,7 +35,9 @@ have="" installed=""
 if [ -f "$stamp" ]; then read -r have installed < "$stamp" || true; fi
 covered=true
 for extra in ${extras//,/ }; do
-  [[ ",$installed," == *",$extra,"* ]] || covered=false
+  [[ ",$installed," == *",$extra,"* ]] && continue
+  [[ $extra == gguf && ",$installed," == *",export,"* ]] && continue  # export holds gguf's
+  covered=false
 done
 if [ "$have" != "$want" ] || ! $covered; then
   if [ "$have" = "$want" ]; then  # the same project: keep what is installed, add the rest

@@ -280,7 +280,7 @@ OTHER_VARIABLES = (
         "PIPESHARD_EXTRAS",
         "`deploy/bootstrap.sh`",
         "the extras installed",
-        "`export` (with `--dev`: `export,bench,dev`)",
+        "`gguf` (with `--dev`: `export,bench,dev`)",
     ),
     ("FUZZ_EXAMPLES", "`tests/test_fuzz.py`", "examples the API fuzzer tries", "`60`"),
 )

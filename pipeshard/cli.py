@@ -750,6 +750,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, ValueError) as exc:
         print(f"pipeshard {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        # the run path installs pipeshard[gguf]; an int8/int4 export (NNCF) needs the rest
+        print(
+            f"pipeshard {args.command}: error: {exc.name} is not installed; this needs the "
+            "export extra: PIPESHARD_EXTRAS=export bash deploy/bootstrap.sh, or "
+            "pip install 'pipeshard[export]'",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print(f"pipeshard {args.command}: interrupted", file=sys.stderr)
         return 130
