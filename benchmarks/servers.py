@@ -11,13 +11,13 @@ greedy text for every prompt (a server whose output differs is reported).
 ``--ignore-eos`` sends ``ignore_eos: true`` (a request field both pipeshard's gateway and
 llama-server take), so every request writes ``--tokens`` tokens: for random-weight stand-ins,
 whose greedy text may hit an end-of-sequence token at any step. ``--ttft-tokens N`` (default
-2048; 0: none) also times, once a round on each server, a non-streamed request of about N
+2000; 0: none) also times, once a round on each server, a non-streamed request of about N
 prompt tokens and 1 output token (its time to first token; the prompt starts with the round
 and server so that no prefix cache holds it), the prompt's size calibrated on the first server.
 
 Usage:
   pipeshard bench compare --server NAME=URL --server NAME=URL [...] [--users 1,2,4,8]
-      [--rounds 4] [--tokens 64] [--ignore-eos] [--ttft-tokens 2048] [--model ID]
+      [--rounds 4] [--tokens 64] [--ignore-eos] [--ttft-tokens 2000] [--model ID]
       [--name servers]
 Writes <name>-<date>.{json,md} in --results DIR (default: the current directory). Say in --name
 (or beside the results) how each server was started: its options, cores and threads.
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ttft-tokens",
         type=int,
-        default=2048,
+        default=2000,
         help="time to first token of a prompt of about this many tokens, once a round (0: off)",
     )
     parser.add_argument("--model", help="model id (default: the first server's)")
