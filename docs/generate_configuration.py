@@ -61,6 +61,7 @@ SEE = {
     ("stage", "device"): "deployment.md#devices-threads-and-the-openvino-cache",
     ("stage", "kv_backend"): "stages.md#kv-backends-paged-and-stateful",
     ("stage", "kv_cache_size"): "stages.md#kv-backends-paged-and-stateful",
+    ("stage", "state_sessions"): "stages.md#hybrid-models-on-the-paged-backend",
     ("stage", "state_cache_size"): "stages.md#hybrid-models-on-the-paged-backend",
     ("stage", "state_window"): "stages.md#hybrid-models-on-the-paged-backend",
     ("stage", "max_batch"): "stages.md#kv-backends-paged-and-stateful",

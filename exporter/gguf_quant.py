@@ -28,7 +28,8 @@ from protos.manifest import GGUFExactness
 
 log = logging.getLogger(__name__)
 
-Q4KForm = Literal["exact", "split"]
+# "fast": split for the types with a minimum, and Q6_K regrouped to 32 (see regroup_q6_k)
+Q4KForm = Literal["exact", "split", "fast"]
 CodeType = Literal["u4", "i4", "u8", "i8"]
 
 _OV_CODE_TYPES: dict[str, ov.Type] = {
@@ -312,6 +313,35 @@ def _q6_k(b: np.ndarray) -> _Fields:
     return _Fields(q.reshape(n, 256), _f16(b[:, 208:210]) * sc, None)
 
 
+def regroup_q6_k(weight: PackedWeight) -> PackedWeight:
+    """Q6_K's i8 codes with a scale per 16 -> i8 codes with a scale per 32, the group the CPU
+    plugin's compressed matmul (and its int8 quantization of the input) runs fast.
+
+    Each pair of sub-blocks shares the scale S = a/4 of the one whose scale a is larger in
+    magnitude: its codes become 4q, exactly (q in [-32, 31], so 4q in [-128, 124]); the other
+    one's become round(4q * b / a), each value off by at most |a|/8, an eighth of the larger
+    sub-block's step (clipped to i8 only where b = -a and q = -32). Not exact: an export in
+    ``--gguf-form fast`` says so in its manifest.
+    """
+    if weight.source_type != "Q6_K" or weight.group != 16 or weight.code_type != "i8":
+        raise ValueError("regroup_q6_k takes a Q6_K weight as from_gguf makes it")
+    rows, pairs = weight.rows, weight.groups // 2
+    scale = weight.scale.reshape(rows, pairs, 2)
+    big = np.argmax(np.abs(scale), axis=2)  # the first on a tie
+    lead = np.take_along_axis(scale, big[..., None], axis=2)  # [rows, pairs, 1]
+    out_scale = lead[..., 0] / np.float32(4)
+    codes = np.empty((rows, weight.cols), np.int8)
+    step = max(1, _CHUNK_ELEMENTS // weight.cols)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        q = weight.codes[lo:hi].reshape(hi - lo, pairs, 2, 16).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(lead[lo:hi] == 0, np.float32(0), scale[lo:hi] / lead[lo:hi])
+        c = np.rint(q * (np.float32(4) * ratio)[..., None])
+        codes[lo:hi] = np.clip(c, -128, 127).astype(np.int8).reshape(hi - lo, weight.cols)
+    return replace(weight, group=32, codes=codes, scale=out_scale.astype(np.float32))
+
+
 # MXFP4's 16 codes (e2m1) as the doubled values gguf-py's MXFP4.kvalues lists: integers, so
 # that an i8 code times the block's scale 2^(E - 128) is the value, exactly
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
@@ -435,7 +465,7 @@ def _decode_packed(
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q5_K,
     )
-    split = affine and form == "split"
+    split = affine and form in ("split", "fast")
     # the split form's minimums, kept compressed where the type factors them (K-quants)
     factored = split and tensor_type not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1)
     subs = block_size // spec.group  # minimums per super-block (= per dmin)
@@ -537,11 +567,15 @@ def describe(
     spec = _SPECS.get(tensor_type)
     if tensor_type == t.MXFP4 and matrix:
         return "e2m1 codes as i8 (doubled values), f32 scales 2^(E-128) per 32", "bit-exact"
+    if tensor_type == t.Q6_K and matrix and form == "fast":
+        return "i8 codes regrouped per 32 (each pair's larger sub-block exact), f32 scales", (
+            "inexact"
+        )
     if spec is not None and matrix:
         becomes = f"{spec.code_type} codes as stored, f32 scales per {spec.group}"
         if tensor_type not in _AFFINE:
             return becomes, "bit-exact"
-        how, exactness = _AFFINE_FORMS[form]
+        how, exactness = _AFFINE_FORMS["split" if form == "fast" else form]
         return f"{becomes}, {how}", exactness
     if not matrix:
         return "de-quantized to f32", "bit-exact"
@@ -582,7 +616,10 @@ def from_gguf(
             flat.view(np.float64).astype(np.float32).reshape(shape), "F64 narrowed to f32 (inexact)"
         )
     if tensor_type in _SPECS and len(shape) == 2:
-        return _decode_packed(tensor_type, flat, shape[0], shape[1], form)
+        packed = _decode_packed(tensor_type, flat, shape[0], shape[1], form)
+        if form == "fast" and tensor_type == GGMLQuantizationType.Q6_K:
+            return regroup_q6_k(packed)
+        return packed
     if len(shape) == 1:
         # small (norms, biases): the reference's f32 as is
         return DenseWeight(

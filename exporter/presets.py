@@ -32,6 +32,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from common.state_pool import DEFAULT_STATE_SESSIONS, pool_slots
 from exporter.errors import ExportError
 from exporter.plan import (
     KV_BYTES_PER_VALUE,
@@ -105,9 +106,14 @@ EXPORT_ALLOWANCE = 1.5 * GIB
 STATE_BYTES_PER_VALUE = 4  # the linear-attention states are f32
 # A hybrid's paged stage (its default backend) keeps up to --state-window + 2 states a sequence
 # (its latest, the ones a rollback of up to the window returns to, and the one a step writes)
-# and a scratch slot, in every linear-attention layer: stage_node/settings.py's default window
-# (tests/test_presets.py checks that they agree). A stateful stage keeps one a sequence.
+# and a scratch slot, in every linear-attention layer (common.state_pool), in a pool sized
+# for --state-sessions sessions (default: DEFAULT_STATE_SESSIONS, as the stage's max_sessions
+# of 64 gives): stage_node/settings.py's defaults (tests/test_presets.py checks that they
+# agree). A stateful stage keeps one a sequence.
 PAGED_STATE_WINDOW = 8
+# The stage's default --kv-cache-size (GiB) and the positions of a KV block on CPU
+KV_CACHE_DEFAULT_GIB = 1.0
+KV_BLOCK_POSITIONS = 32
 
 # The quantizations a plan can take, smallest first (of the files llama-quantize makes)
 QUANTS = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "MXFP4")
@@ -640,8 +646,14 @@ def kv_bytes(p: Preset, layer: int, context: int, sequences: int = 1) -> int:
 
 def state_slots(sequences: int, window: int = PAGED_STATE_WINDOW) -> int:
     """The state slots a paged stage holds for ``sequences`` sequences at most: ``window`` + 2
-    each, and its scratch slot."""
-    return sequences * (window + 2) + 1
+    each, and its scratch slot (common.state_pool)."""
+    return pool_slots(sequences, window)
+
+
+def state_sessions(sequences: int) -> int:
+    """The sessions a paged stage's state pool is sized for when ``sequences`` are held at
+    once: its default (DEFAULT_STATE_SESSIONS), or more with ``--state-sessions``."""
+    return max(sequences, DEFAULT_STATE_SESSIONS)
 
 
 def state_bytes(p: Preset, layer: int, sequences: int = 1) -> int:
@@ -665,6 +677,8 @@ class StageCost:
     kv_bytes: int
     state_bytes: int  # the state slots of a paged stage (state_slots)
     budget: int
+    kv_position_bytes: int = 0  # one position's KV in every layer of the stage
+    slot_bytes: int = 0  # one state slot: a state of every linear-attention layer
 
     @property
     def total_bytes(self) -> int:
@@ -728,13 +742,15 @@ def _layer_costs(p: Preset, quant: str, context: int, sequences: int) -> _Layers
         weights,
         files,
         [kv_bytes(p, i, context, sequences) for i in range(p.layers)],
-        [state_bytes(p, i) * state_slots(sequences) for i in range(p.layers)],
+        [state_bytes(p, i) * state_slots(state_sessions(sequences)) for i in range(p.layers)],
         (first[0], first[1]),
         (last[0], last[1]),
     )
 
 
-def _stage(costs: _Layers, index: int, start: int, end: int, stages: int, budget: int) -> StageCost:
+def _stage(
+    p: Preset, costs: _Layers, index: int, start: int, end: int, stages: int, budget: int
+) -> StageCost:
     weight = sum(costs.weights[start:end])
     file = sum(costs.files[start:end])
     if index == 0:
@@ -752,6 +768,8 @@ def _stage(costs: _Layers, index: int, start: int, end: int, stages: int, budget
         sum(costs.kv[start:end]),
         sum(costs.state[start:end]),
         budget,
+        sum(kv_bytes(p, i, 1) for i in range(start, end)),
+        sum(state_bytes(p, i) for i in range(start, end)),
     )
 
 
@@ -828,7 +846,7 @@ def plan_preset(
     costs = _layer_costs(preset, quant, context, sequences)
     bounds = balanced_split(costs, budgets)
     stages = [
-        _stage(costs, k, start, end, len(bounds), budgets[k])
+        _stage(preset, costs, k, start, end, len(bounds), budgets[k])
         for k, (start, end) in enumerate(bounds)
     ]
     file_bytes = round(sum(costs.files) + costs.first[1] + costs.last[1])
@@ -899,6 +917,13 @@ def format_preset_plan(plan: PresetPlan) -> str:
     state_total = sum(s.state_bytes for s in plan.stages)
     seqs = f" x {plan.sequences} sequences" if plan.sequences > 1 else ""
     state_head, state_rule = (" state MiB |", " ---: |") if state_total else ("", "")
+    sessions = state_sessions(plan.sequences)
+    setting = (
+        f"--state-sessions {sessions}"
+        if sessions > DEFAULT_STATE_SESSIONS
+        else f"the default --state-sessions {sessions}"
+    )
+    one = sum(s.slot_bytes for s in plan.stages)
     lines = [
         f"#### {p.title} {plan.quant} on {plan.hosts}: {verdict}",
         "",
@@ -907,10 +932,9 @@ def format_preset_plan(plan: PresetPlan) -> str:
         f"{_gib(kv_total)} GiB"
         + (
             f"; recurrent state {state_total / 2**20:.0f} MiB, as paged stages hold it "
-            f"({state_slots(plan.sequences)} states a layer: --state-window "
-            f"{PAGED_STATE_WINDOW} + 2 a sequence and a scratch slot; stateful stages hold "
-            f"{plan.sequences}: "
-            f"{state_total * plan.sequences / state_slots(plan.sequences) / 2**20:.0f} MiB)"
+            f"({setting}: {state_slots(sessions)} states a layer, --state-window "
+            f"{PAGED_STATE_WINDOW} + 2 a session and a scratch slot; stateful stages hold "
+            f"{plan.sequences}: {one * plan.sequences / 2**20:.0f} MiB)"
             if state_total
             else ""
         )

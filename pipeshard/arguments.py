@@ -96,11 +96,12 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--gguf-form",
-        choices=["split", "exact"],
+        choices=["split", "exact", "fast"],
         default="split",
         help="--weights gguf: how blocks with a minimum (Q4_K, Q5_K, ...) are kept: split "
         "(default; exact, the minimum as a small matmul of its own), exact (f32 zero points, "
-        "slower on CPU)",
+        "slower on CPU); fast: split, and Q6_K regrouped from 16 to 32 columns a scale "
+        "(inexact: a pair's smaller sub-block is rounded to the larger one's grid, faster)",
     )
     p.add_argument(
         "--stage",

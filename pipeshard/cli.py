@@ -113,6 +113,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    from exporter.plan_sessions import format_sessions
     from exporter.presets import (
         PRESETS,
         describe_preset,
@@ -140,7 +141,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     ]
     print(f"### {preset.title}\n\n{describe_preset(preset)}.\n\n{summary_table(plans)}")
     for plan in plans:
-        print(f"\n{format_preset_plan(plan)}")
+        sessions = format_sessions(plan)
+        print(f"\n{format_preset_plan(plan)}" + (f"\n\n{sessions}" if sessions else ""))
     return 0
 
 
@@ -221,10 +223,17 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
         "holds them (default: every free block, evicted oldest first; 0: no prefix cache)",
     )
     p.add_argument(
+        "--state-sessions",
+        type=int,
+        help="paged, hybrid models: sessions the linear-attention state pool holds at once, "
+        "each at the full --state-window; the gateway admits no more (default: "
+        "--max-sessions, at most 8)",
+    )
+    p.add_argument(
         "--state-cache-size",
         type=float,
-        help="paged, hybrid models: GiB of linear-attention state slots (default: as much as "
-        "--kv-cache-size, no more than --max-sessions can use)",
+        help="paged, hybrid models: GiB of linear-attention state slots instead of "
+        "--state-sessions (as many sessions as it holds at the window)",
     )
     p.add_argument(
         "--state-window",

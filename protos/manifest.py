@@ -23,7 +23,7 @@ WeightFormat = Literal["fp32", "fp16", "int8", "int4", "gguf"]
 # how "gguf" weights encode blocks with a scale and a minimum (Q4_K, Q5_K, Q4_1, Q5_1, Q2_K):
 # "exact" f32 fractional zero points, "split" the minimum as a separate small matmul (also
 # exact); "rounded" (integer zero points, inexact) is no longer made, read from older exports
-GGUFForm = Literal["exact", "split", "rounded"]
+GGUFForm = Literal["exact", "split", "fast", "rounded"]
 
 
 class _Frozen(BaseModel):

@@ -284,6 +284,7 @@ class GatewaySettings(BaseSettings):
         paged: bool,
         kv_pools: tuple[tuple[int, int], ...] = (),
         prefix_block_size: int | None = None,
+        state_pools: tuple[tuple[int, int], ...] = (),
     ) -> SchedulerConfig:
         """The scheduler for a ring of ``stages`` stages: one micro-batch group per stage, or
         ``micro_batch_groups``. On paged stages (batched inference) the groups move in
@@ -295,12 +296,14 @@ class GatewaySettings(BaseSettings):
         sequence is a group of its own (SchedulerConfig.solo), on any backend. ``kv_pools``:
         the paged stages' block pools, which admission, prompt chunks and decode steps must
         fit (the newest sequence is preempted if not). ``prefix_block_size``: the block size
-        in which every stage keeps prompt prefixes (None: they keep none), for prefix_cache."""
+        in which every stage keeps prompt prefixes (None: they keep none), for prefix_cache.
+        ``state_pools``: the hybrid paged stages' state slots, which admission counts too."""
         groups = self.micro_batch_groups or stages
         config = dataclasses.replace(
             self.scheduler_config(),
             groups=groups,
             kv_pools=kv_pools,
+            state_pools=state_pools,
             prefix_cache=self.prefix_cache and prefix_block_size is not None,
         )
         if not self.batching:

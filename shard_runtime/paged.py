@@ -38,7 +38,14 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from common.state_pool import (
+    DEFAULT_STATE_SESSIONS,
+    pool_sessions,
+    pool_slots,
+    slots_per_session,
+)
 from protos.manifest import ShardManifest
+from shard_runtime.memory import available_memory
 from shard_runtime.runner import (
     CapacityExceeded,
     InvalidStageInput,
@@ -52,6 +59,24 @@ GIB = 1 << 30
 PAGED_OP = "PagedAttentionExtension"
 MIN_STATE_SLOTS = 4  # of a hybrid stage's state pool (PagedRunner._make_state_tables)
 SLIDING_WINDOW_INPUT = 10  # of PagedAttentionExtension: q, k, v, caches, lengths, ..., scale
+
+
+def check_pools_fit(kv_bytes: int, state_bytes: int) -> None:
+    """Refuse pools that need more memory than this machine has left (see
+    :mod:`shard_runtime.memory`), naming the settings that size them."""
+    left = available_memory()
+    if left is None or kv_bytes + state_bytes <= left:
+        return
+    parts = f"{kv_bytes / GIB:.2f} GiB of KV blocks (--kv-cache-size)"
+    if state_bytes:
+        parts += (
+            f" and {state_bytes / GIB:.2f} GiB of linear-attention state slots "
+            "(--state-sessions, --state-window or --state-cache-size)"
+        )
+    raise ValueError(
+        f"the paged pools need {parts}, more than the {left / GIB:.2f} GiB of memory left: "
+        "lower them"
+    )
 
 
 class BlocksExhausted(CapacityExceeded):
@@ -484,6 +509,7 @@ class PagedRunner(ShardBase):
         manifest: ShardManifest | None = None,
         pad_lone_rows: bool | None = None,
         state_cache_bytes: int | None = None,
+        state_sessions: int | None = None,
         state_window: int = 8,
     ) -> None:
         """``prefix_cache_blocks``: cached blocks no session holds kept at most (None: as many
@@ -491,16 +517,27 @@ class PagedRunner(ShardBase):
         to two (None: where this machine needs it for batch invariance, measured at load).
 
         A hybrid model's stage (linear-attention layers) also holds a pool of state slots
-        (:class:`StateSlots`): ``state_cache_bytes`` of them at most (None: as much as the KV
-        pool), and no more than ``max_sessions`` sessions can use (``state_window`` + 2 each;
-        ``MIN_STATE_SLOTS`` at least). ``state_window``: how many positions a session can be
-        rolled back (a speculative verification's rejected tokens, a draft's proposals): the
-        states after each of its last ``state_window`` positions are kept where they were fed
-        in calls of at most ``state_window`` + 1 positions (the window is cut to what the
-        pool holds for one session)."""
+        (:class:`StateSlots`), sized for ``state_sessions`` sessions at the full
+        ``state_window`` (:mod:`common.state_pool`; None: ``max_sessions``, at most
+        ``DEFAULT_STATE_SESSIONS``), or instead ``state_cache_bytes`` of them (no more than
+        ``max_sessions`` sessions can use; ``MIN_STATE_SLOTS`` at least; the window is cut to
+        what the pool holds for one session). ``state_window``: how many positions a session
+        can be rolled back (a speculative verification's rejected tokens, a draft's
+        proposals): the states after each of its last ``state_window`` positions are kept
+        where they were fed in calls of at most ``state_window`` + 1 positions.
+
+        Raises ValueError where the pools (KV blocks and state slots) need more memory than
+        the machine has left, before allocating them."""
         super().__init__(export_dir, stage_index, options, manifest=manifest)
         if state_window < 0:
             raise ValueError(f"state_window must be at least 0, got {state_window}")
+        if state_sessions is not None and state_cache_bytes is not None:
+            raise ValueError("give the state pool's sessions or its bytes, not both")
+        if state_sessions is not None and not 1 <= state_sessions <= self.options.max_sessions:
+            raise ValueError(
+                f"state_sessions must be 1 to max_sessions ({self.options.max_sessions}), "
+                f"got {state_sessions}"
+            )
         recurrent = bool(self.recurrent_layers)
         core = core or ov.Core()
         facts = self.manifest.model
@@ -534,6 +571,18 @@ class PagedRunner(ShardBase):
             # not the whole budget
             most = 2 * self.options.max_sessions * math.ceil(self.max_context / block_size)
             num_blocks = min(num_blocks, most)
+        prefix_enabled = prefix_cache_blocks is None or prefix_cache_blocks > 0
+        # hybrid stages: the linear-attention state tables, a slot per row
+        self._tables: list[ov.Tensor] = []
+        self.states: StateSlots | None = None
+        self.state_cache_bytes = 0
+        self._slot_bytes = 0
+        num_slots = 0
+        if recurrent:
+            num_slots, state_window = self._state_pool_size(
+                state_sessions, state_cache_bytes, state_window, prefix_enabled
+            )
+        check_pools_fit(num_blocks * block_bytes, num_slots * self._slot_bytes)
         self._caches: list[ov.Tensor] = []
         for port in caches:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[port.get_any_name()]])
@@ -553,14 +602,10 @@ class PagedRunner(ShardBase):
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache_blocks)
         self.kv_cache_bytes = num_blocks * block_bytes
         self._lock = threading.Lock()
-        # hybrid stages: the linear-attention state tables, a slot per row
-        self._tables: list[ov.Tensor] = []
-        self.states: StateSlots | None = None
-        self.state_cache_bytes = 0
         self._pending: dict[str, _StatePlan] = {}
         self._scratch_slot = -1
         if recurrent:
-            self._make_state_tables(state_cache_bytes or kv_cache_bytes, state_window)
+            self._make_state_tables(num_slots, state_window)
         if pad_lone_rows is None:
             pad_lone_rows = invariant and num_blocks > 1 and not self._measured_invariant()
         if pad_lone_rows and num_blocks > 1:
@@ -602,38 +647,54 @@ class PagedRunner(ShardBase):
             )
         return props
 
-    def _make_state_tables(self, budget: int, window: int) -> None:
-        """Allocate the state tables: as many slots as ``budget`` bytes hold, no more than the
+    def _state_pool_size(
+        self, sessions: int | None, budget: int | None, window: int, prefix: bool
+    ) -> tuple[int, int]:
+        """The state pool's slots and the window they hold (sets ``_slot_bytes``): enough for
+        ``sessions`` sessions at ``window`` (None: max_sessions, at most
+        DEFAULT_STATE_SESSIONS), or as many as ``budget`` bytes hold, no more than the
         sessions can use (and prefix states, two per session), ``MIN_STATE_SLOTS`` at least
         (a new session's first step writing a prefix state: its zeros, its end, the prefix
-        state, and the scratch slot); the window shrinks to what one session can use. The
-        scratch slot takes the writes nobody reads: a padded row's state, a prompt chunk's
-        states at block ends before the one kept."""
+        state, and the scratch slot); a budget too small for one session at ``window`` cuts
+        the window to what it holds."""
         ports = [p for p in self.compiled.inputs if "state_table." in p.get_any_name()]
-        rows = {
-            p.get_any_name(): [d.get_length() for d in p.get_partial_shape()[1:]] for p in ports
-        }
         self._slot_bytes = sum(
-            int(np.prod(rows[p.get_any_name()])) * p.get_element_type().size for p in ports
+            int(np.prod([d.get_length() for d in p.get_partial_shape()[1:]]))
+            * p.get_element_type().size
+            for p in ports
         )
-        sessions = self.options.max_sessions
-        usable = sessions * (window + 2) + 1 + (2 * sessions if self.blocks.enabled else 0)
+        most = self.options.max_sessions
+        if budget is None:
+            wanted = min(most, DEFAULT_STATE_SESSIONS) if sessions is None else sessions
+            return max(MIN_STATE_SLOTS, pool_slots(wanted, window)), window
+        usable = pool_slots(most, window) + (2 * most if prefix else 0)
         num_slots = max(MIN_STATE_SLOTS, min(usable, budget // max(1, self._slot_bytes)))
-        if window > num_slots - MIN_STATE_SLOTS:
+        if pool_sessions(num_slots, window) < 1:
             # one session alone must always fit: its window's states, the state it reads and
-            # the slots one step writes
+            # the slots one step writes (common.state_pool)
+            cut = num_slots - slots_per_session(0)
             log.warning(
                 "state window cut from %d to %d positions: %d state slots of %.2f MiB hold no "
-                "more for one session (raise --state-cache-size)",
+                "more for one session (raise --state-cache-size, or give --state-sessions)",
                 window,
-                num_slots - MIN_STATE_SLOTS,
+                cut,
                 num_slots,
                 self._slot_bytes / (1 << 20),
             )
-            window = num_slots - MIN_STATE_SLOTS
-        for port in ports:
-            tensor = ov.Tensor(port.get_element_type(), [num_slots, *rows[port.get_any_name()]])
-            self.request.set_tensor(port.get_any_name(), tensor)
+            window = cut
+        return num_slots, window
+
+    def _make_state_tables(self, num_slots: int, window: int) -> None:
+        """Allocate the state tables, ``num_slots`` rows each, and take the scratch slot: it
+        takes the writes nobody reads (a padded row's state, a prompt chunk's states at block
+        ends before the one kept)."""
+        for port in self.compiled.inputs:
+            name = port.get_any_name()
+            if "state_table." not in name:
+                continue
+            row = [d.get_length() for d in port.get_partial_shape()[1:]]
+            tensor = ov.Tensor(port.get_element_type(), [num_slots, *row])
+            self.request.set_tensor(name, tensor)
             self._tables.append(tensor)
         self.states = StateSlots(num_slots, window, num_slots if self.blocks.enabled else 0)
         self.state_cache_bytes = num_slots * self._slot_bytes

@@ -139,6 +139,7 @@ async def serve(settings: StageSettings, ready: Callable[[int], None] | None = N
                     if settings.state_cache_size is None
                     else int(settings.state_cache_size * GIB)
                 ),
+                state_sessions=settings.state_sessions,
                 state_window=settings.state_window,
             )
         else:

@@ -49,11 +49,20 @@ class StageSettings(BaseSettings):
         "when no session holds them (default: every free block; evicted oldest first when "
         "sessions need the room); 0: no prefix cache",
     )
+    state_sessions: int | None = Field(
+        default=None,
+        ge=1,
+        description="paged backend, hybrid models: sessions the linear-attention state pool "
+        "holds at once, each at the full state_window (state_window + 2 slots a session, and "
+        "a scratch slot); the gateway admits no more at once (default: max_sessions, at most "
+        "8)",
+    )
     state_cache_size: float | None = Field(
         default=None,
         gt=0,
-        description="paged backend, hybrid models: GiB of linear-attention state slots "
-        "(default: as much as kv_cache_size; no more than max_sessions can use)",
+        description="paged backend, hybrid models: GiB of linear-attention state slots, "
+        "instead of state_sessions (as many sessions as it holds at the window; one session "
+        "at least, its window cut to fit)",
     )
     state_window: int = Field(
         default=8,
@@ -121,6 +130,20 @@ class StageSettings(BaseSettings):
     @model_validator(mode="after")
     def _check_tls(self) -> StageSettings:
         check_tls_pair(self.tls_cert, self.tls_key)
+        return self
+
+    @model_validator(mode="after")
+    def _check_state_pool(self) -> StageSettings:
+        if self.state_sessions is not None and self.state_cache_size is not None:
+            raise ValueError(
+                "give state_sessions (sessions the state pool holds) or state_cache_size "
+                "(its GiB), not both"
+            )
+        if self.state_sessions is not None and self.state_sessions > self.max_sessions:
+            raise ValueError(
+                f"state_sessions ({self.state_sessions}) is more than max_sessions "
+                f"({self.max_sessions}): the stage never holds more sessions than that"
+            )
         return self
 
     def resolved_kv_backend(self) -> Literal["stateful", "paged"]:

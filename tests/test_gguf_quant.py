@@ -402,3 +402,41 @@ def test_uniform_zero_point_becomes_a_scalar(zp: float) -> None:
     assert_compressed(compiled, weight)
     consts = [la.output for la in runtime_layers(compiled) if la.kind == "Const" and la.size == 1]
     assert (ov.Type.u8 if zp == 128.0 else ov.Type.f32) in consts
+
+
+def test_fast_form_regroups_q6_k_to_32_within_its_bound() -> None:
+    """--gguf-form fast: Q6_K's pairs of 16-column sub-blocks share the larger one's scale / 4.
+    That one's values are exact; the other's are off by at most an eighth of the larger step;
+    the graph keeps the i8 codes compressed with one scale per 32, and the types with a
+    minimum take the (exact) split form."""
+    raw = make_raw(T.Q6_K)
+    # force the edge cases: a pair with equal and opposite scales (sub-blocks 0 and 1 of the
+    # first super-block: int8 scales at byte 192 of each 210-byte block) and an all-zero pair
+    blocks = raw.reshape(-1, 210).copy()
+    blocks[0, 192:196] = np.array([5, -5, 0, 0], np.int8).view(np.uint8)
+    raw = blocks.reshape(raw.shape)
+    exact = from_gguf(T.Q6_K, raw, (ROWS, COLS), "split")
+    fast = from_gguf(T.Q6_K, raw, (ROWS, COLS), "fast")
+    assert isinstance(exact, PackedWeight) and isinstance(fast, PackedWeight)
+    assert (fast.code_type, fast.group, fast.zero_point) == ("i8", 32, None)
+    assert describe(T.Q6_K, "fast", True)[1] == "inexact"
+    ref = gguf_dequant(raw, T.Q6_K)
+    mine = dequantize_reference(fast)
+    pair_scale = np.abs(exact.scale.reshape(ROWS, -1, 2))  # [rows, pairs, 2]
+    larger = pair_scale.argmax(axis=2)
+    big = np.abs(pair_scale).max(axis=2)  # the larger sub-block's step
+    err = np.abs(mine - ref).reshape(ROWS, -1, 2, 16)
+    for j in (0, 1):
+        lead = larger == j  # [rows, pairs]: sub-block j holds the pair's scale
+        assert np.all(err[:, :, j][lead] == 0)
+        # the other one: half a step of the new grid (scale / 4), one step where clipped
+        bound = np.broadcast_to((big / 4)[:, :, None], err[:, :, 1 - j].shape)[lead]
+        assert np.all(err[:, :, 1 - j][lead] <= bound * (1 + 1e-6))
+    assert np.all(err[0, 1] == 0)  # the all-zero pair
+    compiled = compile_lin_emb(fast, COLS)
+    lin, emb = run_identity(compiled, COLS)
+    assert same_bits(lin, mine) and same_bits(emb, mine[IDS])
+    assert_compressed(compiled, fast)
+    q4 = from_gguf(T.Q4_K, make_raw(T.Q4_K), (ROWS, COLS), "fast")
+    assert isinstance(q4, PackedWeight) and q4.correction is not None  # the split form
+    assert same_bits(dequantize_reference(q4), gguf_dequant(make_raw(T.Q4_K), T.Q4_K))

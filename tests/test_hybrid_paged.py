@@ -11,14 +11,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from common.state_pool import pool_slots, slots_per_session
 from exporter.verify import reference_greedy
 from shard_runtime.chain import LocalChain
+from shard_runtime.memory import available_memory
 from shard_runtime.paged import BlocksExhausted, PagedRunner, PagedStep, StateSlots
 from shard_runtime.runner import InvalidStageInput
 from tests.conftest import EXACT, ExportFn
@@ -282,10 +285,94 @@ def test_state_slot_exhaustion_refuses_and_changes_nothing(tiny_export: ExportFn
     assert small.states.used == 1  # the scratch slot
 
     cut = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_cache_bytes=1)
-    assert cut.states is not None and cut.states.window == 0  # asked for 8
+    # asked for 8: 4 slots hold one session at a window of 1 (3 slots) and the scratch slot
+    assert cut.states is not None and cut.states.window == 1
     logits = run(cut, "a", prompt, 0)
     for i in range(12):  # one-token steps: each needs a slot beside the state it reads
         logits = run(cut, "a", np.array([int(np.argmax(logits[-1]))]), 12 + i)
+
+
+@pytest.mark.component
+def test_the_state_pool_is_sized_by_sessions_at_the_full_window(tiny_export: ExportFn) -> None:
+    """By default a stage's state pool holds max_sessions sessions, at most 8, each at the full
+    window (common.state_pool: window + 2 slots a session and the scratch slot); with
+    state_sessions 3 at a window of 4 it holds exactly three sessions at their fullest (a
+    verification of 4 proposals and a bonus position each, in one call: every slot taken),
+    and they compute what each computes alone. Sessions and bytes together, or more sessions
+    than max_sessions, are refused."""
+    from shard_runtime.runner import RunnerOptions
+
+    export = tiny_export("qwen3_5", 1)
+    default = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL)
+    assert default.states is not None and default.states.window == 8
+    assert default.states.num_slots == pool_slots(8, 8) == 81
+    few = PagedRunner(export, 0, replace(EXACT, max_sessions=2), kv_cache_bytes=POOL)
+    assert few.states is not None and few.states.num_slots == pool_slots(2, 8) == 21
+    runner = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_sessions=3, state_window=4)
+    assert runner.states is not None and runner.states.num_slots == 3 * 6 + 1
+    assert runner.state_cache_bytes == 19 * runner._slot_bytes
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 250, 9 + i) for i in range(3)]
+    verify = [rng.integers(3, 250, 5) for _ in range(3)]
+
+    def alone(i: int) -> np.ndarray:
+        solo = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_window=4)
+        for step in (PagedStep("s", prompts[i], 0), PagedStep("s", verify[i], len(prompts[i]), 5)):
+            solo.place(step)
+            out = solo.forward([step])[0]
+        return out
+
+    for i, prompt in enumerate(prompts):
+        step = PagedStep(f"s{i}", prompt, 0)
+        runner.place(step)
+        runner.forward([step])
+    steps = [PagedStep(f"s{i}", verify[i], len(prompts[i]), 5) for i in range(3)]
+    for step in steps:
+        runner.place(step)
+    assert runner.states.free == 0  # three sessions at their fullest fill the pool
+    for i, out in enumerate(runner.forward(steps)):
+        np.testing.assert_allclose(out, alone(i), atol=1e-5)
+    with pytest.raises(ValueError, match="sessions or its bytes, not both"):
+        PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL, state_sessions=2, state_cache_bytes=1)
+    with pytest.raises(ValueError, match=r"state_sessions must be 1 to max_sessions \(2\)"):
+        PagedRunner(export, 0, RunnerOptions(max_sessions=2), state_sessions=3)
+
+
+@pytest.mark.component
+def test_pools_larger_than_the_memory_left_are_refused_at_start(tiny_export: ExportFn) -> None:
+    """A state pool for more sessions than this machine's memory holds is refused before it
+    is allocated, with the pools' sizes and the settings that set them."""
+    export = tiny_export("qwen3_5", 1)
+    left = available_memory()
+    assert left is not None  # Linux: MemAvailable
+    slot = PagedRunner(export, 0, EXACT, kv_cache_bytes=POOL)._slot_bytes
+    sessions = left // (slot * slots_per_session(8)) + 1
+    options = replace(EXACT, max_sessions=sessions)
+    with pytest.raises(ValueError, match=r"GiB of linear-attention state slots \(--state-sessions"):
+        PagedRunner(export, 0, options, kv_cache_bytes=POOL, state_sessions=sessions)
+
+
+@pytest.mark.unit
+def test_the_memory_left_is_the_least_of_the_kernels_and_the_cgroups(tmp_path: Path) -> None:
+    """MemAvailable, less where a cgroup (v2, or v1's memory controller) limits the process;
+    a cgroup without a limit, or files that are missing, leave it out."""
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 8000 kB\nMemAvailable:  4000 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/unit\n")
+    assert available_memory(proc, cgroup) == 4000 * 1024  # no cgroup files: MemAvailable
+    (cgroup / "unit").mkdir(parents=True)
+    (cgroup / "unit" / "memory.max").write_text("max\n")
+    (cgroup / "unit" / "memory.current").write_text("100\n")
+    assert available_memory(proc, cgroup) == 4000 * 1024
+    (cgroup / "unit" / "memory.max").write_text("1000000\n")
+    assert available_memory(proc, cgroup) == 1000000 - 100
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n0::/\n")
+    (cgroup / "memory" / "job").mkdir(parents=True)
+    (cgroup / "memory" / "job" / "memory.limit_in_bytes").write_text("2000000\n")
+    (cgroup / "memory" / "job" / "memory.usage_in_bytes").write_text("500000\n")
+    assert available_memory(proc, cgroup) == 1500000
+    assert available_memory(tmp_path / "none", cgroup) is None
 
 
 @pytest.mark.component
@@ -492,10 +579,11 @@ def _same(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> bool:
 def test_sequences_the_state_pool_cannot_hold_are_preempted_and_resumed(
     tiny_export: ExportFn, tmp_path: Path
 ) -> None:
-    """Stage processes whose state pools hold about three of six concurrent sequences (the
-    gateway counts KV blocks, not state slots): the stages refuse the steps that find no slot
-    (RESOURCE_EXHAUSTED), the gateway preempts those sequences and re-prefills them later, and
-    every output equals the same request alone on stateful stages."""
+    """Stage processes whose state pools hold about three of six concurrent sequences and a
+    gateway engine that counts no pools (as for stages that report none): the stages refuse
+    the steps that find no slot (RESOURCE_EXHAUSTED), the gateway preempts those sequences and
+    re-prefills them later, and every output equals the same request alone on stateful
+    stages."""
     import asyncio
 
     from server.engine.loop import Engine, GenerationRequest
@@ -537,6 +625,75 @@ def test_sequences_the_state_pool_cannot_hold_are_preempted_and_resumed(
     try:
         assert asyncio.run(run()) == expected
         assert metrics.registry.get_sample_value("pipeshard_gateway_preemptions_total")
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.component
+def test_admission_waits_for_state_slots_instead_of_preempting(
+    tiny_export: ExportFn, tmp_path: Path
+) -> None:
+    """Stage processes whose state pools hold three sessions (--state-sessions 3, at a window
+    of 4) and a gateway engine configured as `pipeshard serve` configures it from the stages'
+    Info: of six concurrent sequences three run and three wait in the queue until a session
+    is freed (each of those gets its first token only after another sequence's last), no
+    stage refuses a step (nothing is preempted), and every output equals the same request
+    alone on stateful stages."""
+    import asyncio
+
+    from server.engine.loop import Engine, GenerationRequest
+    from server.metrics import GatewayMetrics
+    from server.ring.grpc_client import PipelineClient
+    from server.settings import GatewaySettings
+    from tests.processes import start_stages
+
+    export = tiny_export("qwen3_5", 2)
+    chain = LocalChain(export, EXACT)
+    prompts = [[5 + i, 9, 13, 40 + i, 41, 42, 3 * i + 7, 12] * (1 + i % 3) for i in range(6)]
+    expected = [chain.greedy(f"p{i}", p, 24)[0] for i, p in enumerate(prompts)]
+    flags = ["--hidden-dtype", "fp32", "--state-window", "4", "--state-sessions", "3"]
+    procs, addresses = start_stages(export, tmp_path, flags)
+    metrics = GatewayMetrics()
+    events: list[tuple[str, int]] = []  # ("first" | "last", request) in the order they came
+
+    async def run() -> list[list[int]]:
+        client = PipelineClient(addresses)
+        await client.start()
+        # each stage: 3 x (4 + 2) slots for sessions beside its scratch slot, 6 a session
+        assert client.state_pools == ((18, 6), (18, 6))
+        settings = GatewaySettings(stages=addresses, prefill_chunk=16)
+        config = settings.ring_scheduler_config(
+            len(addresses),
+            client.paged,
+            client.kv_pools,
+            client.prefix_block_size,
+            client.state_pools,
+        )
+        engine = Engine(client, frozenset(), 256, config, metrics)
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            tokens = []
+            async for token in engine.generate(GenerationRequest(f"r{i}", prompt, 24)):
+                tokens.append(token.token_id)
+                if len(tokens) in (1, 24):
+                    events.append(("first" if len(tokens) == 1 else "last", i))
+            return tokens
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        finally:
+            await engine.close()
+            infos = await client.stage_infos()
+            await client.close()
+            assert [i.sessions_in_use for i in infos if i] == [0, 0]
+
+    try:
+        assert asyncio.run(run()) == expected
+        assert metrics.registry.get_sample_value("pipeshard_gateway_preemptions_total") == 0
+        first_end = events.index(next(e for e in events if e[0] == "last"))
+        waited = [i for kind, i in events[first_end:] if kind == "first"]
+        assert len(waited) >= 3, events
     finally:
         for proc in procs:
             proc.stop()
@@ -610,7 +767,7 @@ def test_the_gateway_proposes_no_more_than_the_stages_roll_back(
     """Stages that keep 2 positions of states (--state-window 2) and a gateway with a draft
     asked for 6 proposals a step: it proposes at most 2 (and says so), so every rejected
     proposal rolls back; the output equals a gateway's without speculation on the same
-    stages."""
+    stages. Its start says that the stages' state pools hold fewer sessions than it runs."""
     from tests.processes import start_gateway, start_stages
 
     export = hybrid_with_draft
@@ -629,6 +786,8 @@ def test_the_gateway_proposes_no_more_than_the_stages_roll_back(
             assert _same(got, _complete(plain_url, prompt)[0])
         log = (tmp_path / "spec.log").read_text()
         assert "speculation proposes at most 2 token(s)" in log
+        # the stages' default state pools: 8 sessions (4 slots each at the window of 2)
+        assert "state pools hold 8 session(s) at once (fewer than --max-concurrent 16)" in log
         metrics = httpx.get(f"{spec_url}/metrics").text
         proposed = [
             float(line.split()[1])

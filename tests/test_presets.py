@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from common.state_pool import DEFAULT_STATE_SESSIONS
 from exporter.errors import ExportError
 from exporter.plan import RUNTIME_OVERHEAD_BYTES
+from exporter.plan_sessions import format_sessions, kv_gib_for, stage_sessions, stage_total
 from exporter.presets import (
     EXPERT_RUNTIME_BYTES,
     FILE_BYTES,
@@ -178,29 +180,80 @@ def test_kv_cache_only_on_full_attention_and_fixed_state_on_linear_attention() -
     assert state_bytes(p, 3) == 0
     plan = plan_preset(p, "Q4_K_M", "2x32GB", context=32768, sequences=2)
     assert sum(s.kv_bytes for s in plan.stages) == 2 * 10 * 64 * 2**20
-    # as a paged stage holds them: 10 states a sequence (--state-window 8 + 2) and a scratch
-    # slot, in every linear-attention layer
-    assert sum(s.state_bytes for s in plan.stages) == 30 * (2 * 10 + 1) * 2_228_224
+    # as a paged stage holds them with its defaults: a pool for 8 sessions, 10 states a
+    # session (--state-window 8 + 2) and a scratch slot, in every linear-attention layer
+    assert sum(s.state_bytes for s in plan.stages) == 30 * (8 * 10 + 1) * 2_228_224
     twice = plan_preset(p, "Q4_K_M", "2x32GB", context=65536)
-    assert sum(s.state_bytes for s in twice.stages) == 30 * 11 * 2_228_224  # whatever the context
+    assert sum(s.state_bytes for s in twice.stages) == 30 * 81 * 2_228_224  # whatever the context
+    more = plan_preset(p, "Q4_K_M", "2x32GB", sequences=12)  # --state-sessions 12
+    assert sum(s.state_bytes for s in more.stages) == 30 * (12 * 10 + 1) * 2_228_224
 
 
 def test_the_state_column_is_what_a_paged_stage_holds() -> None:
-    """The plan counts a hybrid's state as the paged backend keeps it at its default window:
-    the window it assumes is the stage's default, and the slots are those the stage's pool
-    needs for that many sessions (shard_runtime/paged.py: sessions x (window + 2) + 1, the
-    prefix states aside, which are evicted when sessions need the room)."""
-    assert StageSettings.model_fields["state_window"].default == PAGED_STATE_WINDOW
-    assert state_slots(1) == 11 and state_slots(8) == 81 and state_slots(8, window=0) == 17
+    """The plan counts a hybrid's state as the paged backend keeps it with its defaults:
+    the window and the pool's sessions it assumes are the stage's defaults (state_sessions
+    unset: max_sessions, at most 8), and the slots are those the stage's pool needs for them
+    (common.state_pool: sessions x (window + 2) + 1, the prefix states aside, which are
+    evicted when sessions need the room)."""
+    fields = StageSettings.model_fields
+    assert fields["state_window"].default == PAGED_STATE_WINDOW
+    assert fields["state_sessions"].default is None
+    assert min(fields["max_sessions"].default, DEFAULT_STATE_SESSIONS) == 8
+    assert state_slots(1) == 11 and state_slots(8) == 81 and state_slots(8, window=0) == 25
     p = PRESETS["qwen3.6-35b-a3b"]
-    plan = plan_preset(p, "Q4_K_M", "2x32GB", sequences=8)
+    plan = plan_preset(p, "Q4_K_M", "2x32GB", sequences=2)
     first = plan.stages[0]
     linear = [i for i in range(first.layer_start, first.layer_end) if not p.full_attention(i)]
     assert first.state_bytes == len(linear) * 81 * 2_228_224
+    assert first.slot_bytes == len(linear) * 2_228_224
     text = format_preset_plan(plan)
     total = sum(s.state_bytes for s in plan.stages)
     assert f"recurrent state {total / 2**20:.0f} MiB, as paged stages hold it" in text
-    assert f"stateful stages hold 8: {8 * 30 * 2_228_224 / 2**20:.0f} MiB)" in text
+    assert "(the default --state-sessions 8: 81 states a layer" in text
+    assert f"stateful stages hold 2: {2 * 30 * 2_228_224 / 2**20:.0f} MiB)" in text
+
+
+def test_the_sessions_a_stage_holds_with_the_defaults() -> None:
+    """The whole Qwen3.6-35B-A3B in Q4_K_M on 2 x 32 GB: each stage of 20 layers (15 Gated
+    DeltaNet, 5 full attention) holds 8 sessions in its default state pool (31.9 MiB a slot,
+    81 slots: 2.5 GiB); its default KV pool of 1 GiB, in blocks of 32 positions of 5 layers x
+    2 KV heads x 256 x 2 (K and V) x 2 bytes, holds 104,832 positions: 3 sessions of 32768.
+    8 sessions of 32768 need --kv-cache-size 2.5, and then each stage holds 19.2 GiB at most:
+    they fit."""
+    p = PRESETS["qwen3.6-35b-a3b"]
+    plan = plan_preset(p, "Q4_K_M", "2x32GB")
+    assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 20), (20, 40)]
+    slot = 15 * 2_228_224
+    assert f"{slot / 2**20:.1f}" == "31.9"
+    position = 5 * 2 * 256 * 2 * 2
+    for stage in plan.stages:
+        assert stage.slot_bytes == slot and stage.kv_position_bytes == position
+        assert stage.state_bytes == 81 * slot
+    positions = GIB // (32 * position) * 32
+    assert positions == 104_832
+    rows = stage_sessions(plan)
+    assert [(r.state_sessions, r.kv_positions, r.at(32768)) for r in rows] == [
+        (8, positions, 3),
+        (8, positions, 3),
+    ]
+    assert kv_gib_for(plan, 8) == 2.5  # 8 x 32768 x 10240 bytes = 2.5 GiB
+    fullest = max(stage_total(s, 2.5) for s in plan.stages)
+    last = plan.stages[1]
+    assert fullest == last.weight_bytes + int(2.5 * GIB) + 81 * slot + RUNTIME_OVERHEAD_BYTES
+    assert fullest <= last.budget
+    text = format_sessions(plan)
+    assert "| 0 | 8 | 104,832 | 3 |" in text and "| 1 | 8 | 104,832 | 3 |" in text
+    assert f"--kv-cache-size 2.5 on every stage (then at most {fullest / GIB:.1f} GiB" in text
+    assert "a stage: fits its host); the default KV pool holds 8 sessions of up to 13,088" in text
+    assert 104_832 // 32 // 8 * 32 == 13_088
+    # a stage of linear-attention layers only (its placeholder attention costs nothing) and
+    # a dense model's stage (no state pool)
+    three = plan_preset(PRESETS["qwen3.5-27b"], "Q4_K_M", "64GB,64GB,64GB", sequences=16)
+    assert {r.state_sessions for r in stage_sessions(three)} == {16}
+    assert "--state-sessions 16: 161 states a layer" in format_preset_plan(three)
+    dense = plan_preset(PRESETS["gpt-oss-20b"], "MXFP4", "2x16GB")
+    assert all(r.state_sessions is None for r in stage_sessions(dense))
+    assert "state pool" not in format_sessions(dense)
 
 
 def test_the_split_is_the_best_over_every_alternative() -> None:
@@ -289,6 +342,7 @@ def test_the_command_prints_every_stage_and_the_verdict(
     out = capsys.readouterr().out
     assert "| stage | layers | GGUF GiB | weights GiB | KV GiB | state MiB |" in out
     assert "Q4_K_M on 2x32GB: fits" in out and "Q8_0 on 2x32GB: fits" in out
+    assert "| stage | state pool: sessions | KV pool: positions | sessions at 32768" in out
     assert main(["plan", "--list"]) == 0
     listed = capsys.readouterr().out
     assert all(f"  source: {p.source}" in listed for p in PRESETS.values())

@@ -33,6 +33,7 @@ from server.api.requests import (
     to_sampling_params,
 )
 from server.api.responses import (
+    SYSTEM_FINGERPRINT,
     ChatChoiceLogprobs,
     ChatCompletion,
     ChatCompletionChoice,
@@ -59,6 +60,7 @@ from server.api.sse import (
     sse_error,
     sse_event,
 )
+from tests.schemas import errors
 
 pytestmark = pytest.mark.unit
 
@@ -463,7 +465,9 @@ def test_sse_framing_is_exact() -> None:
 def test_chat_chunks_on_the_wire() -> None:
     assert sse_event(first_chat_chunk(ID, CREATED, MODEL)) == (
         b'data: {"id":"chatcmpl-abc","object":"chat.completion.chunk","created":1700000000,'
-        b'"model":"tiny","system_fingerprint":null,"choices":[{"index":0,'
+        b'"model":"tiny","system_fingerprint":"'
+        + SYSTEM_FINGERPRINT.encode()
+        + b'","choices":[{"index":0,'
         b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
         b'"usage":null}\n\n'
     )
@@ -498,7 +502,7 @@ def test_completion_chunks_on_the_wire() -> None:
     text = _json(completion_text_chunk("cmpl-1", CREATED, MODEL, "abc"))
     assert text["object"] == "text_completion"
     assert text["choices"] == [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": None}]
-    assert text["usage"] is None
+    assert "usage" not in text  # (chat's chunks carry "usage": null; OpenAPI types it so)
     final = _json(completion_final_chunk("cmpl-1", CREATED, MODEL, "stop"))
     assert final["choices"][0]["finish_reason"] == "stop"
     assert final["choices"][0]["text"] == ""
@@ -724,3 +728,20 @@ def test_openai_client_reads_a_completion_and_errors() -> None:
     with pytest.raises(openai.APIError, match="stage 1 went away"):
         for _ in stream:
             pass
+
+
+# --- the published schemas the replies are held to (tests/test_published_schemas.py) ----------
+
+
+def test_openapi_3_0_nullable_becomes_a_null_alternative() -> None:
+    """OpenAI's document is OpenAPI 3.0: ``logprobs`` is ``nullable``, ``finish_reason`` not."""
+    choice = {"index": 0, "text": "a", "logprobs": None, "finish_reason": "stop"}
+    reply = {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
+    reply["choices"] = [choice]
+    assert errors("openai", "CreateCompletionResponse", reply) == []
+    bad = {**reply, "choices": [{**choice, "finish_reason": None}]}
+    assert errors("openai", "CreateCompletionResponse", bad) == [
+        "choices/0/finish_reason: None is not one of ['stop', 'length', 'content_filter']",
+        "choices/0/finish_reason: None is not of type 'string'",
+    ]
+    assert errors("openai", "CreateCompletionStreamResponse", bad) == []

@@ -487,6 +487,41 @@ def test_kv_pool_admission_waits_for_blocks() -> None:
     assert [w.seq_id for w in s.next_work(0.0)] == ["c"]
 
 
+def test_state_pool_admission_waits_for_a_sessions_slots() -> None:
+    """A hybrid model's state pool of 25 slots for sessions, 10 a session at its fullest:
+    two sessions at once, though the KV blocks would hold all three. The third waits in the
+    queue (nothing is preempted) until a finished sequence's release is done, then runs to
+    the end with the tokens it gets alone."""
+
+    def make(state_pools: tuple[tuple[int, int], ...]) -> Scheduler:
+        config = SchedulerConfig(
+            prefill_chunk=8, max_prefill_in_flight=8, kv_pools=((4, 64),), state_pools=state_pools
+        )
+        s = Scheduler(config)
+        for name, tokens in zip("abc", (2, 6, 3), strict=True):
+            s.add(seq(name, prompt=7, max_tokens=tokens))
+        return s
+
+    alone = run_until_done(make(()))
+    s = make(((25, 10),))
+    work = s.next_work(0.0)
+    assert [w.seq_id for w in work] == ["a", "b"] and s.queued == 1  # c waits for slots
+    complete(s, work)
+    complete(s, s.next_work(0.0))  # a ends (2 tokens); its session is not freed yet
+    assert s.sequences["a"].phase is Phase.DONE
+    work = s.next_work(0.0)
+    assert [w.seq_id for w in work] == ["b"] and s.queued == 1
+    complete(s, work)
+    assert freed(s) == ["a"]
+    work = s.next_work(0.0)
+    assert [w.seq_id for w in work] == ["b", "c"]  # now c is admitted
+    complete(s, work)
+    assert run_until_done(s) == alone
+    assert s.preemptions == 0
+    with pytest.raises(ValueError, match="state pools"):
+        SchedulerConfig(state_pools=((10, 0),))
+
+
 def test_decoding_beyond_the_pool_preempts_the_newest_which_resumes_and_ends_the_same() -> None:
     def make(pools: tuple[tuple[int, int], ...]) -> Scheduler:
         s = Scheduler(SchedulerConfig(prefill_chunk=8, max_prefill_in_flight=8, kv_pools=pools))
@@ -567,16 +602,21 @@ def test_prompts_prefilled_in_chunks_side_by_side_never_wait_for_each_others_blo
 
 class Stages:
     """What paged stages hold for ``drive_with_pools``: positions per session, refusing a
-    step that would outgrow a pool (as paged stages do); how often they refused."""
+    step that would outgrow a pool (as paged stages do), or open more sessions than a state
+    pool holds (``sessions``: a hybrid model's, each session at its fullest); how often they
+    refused."""
 
-    def __init__(self, pools: tuple[tuple[int, int], ...]) -> None:
+    def __init__(self, pools: tuple[tuple[int, int], ...], sessions: int | None = None) -> None:
         self.pools = pools
+        self.sessions = sessions
         self.held: dict[str, int] = {}
         self.refused = 0
 
     def place(self, session: str, length: int) -> bool:
         after = {**self.held, session: max(length, self.held.get(session, 0))}
-        if any(sum(-(-n // b) for n in after.values()) > c for b, c in self.pools):
+        if any(sum(-(-n // b) for n in after.values()) > c for b, c in self.pools) or (
+            self.sessions is not None and len(after) > self.sessions
+        ):
             self.refused += 1
             return False
         self.held = after
@@ -667,12 +707,15 @@ def drive_with_pools(
 
 def random_workload(
     rng: random.Random,
-) -> tuple[SchedulerConfig, tuple[tuple[int, int], ...], list[Sequence]]:
-    """Random pools, chunk budgets, prefills in flight and groups (lockstep, solo, ring
-    decode), with or without the gateway counting the blocks, and 1-8 sequences that each
-    fit the pools alone."""
+) -> tuple[SchedulerConfig, Stages, list[Sequence]]:
+    """Random pools (KV blocks, and at times a hybrid's state pool of 1-4 sessions), chunk
+    budgets, prefills in flight and groups (lockstep, solo, ring decode), with or without the
+    gateway counting them, and 1-8 sequences that each fit the pools alone."""
     block, blocks = rng.choice([2, 4, 8]), rng.randint(3, 12)
     pools = ((block, blocks),) * rng.randint(1, 2)
+    sessions = rng.randint(1, 4) if rng.random() < 0.4 else None
+    per = rng.randint(1, 10)  # a session's slots at its fullest
+    counted = rng.random() < 0.8
     half = block * blocks // 2  # prompt + max_tokens fit the pools alone
     lockstep = rng.random() < 0.5
     solo = lockstep and rng.random() < 0.5
@@ -686,7 +729,10 @@ def random_workload(
         resume_grace=rng.choice([0, 5, 50]),
         groups=running if solo else rng.randint(1, 3),
         busy_prefill_chunk=rng.choice([None, 1, 3]),
-        kv_pools=pools if rng.random() < 0.8 else (),
+        kv_pools=pools if counted else (),
+        state_pools=((sessions * per + rng.randint(0, per - 1), per),)
+        if counted and sessions
+        else (),
         lockstep=lockstep,
         solo=solo,
         group_size=rng.choice([0, 2]) if lockstep and not solo else 0,
@@ -697,7 +743,7 @@ def random_workload(
         seq(f"s{i}", prompt=rng.randint(1, half), max_tokens=rng.randint(1, half))
         for i in range(count)
     ]
-    return config, pools, sequences
+    return config, Stages(pools, sessions), sequences
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -707,14 +753,14 @@ def test_every_sequence_ends_whatever_the_pools_chunks_groups_and_order(seed: in
     whether the gateway counts the blocks or (if not) the stages' refusals preempt."""
     rng = random.Random(seed)
     for _ in range(150):
-        config, pools, sequences = random_workload(rng)
+        config, stages, sequences = random_workload(rng)
         s = Scheduler(config)
         for q in sequences:
             s.add(q)
-        stages = Stages(pools)
         assert drive_with_pools(s, stages, rng) is not None, (config, sequences)
         assert all(q.error is None and len(q.generated) == q.max_tokens for q in sequences)
-        # counting the blocks, the gateway never sends a step the stages cannot hold
+        # counting the blocks and state slots, the gateway never sends a step the stages
+        # cannot hold
         assert stages.refused == 0 or not config.kv_pools, (config, sequences)
 
 
@@ -725,11 +771,11 @@ def test_every_sequence_ends_when_steps_are_lost_and_clients_cancel(seed: int) -
     an error once lost too often or past the resume grace, or cancelled): none hangs."""
     rng = random.Random(100 + seed)
     for _ in range(150):
-        config, pools, sequences = random_workload(rng)
+        config, stages, sequences = random_workload(rng)
         s = Scheduler(config)
         for q in sequences:
             s.add(q)
-        assert drive_with_pools(s, Stages(pools), rng, chaos=True) is not None, (config, sequences)
+        assert drive_with_pools(s, stages, rng, chaos=True) is not None, (config, sequences)
         for q in sequences:
             assert q.phase is Phase.DONE
             assert q.cancelled or q.error is not None or len(q.generated) == q.max_tokens

@@ -54,6 +54,13 @@ def test_bad_settings_are_one_line_errors(
     assert "listen address must be HOST:PORT" in capsys.readouterr().err
     assert main(["serve", "--stages", "h:1", "--no-batching", "--micro-batch-groups", "2"]) == 2
     assert "do not go together" in capsys.readouterr().err
+    stage = ["stage", "--shards", str(tmp_path), "--stage", "0"]
+    assert main([*stage, "--state-sessions", "4", "--state-cache-size", "2"]) == 2
+    assert "give state_sessions (sessions the state pool holds) or state_cache_size" in (
+        capsys.readouterr().err
+    )
+    assert main([*stage, "--state-sessions", "9", "--max-sessions", "8"]) == 2
+    assert "state_sessions (9) is more than max_sessions (8)" in capsys.readouterr().err
     for listen in ("8000", "localhost", "h:99999"):
         assert main(["serve", "--stages", "h:1", "--listen", listen]) == 2
         assert "listen address must be HOST:PORT" in capsys.readouterr().err

@@ -151,6 +151,11 @@ DIALECTS = {
         "input": "the fox",
         "store": False,
     },
+    "/api/chat": lambda app: {  # Ollama's
+        "model": app.model,
+        "options": {"num_predict": 3},
+        "messages": [{"role": "user", "content": "the fox"}],
+    },
 }
 
 
@@ -172,5 +177,11 @@ def test_the_other_dialects_reject_unknown_fields_when_told(reject: App, path: s
     assert "foo_bar" in text
     if path == "/v1/messages":  # Anthropic's envelope
         assert reply.json()["type"] == "error"
+    elif path == "/api/chat":  # Ollama's, and its options' unknown keys too
+        assert set(reply.json()) == {"error"}
+        body = DIALECTS[path](reject)
+        body["options"]["foo"] = 1
+        nested = reject.client.post(path, json=body)
+        assert nested.status_code == 400 and "options.foo" in nested.json()["error"]
     else:
         assert reply.json()["error"]["param"] == "foo_bar"

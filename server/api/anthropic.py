@@ -336,11 +336,38 @@ class CountTokensRequest(MessagesRequest):
 # --- the answer ---------------------------------------------------------------------------------
 
 
+class CacheCreation(BaseModel):
+    # nothing is written to a cache on request (cache_control): the prefix cache keeps all
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    thinking_tokens: int = 0
+
+
 class Usage(BaseModel):
+    """Every key of Anthropic's usage; those about its hosted features (server tools, where
+    and in which tier it ran) say none."""
+
     input_tokens: int  # prompt tokens computed (those not read from the prefix cache)
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0  # prompt tokens whose KV the prefix cache held
+    cache_creation: CacheCreation = Field(default_factory=CacheCreation)
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    server_tool_use: None = None
+    service_tier: Literal["standard"] = "standard"
+    inference_geo: None = None
+
+    def delta(self) -> dict[str, Any]:
+        """The keys a ``message_delta`` event's usage has."""
+        return self.model_dump(
+            include={
+                "input_tokens", "output_tokens", "cache_creation_input_tokens",
+                "cache_read_input_tokens", "output_tokens_details", "server_tool_use",
+            }
+        )  # fmt: skip
 
 
 class Message(BaseModel):
@@ -351,7 +378,12 @@ class Message(BaseModel):
     content: list[dict[str, Any]]
     stop_reason: StopReason | None
     stop_sequence: str | None = None
+    stop_details: None = None  # set for refusals only, which are not told apart here
+    container: None = None  # no code execution containers
     usage: Usage
+
+
+DIRECT_CALLER = {"type": "direct"}  # a tool_use block's caller: the model itself
 
 
 def new_message_id() -> str:
@@ -494,6 +526,7 @@ def _usage(outcome: Outcome) -> Usage:
         input_tokens=outcome.prompt_tokens - outcome.cached_tokens,
         output_tokens=outcome.output_tokens,
         cache_read_input_tokens=outcome.cached_tokens,
+        output_tokens_details=OutputTokensDetails(thinking_tokens=outcome.reasoning_tokens),
     )
 
 
@@ -501,13 +534,14 @@ def _block(piece: Piece) -> dict[str, Any]:
     if piece.kind == "reasoning":
         return {"type": "thinking", "thinking": piece.text, "signature": ""}
     if piece.kind == "text":
-        return {"type": "text", "text": piece.text}
+        return {"type": "text", "text": piece.text, "citations": None}
     assert piece.call is not None
     return {
         "type": "tool_use",
         "id": new_tool_use_id(),
         "name": piece.call.name,
         "input": json.loads(piece.call.arguments),
+        "caller": DIRECT_CALLER,
     }
 
 
@@ -554,6 +588,7 @@ async def _stream(
     )
     yield named_event("message_start", {"type": "message_start", "message": start.model_dump()})
     yield named_event("ping", {"type": "ping"})
+    request_id = prep.request_id.removeprefix("msg-")  # the x-request-id header's
     index = -1
     open_kind: str | None = None  # the kind of the block open at index, if any
 
@@ -594,6 +629,7 @@ async def _stream(
                         "id": new_tool_use_id(),
                         "name": piece.call.name,
                         "input": {},
+                        "caller": DIRECT_CALLER,
                     }
                     for chunk in begin(block, "tool_use"):
                         yield chunk
@@ -605,7 +641,7 @@ async def _stream(
                     empty = (
                         {"type": "thinking", "thinking": "", "signature": ""}
                         if piece.kind == "reasoning"
-                        else {"type": "text", "text": ""}
+                        else {"type": "text", "text": "", "citations": None}
                     )
                     for chunk in begin(empty, piece.kind):
                         yield chunk
@@ -615,11 +651,12 @@ async def _stream(
                     yield delta({"type": "text_delta", "text": piece.text})
     except APIError as exc:
         log.warning("request %s failed while streaming: %s", prep.request_id, exc.message)
-        yield named_event("error", anthropic_error(exc))
+        yield named_event("error", anthropic_error(exc, request_id))
         return
     except Exception as exc:
         log.exception("request %s failed while streaming", prep.request_id)
-        yield named_event("error", anthropic_error(APIError(500, f"generation failed: {exc}")))
+        failed = APIError(500, f"generation failed: {exc}")
+        yield named_event("error", anthropic_error(failed, request_id))
         return
     for chunk in close():
         yield chunk
@@ -628,8 +665,13 @@ async def _stream(
         "message_delta",
         {
             "type": "message_delta",
-            "delta": {"stop_reason": _stop_reason(outcome, stop), "stop_sequence": stop},
-            "usage": _usage(outcome).model_dump(),
+            "delta": {
+                "stop_reason": _stop_reason(outcome, stop),
+                "stop_sequence": stop,
+                "stop_details": None,
+                "container": None,
+            },
+            "usage": _usage(outcome).delta(),
         },
     )
     yield named_event("message_stop", {"type": "message_stop"})

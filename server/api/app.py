@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from common import systemd
 from common.net import check_can_listen, split_listen
 from common.version import VERSION
+from protos.manifest import ShardManifest
 from server.api import anthropic, responses_api
 from server.api.edge import Edge
 from server.api.errors import (
@@ -38,6 +39,12 @@ from server.api.errors import (
     errors_to_api_error,
     short_json,
 )
+from server.api.ollama import lowering as ollama_lowering
+from server.api.ollama import models as ollama_models
+from server.api.ollama import render as ollama_render
+from server.api.ollama.schema import ChatRequest as OllamaChatRequest
+from server.api.ollama.schema import GenerateRequest as OllamaGenerateRequest
+from server.api.ollama.schema import ShowRequest as OllamaShowRequest
 from server.api.openapi import body_schema, document, operation_responses
 from server.api.requests import ChatCompletionRequest, CompletionRequest, parse_request
 from server.api.responses import ChatCompletion, Completion, ModelCard, ModelList
@@ -76,6 +83,7 @@ class Gateway:
     created: int = 0
     start_error: str | None = None  # why the start failed (a stage missing, a bad draft)
     starting: asyncio.Future[Any] | None = None  # the start, while it runs
+    manifest: ShardManifest | None = None  # the export served (once started)
 
     def abort_start(self, reason: str) -> None:
         """End a start still in progress as a failed one, for ``reason`` (`pipeshard up`: a
@@ -213,6 +221,7 @@ def create_app(settings: GatewaySettings, pipeline: Ring | None = None) -> FastA
     _add_messages_routes(app, gateway, auth)
     _add_responses_routes(app, gateway, auth)
     _add_model_routes(app, gateway, auth)
+    _add_ollama_routes(app, gateway)
     _add_operations_routes(app, gateway)
     return app
 
@@ -296,6 +305,7 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
                 window,
             )
             spec_k, spec_max_k = min(spec_k, window), min(spec_max_k, window)
+    _log_state_sessions(gateway.pipeline, settings.max_concurrent)
     engine = Engine(
         gateway.pipeline,
         codec.eos_ids,
@@ -305,6 +315,7 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
             gateway.pipeline.paged,
             gateway.pipeline.kv_pools,
             gateway.pipeline.prefix_block_size,
+            gateway.pipeline.state_pools,
         ),
         gateway.metrics,
         proposer=proposer,
@@ -329,7 +340,22 @@ async def _start(gateway: Gateway) -> tuple[Engine, str, int]:
     if gateway.service.reasoning != "none":
         log.info("reasoning parser: %s", gateway.service.reasoning)
     gateway.created = int(time.time())
+    gateway.manifest = manifest
     return engine, model, manifest.num_stages
+
+
+def _log_state_sessions(ring: Ring, max_concurrent: int) -> None:
+    """Say where a hybrid model's paged stages hold fewer sessions' states than the gateway
+    runs requests: the rest wait in the queue for slots (admission counts them)."""
+    sessions = min((slots // per for slots, per in ring.state_pools), default=None)
+    if sessions is not None and sessions < max_concurrent:
+        log.info(
+            "the stages' linear-attention state pools hold %d session(s) at once (fewer "
+            "than --max-concurrent %d): more requests wait for slots (raise the stages' "
+            "--state-sessions)",
+            sessions,
+            max_concurrent,
+        )
 
 
 def _context(ring: Ring, model_context: int) -> int:
@@ -349,8 +375,12 @@ def _context(ring: Ring, model_context: int) -> int:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error leaves in the OpenAI envelope (Anthropic's on /v1/messages); an unexpected
-    one is a logged 500."""
+    """Every error leaves in the OpenAI envelope (Anthropic's on /v1/messages, Ollama's on
+    /api/); an unexpected one is a logged 500."""
+
+    def envelope(request: Request, exc: APIError) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
+        return error_response_for(request.url.path, exc, request_id=request_id)
 
     def refused(request: Request, exc: APIError) -> JSONResponse:
         # the reason beside the access log's status line (a client's 400 says why to its
@@ -361,7 +391,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             exc.status,
             exc.message[:300],
         )
-        return error_response_for(request.url.path, exc)
+        return envelope(request, exc)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -374,18 +404,19 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = str(exc.detail)
+        if exc.status_code == 404 and request.url.path.startswith("/api/"):
+            message = f"{request.url.path} is not served here ({OLLAMA_ROUTES})"
         # Keep the exception's headers: a 405 must say which methods are allowed (Allow).
-        return error_response_for(
-            request.url.path,
-            APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})),
+        return envelope(
+            request,
+            APIError(exc.status_code, message, type=kind, headers=dict(exc.headers or {})),
         )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in request %s", getattr(request.state, "request_id", "?"))
-        return error_response_for(
-            request.url.path, APIError(500, "internal error", type="server_error")
-        )
+        return envelope(request, APIError(500, "internal error", type="server_error"))
 
 
 def _service(gateway: Gateway) -> CompletionService:
@@ -559,6 +590,16 @@ def _add_responses_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...])
             raise responses_api.not_found(response_id)
         return responses_api.Deleted(id=response_id).model_dump()
 
+    @app.post("/v1/responses/{rest:path}", include_in_schema=False)
+    async def not_served(rest: str) -> None:
+        # POST /v1/responses/compact (compaction), /{id}/cancel (background responses): a 404
+        # in the envelope, as for any unknown route, not the 405 that /{id}'s GET would make
+        raise APIError(
+            404,
+            f"POST /v1/responses/{rest} is not served (no compaction, no background responses)",
+            type="not_found_error",
+        )
+
 
 def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> None:
     """/v1/models and /v1/models/{id}."""
@@ -585,6 +626,89 @@ def _add_model_routes(app: FastAPI, gateway: Gateway, auth: tuple[int, ...]) -> 
                 code="model_not_found",
             )
         return ModelCard(id=model_id, created=gateway.created).model_dump()
+
+
+OLLAMA_ROUTES = (
+    "Ollama's API here: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version"
+)
+
+
+def _add_ollama_routes(app: FastAPI, gateway: Gateway) -> None:
+    """Ollama's API (server/api/ollama/): /api/chat and /api/generate (NDJSON, or one object
+    with ``"stream": false``), /api/tags, /api/ps, /api/show, /api/version; errors in Ollama's
+    envelope. Not in the OpenAPI document: Ollama's own API reference describes it."""
+    max_body = gateway.settings.max_body_bytes
+
+    async def generate(request: Request, kind: ollama_render.Kind) -> Response:
+        clock = ollama_render.Clock()
+        svc = _service(gateway)
+        # (no Content-Type check: Ollama reads any body as JSON, and its documentation's curl
+        # examples send JSON as a form)
+        body = await _read_body(request, max_body)
+        req: OllamaChatRequest | OllamaGenerateRequest
+        if kind == "chat":
+            req = parse_request(OllamaChatRequest, body)
+            empty = not req.messages
+        else:
+            req = parse_request(OllamaGenerateRequest, body)
+            empty = not req.prompt
+        ignored = ignored_fields_headers(gateway.settings, req.ignored_fields, request)
+        if empty:  # Ollama's way to load a model: it is loaded while the stages run
+            ollama_lowering.check_model(svc, req.model)
+            return JSONResponse(ollama_render.loaded(kind, req.model), headers=ignored)
+        request_id = f"ollama-{request.state.request_id}"
+        if isinstance(req, OllamaChatRequest):
+            prep = ollama_lowering.lower_chat(svc, req, request_id)
+        else:
+            prep = ollama_lowering.lower_generate(svc, req, request_id)
+        if prep.stream:
+            opening = ollama_render.open_stream(svc, prep, kind, req.model, clock)
+            stream = await _until_disconnect(request, opening)
+            return StreamingResponse(
+                stream, media_type=ollama_render.NDJSON_MEDIA_TYPE, headers=ignored
+            )
+        whole = ollama_render.whole(svc, prep, kind, req.model, clock)
+        return JSONResponse(await _until_disconnect(request, whole), headers=ignored)
+
+    @app.post("/api/chat", include_in_schema=False)
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.post("/api/generate", include_in_schema=False)
+    async def generate_text(request: Request) -> Response:
+        return await generate(request, "generate")
+
+    def served() -> ollama_models.ServedModel:
+        svc = _service(gateway)
+        assert gateway.manifest is not None  # (set with the service)
+        digest = gateway.pipeline.manifest_hash or ""
+        return ollama_models.ServedModel(svc, gateway.manifest, digest, gateway.created)
+
+    @app.api_route("/api/tags", methods=["GET", "HEAD"], include_in_schema=False)
+    async def tags() -> dict[str, Any]:
+        return ollama_models.tags(served()).model_dump()
+
+    @app.get("/api/ps", include_in_schema=False)
+    async def ps() -> dict[str, Any]:
+        return ollama_models.running(served()).model_dump()
+
+    @app.post("/api/show", include_in_schema=False)
+    async def show(request: Request) -> Response:
+        model = served()
+        req = parse_request(OllamaShowRequest, await _read_body(request, max_body))
+        ignored = ignored_fields_headers(gateway.settings, req.ignored_fields, request)
+        if not ollama_lowering.served_name(model.service, req.wanted):
+            raise APIError(404, f"model '{req.wanted}' not found", param="model")
+        return JSONResponse(ollama_models.show(model).model_dump(), headers=ignored)
+
+    @app.api_route("/api/version", methods=["GET", "HEAD"], include_in_schema=False)
+    async def version() -> dict[str, str]:
+        return {"version": ollama_models.OLLAMA_API_VERSION}
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def running() -> PlainTextResponse:
+        # Ollama's heartbeat (its CLI asks HEAD / before anything else); open, as /health
+        return PlainTextResponse("pipeshard is running (Ollama's API: /api/*, OpenAI's: /v1/*)")
 
 
 def _add_operations_routes(app: FastAPI, gateway: Gateway) -> None:

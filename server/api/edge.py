@@ -55,7 +55,7 @@ class Edge:
             await send(message)
 
         try:
-            refusal = self._refusal(scope["path"], headers)
+            refusal = self._refusal(scope["path"], headers, request_id)
             await (refusal or self.app)(scope, receive, tagged)
         finally:
             route = scope.get("route")
@@ -70,10 +70,10 @@ class Edge:
                 (time.perf_counter() - started) * 1000,
             )
 
-    def _refusal(self, path: str, headers: Headers) -> JSONResponse | None:
-        """A 401 without a valid key (on /v1/ when keys are set), a 413 for a declared body
-        over the limit; None to go on."""
-        if self.keys and path.startswith("/v1/"):
+    def _refusal(self, path: str, headers: Headers, request_id: str) -> JSONResponse | None:
+        """A 401 without a valid key (on /v1/ and Ollama's /api/ when keys are set), a 413 for
+        a declared body over the limit; None to go on."""
+        if self.keys and path.startswith(("/v1/", "/api/")):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             presented = token.strip().encode() if scheme.lower() == "bearer" else b""
             if not presented:  # the Anthropic SDK's (and Claude Code's) way to send the key
@@ -88,10 +88,13 @@ class Edge:
                     path,
                     APIError(401, message, type="invalid_request_error", code="invalid_api_key"),
                     headers={"WWW-Authenticate": "Bearer"},
+                    request_id=request_id,
                 )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return error_response_for(
-                path, APIError(413, f"request body over {self.max_body} bytes")
+                path,
+                APIError(413, f"request body over {self.max_body} bytes"),
+                request_id=request_id,
             )
         return None

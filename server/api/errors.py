@@ -38,6 +38,7 @@ class AnthropicErrorResponse(BaseModel):
 
     type: Literal["error"] = "error"
     error: AnthropicErrorBody
+    request_id: str | None = None  # the x-request-id header's
 
 
 class APIError(Exception):
@@ -183,31 +184,52 @@ _ANTHROPIC_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 ANTHROPIC_PATHS = "/v1/messages"  # the routes that answer in Anthropic's envelope
 
 
-def anthropic_error(exc: APIError) -> dict[str, Any]:
-    """``exc`` in Anthropic's envelope: ``{"type": "error", "error": {"type", "message"}}``
-    (the failing field, OpenAI's ``param``, is named in the message)."""
+def anthropic_error(exc: APIError, request_id: str | None = None) -> dict[str, Any]:
+    """``exc`` in Anthropic's envelope: ``{"type": "error", "error": {"type", "message"},
+    "request_id"}`` (the failing field, OpenAI's ``param``, is named in the message; the
+    request id is the ``x-request-id`` header's)."""
     kind = _ANTHROPIC_TYPES.get(exc.status, "api_error" if exc.status >= 500 else None)
     if kind is None:  # another 4xx (405, 415, 499): the request's fault
         kind = "invalid_request_error"
     message = exc.message
     if exc.param and f"'{exc.param}'" not in message:
         message = f"{message} (parameter: {exc.param})"
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": request_id}
+
+
+OLLAMA_PATHS = "/api"  # the routes that answer in Ollama's envelope
+
+
+def ollama_error(exc: APIError) -> dict[str, Any]:
+    """``exc`` in Ollama's envelope: ``{"error": "message"}`` (the failing field, OpenAI's
+    ``param``, is named in the message)."""
+    message = exc.message
+    if exc.param and f"'{exc.param}'" not in message:
+        message = f"{message} (parameter: {exc.param})"
+    return {"error": message}
 
 
 def error_response_for(
-    path: str, exc: APIError, headers: dict[str, str] | None = None
+    path: str,
+    exc: APIError,
+    headers: dict[str, str] | None = None,
+    request_id: str | None = None,
 ) -> JSONResponse:
     """``exc`` as the response of a request to ``path``: Anthropic's envelope on the Messages
-    API's routes, OpenAI's everywhere else."""
+    API's routes, Ollama's on ``/api/*``, OpenAI's everywhere else."""
+    if path == OLLAMA_PATHS or path.startswith(f"{OLLAMA_PATHS}/"):
+        return JSONResponse(
+            ollama_error(exc), status_code=exc.status, headers={**exc.headers, **(headers or {})}
+        )
     if path == ANTHROPIC_PATHS or path.startswith(f"{ANTHROPIC_PATHS}/"):
         return JSONResponse(
-            anthropic_error(exc),
+            anthropic_error(exc, request_id),
             status_code=exc.status,
             headers={**exc.headers, **(headers or {})},
         )

@@ -1,11 +1,13 @@
 """The OpenAI-compatible responses: chat and text completions, their streamed chunks, models.
 
-They serialize (``model_dump_json()``) to exactly the JSON the ``openai`` Python client parses: a
-chat message always carries ``"refusal": null``, chunk choices carry ``"logprobs"`` and
-``"finish_reason"`` (``null`` until the last one), every chunk carries ``"usage"`` (``null``
-except on the usage chunk), and a streamed ``delta`` holds only the keys that are set (the last
-choice chunk has ``"delta": {}``). Non-finite logprobs are reported as ``-9999.0``, as OpenAI
-does, so the JSON stays valid.
+They serialize (``model_dump_json()``) to exactly the JSON the ``openai`` Python client parses,
+valid against OpenAI's OpenAPI document: a chat message always carries ``"refusal": null``,
+chunk choices carry ``"logprobs"`` and ``"finish_reason"`` (``null`` until the last one), every
+chat chunk carries ``"usage"`` (``null`` except on the usage chunk; a completions chunk leaves
+it out, as the document types it an object), and a streamed ``delta`` holds only the keys that
+are set (the last choice chunk has ``"delta": {}``). Non-finite logprobs are reported as
+``-9999.0``, as OpenAI does, so the JSON stays valid. ``system_fingerprint`` is always a string:
+the gateway's release, the backend configuration a seed's samples depend on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -26,6 +29,16 @@ from pydantic import (
 UNLIKELY_LOGPROB = -9999.0  # what OpenAI reports for a logprob that is -inf
 OWNER = "pipeshard"
 FinishReason = Literal["stop", "length", "tool_calls"]  # tool_calls: chat only
+
+
+def _fingerprint() -> str:
+    try:
+        return f"fp_pipeshard_{metadata.version('pipeshard')}"
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "fp_pipeshard_dev"
+
+
+SYSTEM_FINGERPRINT = _fingerprint()
 
 
 def _is_none(value: Any) -> bool:
@@ -158,7 +171,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatCompletionChoice]
     usage: Usage
 
@@ -204,7 +217,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -230,7 +243,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -247,9 +260,10 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[CompletionChunkChoice]
-    usage: Usage | None = None
+    # left out until the usage chunk: OpenAPI types it as an object, never null
+    usage: Usage | None = Field(default=None, exclude_if=_is_none)
 
 
 class ModelCard(BaseModel):

@@ -622,6 +622,7 @@ class Shaper:
             "id": self.id,
             "object": "response",
             "created_at": self.created,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "status": status,
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
@@ -637,23 +638,45 @@ class Shaper:
             },
             "store": req.store is not False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {
-                "format": fmt.model_dump(by_alias=True, exclude_none=True)
-                if fmt
-                else {"type": "text"}
-            },
+            "text": {"format": _format(fmt)},
             "tool_choice": (
                 req.tool_choice.model_dump()
                 if isinstance(req.tool_choice, FunctionChoice)
                 else req.tool_choice or "auto"
             ),
-            "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or ()],
+            # the function tool's shape: every key, null where the request left it out
+            "tools": [tool.model_dump() for tool in req.tools or ()],
             "top_p": 1.0 if req.top_p is None else req.top_p,
+            # what was applied: no penalties, logprobs or tool-call cap here (the last two are
+            # refused), never in the background, the one service tier
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "top_logprobs": 0,
+            "max_tool_calls": None,
+            "background": False,
+            "service_tier": "default",
             "truncation": "disabled",
             "metadata": req.metadata or {},
-            "user": req.user,
+            "safety_identifier": req.safety_identifier,
+            "prompt_cache_key": req.prompt_cache_key,
             "usage": _usage(outcome) if outcome is not None else None,
+            # (OpenAI types user a string: left out when the request had none)
+            **({"user": req.user} if req.user is not None else {}),
         }
+
+
+def _format(fmt: TextFormat | None) -> dict[str, Any]:
+    """The echoed ``text.format``: a json_schema format with every key (``strict`` false
+    unless asked for, as it was applied)."""
+    if fmt is None or fmt.type != "json_schema":
+        return {"type": fmt.type if fmt else "text"}
+    return {
+        "type": "json_schema",
+        "name": fmt.name,
+        "description": fmt.description,
+        "schema": fmt.schema_,
+        "strict": fmt.strict is True,
+    }
 
 
 def _status(outcome: Outcome) -> str:

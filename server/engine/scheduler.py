@@ -28,6 +28,9 @@ Policy, each rule with its reason in docs/scheduling.md:
   preempted when decoding would outgrow a pool. The count never runs behind the stages': a
   freed session's blocks count as taken until its release is done (:meth:`released`), and the
   ring's own decode steps claim their positions before they go out (:meth:`ring_steps`).
+* **State slots** (``state_pools``, hybrid models' paged stages): every sequence that holds
+  (or is about to hold) a session claims the most slots a session holds, from admission on,
+  like its blocks: a new sequence waits in the queue until a pool has them.
 * **Surviving a stage restart**: a sequence whose step the ring lost is suspended
   (:meth:`Scheduler.on_lost`) and re-prefills on a fresh session once the ring is whole, for up
   to ``resume_grace`` seconds; a lost session likewise (:meth:`Scheduler.on_session_lost`).
@@ -78,6 +81,10 @@ class SchedulerConfig:
     # sequences would outgrow a pool (empty: no accounting, stateful stages)
     kv_pools: tuple[tuple[int, int], ...] = ()
     kv_headroom: int = 1  # positions a decode step may add (1 + speculative draft tokens)
+    # linear-attention state pools of a hybrid model's paged stages, (slots for sessions,
+    # slots a session holds at most) each (common.state_pool): admission waits for a
+    # session's slots as for its blocks
+    state_pools: tuple[tuple[int, int], ...] = ()
     # a group's decode steps go out together, once all of its previous ones are back
     # (batched stages): its sequences then share every inference call instead of drifting apart
     lockstep: bool = False
@@ -105,6 +112,8 @@ class SchedulerConfig:
             raise ValueError("busy_prefill_chunk must be at least 1")
         if self.kv_headroom < 1 or any(b < 1 or n < 1 for b, n in self.kv_pools):
             raise ValueError("kv_headroom and the pools' block sizes and counts must be >= 1")
+        if any(n < 0 or per < 1 for n, per in self.state_pools):
+            raise ValueError("the state pools' slots must be >= 0 and a session's >= 1")
         if self.group_size < 0:
             raise ValueError("group_size must be >= 0")
         if self.solo and (self.groups < self.max_running or self.group_size):
@@ -279,12 +288,17 @@ class Scheduler:
             return 0
         return max(length, seq.ring_claim)
 
+    @property
+    def _pools(self) -> bool:
+        """Whether anything is counted (paged stages)."""
+        return bool(self.config.kv_pools or self.config.state_pools)
+
     def _fits(self, seq: Sequence, length: int | None = None) -> bool:
         """Whether ``seq`` may hold ``length`` positions (default: its whole prefix) now: the
         pools hold it with the other running sequences' claims, or no other sequence holds
         KV (alone, it goes on whatever it needs: the stages refuse what their pools cannot
         hold, and it ends with their error after MAX_REFUSALS)."""
-        if not self.config.kv_pools:
+        if not self._pools:
             return True
         if self._room({seq.seq_id: len(seq.prefix) if length is None else length}):
             return True
@@ -301,18 +315,20 @@ class Scheduler:
 
     def _room(self, claims: dict[str, int], unfreed: bool = True) -> bool:
         """Whether every pool holds the running sequences' claims (``claims`` overriding or
-        adding some), and (``unfreed``) the sessions whose release is not done yet."""
-        if not self.config.kv_pools:
+        adding some), and (``unfreed``) the sessions whose release is not done yet: their
+        blocks, and in a state pool a session's most slots for each that claims any."""
+        if not self._pools:
             return True
         lengths = {sid: self._claim(self.sequences[sid]) for sid in self.running}
         lengths.update(claims)
         held = list(lengths.values())
         if unfreed:
             held += self._unfreed.values()
+        sessions = sum(1 for n in held if n > 0)
         return all(
             sum(-(-n // block_size) for n in held) <= blocks
             for block_size, blocks in self.config.kv_pools
-        )
+        ) and all(sessions * per <= slots for slots, per in self.config.state_pools)
 
     def _make_room(self) -> None:
         """Preempt the newest sequences until the decoding ones fit the pools: each frees its
@@ -394,7 +410,7 @@ class Scheduler:
                 seq.phase, seq.lost_since = Phase.PREFILL, None
                 seq.resumes += 1
                 self.resumes += 1
-        if self.config.kv_pools:  # after the resumes: sequences back from a lost ring count
+        if self._pools:  # after the resumes: sequences back from a lost ring count
             self._make_room()
         self._admit(now)
         ready = [
@@ -575,7 +591,7 @@ class Scheduler:
         gateway (the last stage sends the next step first), and no room can be made for them
         then (the sequence has a step in flight all along)."""
         seq = self.sequences[seq_id]
-        if not self.config.kv_pools:
+        if not self._pools:
             return wanted
         for steps in range(wanted, 0, -1):
             if self._room({seq_id: max(self._claim(seq), held + steps)}):

@@ -122,6 +122,7 @@ class DraftProposer:
             kv_cache_bytes=kv_cache_bytes,
             prefix_cache_blocks=prefix_cache_blocks,
             manifest=manifest,
+            state_cache_bytes=kv_cache_bytes,  # a hybrid draft: as many bytes of states
             state_window=DRAFT_STATE_WINDOW,
         )
         self._salt = manifest_hash(export_dir)  # draft and target hashes never mix

@@ -119,6 +119,12 @@ class Ring(Protocol):
         model's paged stages keep the recurrent states of a window of positions."""
         ...
 
+    @property
+    def state_pools(self) -> tuple[tuple[int, int], ...]:
+        """(slots for sessions, slots a session holds at most) of each hybrid paged stage's
+        linear-attention state pool (common.state_pool): admission counts them."""
+        ...
+
     async def start(self, timeout: float = 120.0) -> ShardManifest:
         """Connect to and check the stages; raises RingRefused or StageUnavailable."""
         ...

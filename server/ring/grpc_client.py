@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from common.state_pool import SCRATCH_SLOTS, slots_per_session
 from protos import pipeshard_v1_pb2 as pb
 from protos import pipeshard_v1_pb2_grpc as pb_grpc
 from protos.codec import sampled_from_pb
@@ -521,6 +522,17 @@ class PipelineClient:
             return None
         sizes = {i.kv_block_size for i in infos if i is not None}
         return sizes.pop() if len(sizes) == 1 else None
+
+    @property
+    def state_pools(self) -> tuple[tuple[int, int], ...]:
+        """(slots for sessions, slots a session holds at most) of each hybrid paged stage's
+        state pool, from what it reports (``state_slots``, its scratch slot among them, and
+        ``state_window``)."""
+        return tuple(
+            (s.info.state_slots - SCRATCH_SLOTS, slots_per_session(s.info.state_window))
+            for s in self.stages
+            if s.info is not None and s.info.kv_backend == "paged" and s.info.state_slots
+        )
 
     @property
     def max_rollback(self) -> int | None:

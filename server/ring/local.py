@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from common.state_pool import SCRATCH_SLOTS, slots_per_session
 from protos.codec import HIDDEN_DTYPES
 from protos.manifest import ShardManifest, manifest_hash
 from protos.step import StepRequest
@@ -132,6 +133,14 @@ class LocalRing:
             return None
         sizes = {r.blocks.block_size for r in runners if isinstance(r, PagedRunner)}
         return sizes.pop() if len(sizes) == 1 else None
+
+    @property
+    def state_pools(self) -> tuple[tuple[int, int], ...]:
+        return tuple(
+            (r.states.num_slots - SCRATCH_SLOTS, slots_per_session(r.states.window))
+            for r in self.chain.runners
+            if isinstance(r, PagedRunner) and r.states is not None
+        )
 
     @property
     def max_rollback(self) -> int | None:
