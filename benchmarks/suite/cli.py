@@ -90,6 +90,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "benchmarks.attention_cost",
         "a hybrid's linear-attention layer against its full-attention layer: decode, prefill",
     ),
+    "profile": (
+        "benchmarks.op_profile",
+        "where a token's time goes: a decode step and a prefill chunk per stage, by op type",
+    ),
     "stand-in": (
         "benchmarks.stand_in",
         "stand-in exports (real graphs, random weights) to time a model on a host it can't reach",
