@@ -298,3 +298,96 @@ def test_the_runtime_imports_only_its_declared_dependencies() -> None:
         if not {canonicalize_name(d) for d in provides.get(top, [])} & allowed
     ]
     assert broken == []
+
+
+# request fields (of any dialect) that ask for a constraint: the engine reads none of them
+CONSTRAINT_FIELDS = {"tool_choice", "parallel_tool_calls", "response_format", "json_schema"}
+
+
+def request_reads(source: str, where: str) -> Iterator[str]:
+    """``x.field`` or ``getattr(x, "field")`` of a constraint field in ``source``, and any
+    import of pydantic (what the dialects' request models are made of)."""
+    for node in ast.walk(ast.parse(source, where)):
+        at = f"{where}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Attribute) and node.attr in CONSTRAINT_FIELDS:
+            yield f"{at} reads .{node.attr}"
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in CONSTRAINT_FIELDS
+        ):
+            yield f"{at} reads getattr(..., {node.args[1].value!r})"
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names.append(node.module or "")
+            if any(n.split(".")[0] == "pydantic" for n in names):
+                yield f"{at} imports pydantic"
+
+
+def test_the_engine_reads_no_http_request() -> None:
+    """The engine never sees a dialect's request: it imports no HTTP module (the layers rule
+    above), no pydantic model, and reads no field that asks for a constraint."""
+    broken = [
+        found
+        for name, path in MODULES.items()
+        if layer(name) == "server.engine"
+        for found in request_reads(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+    assert broken == []
+    # the rule sees each kind of read (a guard for the reader)
+    probe = "getattr(req, 'tool_choice')\nreq.response_format\nfrom pydantic import BaseModel\n"
+    assert len(list(request_reads(probe, "probe"))) == 3
+
+
+def _leaf_types(hint: object) -> Iterator[object]:
+    """The types a field's annotation is made of (``Literal`` values left out)."""
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return
+    if origin is None:
+        yield hint
+        return
+    yield origin
+    for arg in typing.get_args(hint):
+        if arg is not Ellipsis:
+            yield from _leaf_types(arg)
+
+
+def test_grammars_are_built_from_the_neutral_constraint_spec_only() -> None:
+    """``build_constraint`` takes a :class:`ConstraintSpec` (and the vocabulary), nothing a
+    dialect defines; the spec is frozen and made of plain values and its own types."""
+    import dataclasses
+    import types
+    import typing
+    from collections.abc import Mapping
+
+    from server.engine import constraint_spec, constraints
+
+    assert not hasattr(constraints, "constraint_for")
+    hints = typing.get_type_hints(constraints.build_constraint)
+    assert hints == {
+        "spec": constraint_spec.ConstraintSpec,
+        "vocab": dict[str, int] | None,
+        "return": constraints.Constraint,
+    }
+    own: set[type] = {
+        obj
+        for obj in vars(constraint_spec).values()
+        if isinstance(obj, type)
+        and dataclasses.is_dataclass(obj)
+        and obj.__module__ == constraint_spec.__name__
+    }
+    assert constraint_spec.ConstraintSpec in own
+    plain: set[object] = {str, bool, int, float, tuple, dict, Mapping, type(None)}
+    plain |= {typing.Any, typing.Union, types.UnionType}
+    for cls in own:
+        assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
+        for field, hint in typing.get_type_hints(cls).items():
+            strange = [t for t in _leaf_types(hint) if t not in plain and t not in own]
+            assert strange == [], f"{cls}.{field}: {strange}"

@@ -16,6 +16,7 @@ import pytest
 from exporter.tiny_models import CORPUS, JSON_CORPUS
 from protos.sampling import SamplingParams
 from server.api.tools import HERMES
+from server.engine.constraint_spec import ToolSchema
 from server.engine.constraints import (
     Constraint,
     Grammars,
@@ -204,7 +205,7 @@ def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) ->
     eos = tokenizer.convert_tokens_to_ids("</s>")
     grammars = Grammars(tokenizer, len(tokenizer), [eos])
     constraint = tool_call_constraint(
-        [_Tool("get_weather", SCHEMA)], HERMES, parallel=True, vocab=grammars.vocab()
+        [ToolSchema("get_weather", SCHEMA)], HERMES.syntax, parallel=True, vocab=grammars.vocab()
     )
     rng = random.Random(0)
 
@@ -241,17 +242,6 @@ def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) ->
                 break
 
 
-@dataclass
-class _Function:
-    name: str
-    parameters: dict[str, object]
-
-
-class _Tool:
-    def __init__(self, name: str, parameters: dict[str, object]) -> None:
-        self.function = _Function(name, parameters)
-
-
 @pytest.mark.component  # trains a tokenizer and builds its grammar: seconds
 def test_forced_glm_calls_follow_glm_format_and_the_schemas(tmp_path: Path) -> None:
     """``tool_choice`` required for a GLM model: the grammar takes calls as GLM writes them
@@ -269,8 +259,8 @@ def test_forced_glm_calls_follow_glm_format_and_the_schemas(tmp_path: Path) -> N
     eos = tokenizer.convert_tokens_to_ids("</s>")
     grammars = Grammars(tokenizer, len(tokenizer), [eos])
     lookup = {"type": "object", "properties": {"query": {"type": "string"}}}
-    tools = [_Tool("get_weather", SCHEMA), _Tool("lookup", lookup)]
-    constraint = tool_call_constraint(tools, GLM, parallel=True, vocab=grammars.vocab())
+    tools = [ToolSchema("get_weather", SCHEMA), ToolSchema("lookup", lookup)]
+    constraint = tool_call_constraint(tools, GLM.syntax, parallel=True, vocab=grammars.vocab())
 
     def accepted(text: str) -> bool:
         matcher = grammars.matcher(constraint)
@@ -295,7 +285,7 @@ def test_forced_glm_calls_follow_glm_format_and_the_schemas(tmp_path: Path) -> N
     # parallel_tool_calls false: after one call, only the end
     from server.engine.constraints import _allows
 
-    single = tool_call_constraint(tools[1:], GLM, parallel=False, vocab=grammars.vocab())
+    single = tool_call_constraint(tools[1:], GLM.syntax, parallel=False, vocab=grammars.vocab())
     matcher = grammars.matcher(single)
     matcher.advance(tokenizer.encode(GLM.write_call("lookup", {}), add_special_tokens=False))
     row = np.frombuffer(matcher.masks()[0][0], dtype=np.int32)

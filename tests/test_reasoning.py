@@ -24,6 +24,7 @@ from server.api.reasoning import (
 )
 from server.api.tools import HARMONY as HARMONY_FORMAT
 from server.api.tools import HERMES, detect_tool_format, parse_tool_calls
+from server.engine.constraint_spec import ToolSchema
 from server.engine.constraints import (
     Constraint,
     Grammars,
@@ -290,13 +291,10 @@ def test_the_reasoning_allows_every_token_but_the_special_ones(grammar_tokenizer
 
 
 def test_a_required_call_after_a_think_block(grammar_tokenizer: Any) -> None:
-    from types import SimpleNamespace
-
-    function = SimpleNamespace(
-        name="lookup",
-        parameters={"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    function = ToolSchema(
+        "lookup", {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
     )
-    call = tool_call_constraint([SimpleNamespace(function=function)], HERMES, parallel=False)
+    call = tool_call_constraint([function], HERMES.syntax, parallel=False)
     constraint = after_reasoning(call, opened=True)
     text = 'hmm</think>\n<tool_call>\n{"name":"lookup","arguments":{"q":"x"}}\n</tool_call>'
     assert _walk(grammar_tokenizer, constraint, text) == (True, True)
@@ -304,18 +302,16 @@ def test_a_required_call_after_a_think_block(grammar_tokenizer: Any) -> None:
 
 
 def test_a_forced_harmony_call_after_an_optional_analysis(grammar_tokenizer: Any) -> None:
-    from types import SimpleNamespace
-
-    def tool(name: str, properties: dict[str, Any]) -> Any:
+    def tool(name: str, properties: dict[str, Any]) -> ToolSchema:
         schema = {"type": "object", "properties": properties, "required": list(properties)}
-        return SimpleNamespace(function=SimpleNamespace(name=name, parameters=schema))
+        return ToolSchema(name, schema)
 
     tools = [
         tool("get_weather", {"city": {"type": "string"}}),
         tool("add", {"a": {"type": "integer"}}),
     ]
     vocab = dict(grammar_tokenizer.get_vocab())
-    constraint = tool_call_constraint(tools, HARMONY_FORMAT, parallel=True, vocab=vocab)
+    constraint = tool_call_constraint(tools, HARMONY_FORMAT.syntax, parallel=True, vocab=vocab)
     header = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     call = header + '{"city":"Paris"}'
     analysed = "<|channel|>analysis<|message|>the fox<|end|><|start|>assistant" + call

@@ -31,6 +31,7 @@ from server.api.reasoning import ThinkParser
 from server.api.requests import ChatCompletionRequest, parse_request
 from server.api.responses import ChatCompletion
 from server.api.serving import CompletionService
+from server.engine.constraint_spec import ToolSchema
 from server.engine.constraints import (
     Grammars,
     after_reasoning,
@@ -309,7 +310,9 @@ def test_the_answer_after_the_reasoning_is_a_call_or_json(served: Served, kind: 
         if kind == "tool":
             assert service.tool_format is not None
             vocab = dict(codec.chat.get_vocab())
-            answer = tool_call_constraint(request.tools or [], service.tool_format, False, vocab)
+            offered = request.tools or []
+            tools = [ToolSchema(t.function.name, t.function.parameters) for t in offered]
+            answer = tool_call_constraint(tools, service.tool_format.syntax, False, vocab)
         else:
             answer = json_schema_constraint(SCHEMA)
         steered = after_reasoning(answer, opened=True, think_tokens=k)

@@ -57,6 +57,15 @@ SUITES: dict[str, tuple[str, str]] = {
         "benchmarks.servers",
         "running servers (other options, another build) side by side: tok/s, same text",
     ),
+    "llamacpp": (
+        "benchmarks.llamacpp",
+        "the 2026 families' stand-ins: pipeshard up against llama-server, tok/s, TTFT, agreement",
+    ),
+    "llama-agree": (
+        "benchmarks.llama_agree",
+        "greedy tokens of pipeshard and llama-server on the same GGUF and prompt ids: "
+        "where they first differ, the top-2 gap",
+    ),
     "batch-cost": (
         "benchmarks.batch_cost",
         "one decode call with 1-8 rows per stage (dense or MoE): does batching pay here",
@@ -80,6 +89,10 @@ SUITES: dict[str, tuple[str, str]] = {
     "attention-cost": (
         "benchmarks.attention_cost",
         "a hybrid's linear-attention layer against its full-attention layer: decode, prefill",
+    ),
+    "profile": (
+        "benchmarks.op_profile",
+        "where a token's time goes: a decode step and a prefill chunk per stage, by op type",
     ),
     "stand-in": (
         "benchmarks.stand_in",

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from protos.sampling import SampledToken
+from server.api.constraint_lowering import chat_spec, with_reasoning
 from server.api.detokenizer import IncrementalDetokenizer
 from server.api.errors import APIError
 from server.api.reasoning import (
     choose_reasoning,
-    closed_by_prompt,
     make_parser,
     opened_by_prompt,
     template_reads,
@@ -75,13 +75,8 @@ from server.api.tools import (
     parse_tool_calls,
     template_tools,
 )
-from server.engine.constraints import (
-    Constraint,
-    ConstraintError,
-    after_analysis,
-    after_reasoning,
-    constraint_for,
-)
+from server.engine.constraint_spec import ConstraintSpec
+from server.engine.constraints import Constraint, ConstraintError, build_constraint
 from server.engine.loop import (
     Engine,
     GenerationRequest,
@@ -234,19 +229,19 @@ class CompletionService:
         self.reasoning = choose_reasoning(reasoning_parser, codec.chat_template, architecture)
         self._vocab: dict[str, int] | None = None
 
-    def _constraint(self, req: ChatCompletionRequest, mode: str | None) -> Constraint | None:
-        """What the output must match (server/engine/constraints.py), or a 400 naming the field."""
+    def build_constraint(self, spec: ConstraintSpec | None, param: str) -> Constraint | None:
+        """The grammar ``spec`` asks for (server/engine/constraints.py), or a 400 naming
+        ``param``, the request field it came from."""
+        if spec is None:
+            return None
         vocab = None
-        if mode in ("required", "named"):
+        if spec.kind == "tool_call":
             if self._vocab is None:  # tags that are single tokens (built once, on first use)
                 self._vocab = dict(self.codec.chat.get_vocab())
             vocab = self._vocab
         try:
-            return constraint_for(
-                req, self.tool_format if mode else None, vocab=vocab, closed=self.close_schemas
-            )
+            return build_constraint(spec, vocab)
         except ConstraintError as exc:
-            param = "tools" if mode in ("required", "named") else "response_format"
             raise APIError(400, f"Invalid value for '{param}': {exc}", param=param) from None
 
     def serves(self, model: str) -> bool:
@@ -318,20 +313,16 @@ class CompletionService:
             reasoning = self.reasoning
             thinking_open = reasoning == "think" and opened_by_prompt(text)
             logprobs = bool(req.logprobs)
-            constraint = self._constraint(req, mode)
-            if constraint is not None and reasoning != "none":
-                # free inside the reasoning, constrained from its end
-                try:
-                    if reasoning == "harmony":
-                        if not (constraint.kind == "tool_call" and fmt is not None and fmt.harmony):
-                            constraint = after_analysis(constraint)  # (a harmony call has it)
-                    elif not closed_by_prompt(text):
-                        constraint = after_reasoning(constraint, thinking_open)
-                except ConstraintError as exc:
-                    param = "tools" if constraint.kind == "tool_call" else "response_format"
-                    raise APIError(
-                        400, f"Invalid value for '{param}': {exc}", param=param
-                    ) from None
+            # free inside the reasoning, constrained from its end
+            spec = with_reasoning(
+                chat_spec(req, mode, fmt, self.close_schemas),
+                reasoning,
+                text,
+                thinking_open,
+                harmony_calls=fmt is not None and fmt.harmony,
+            )
+            param = "tools" if spec is not None and spec.kind == "tool_call" else "response_format"
+            constraint = self.build_constraint(spec, param)
         else:
             if isinstance(req.prompt, str):
                 prompt = self.codec.encode(req.prompt)

@@ -34,7 +34,9 @@ import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
+
+from server.engine.constraint_spec import ToolSyntax
 
 __all__ = [
     "FORMATS",
@@ -75,6 +77,23 @@ class ToolFormat:
     # calls are harmony messages in the commentary channel (gpt-oss): the reasoning parser
     # reads them and hands each on to the answer as this format's call text
     harmony: bool = False
+
+    @property
+    def syntax(self) -> ToolSyntax:
+        """How this format writes a call, as the engine's grammar takes it."""
+        style: Literal["json", "xml", "harmony"] = (
+            "harmony" if self.harmony else "xml" if self.xml_arguments else "json"
+        )
+        return ToolSyntax(
+            style=style,
+            calls_start=self.calls_start,
+            call_start=self.call_start,
+            call_end=self.call_end,
+            call_separator=self.call_separator,
+            calls_end=self.calls_end,
+            arguments_key=self.arguments_key,
+            tags=self.tags,
+        )
 
     def write_call(self, name: str, arguments: Mapping[str, Any]) -> str:
         """One call as the model writes it (what the parser reads back)."""

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from server.engine.constraint_spec import ConstraintSpec, ToolCallSpec, ToolSchema, ToolSyntax
+
 
 class ConstraintError(ValueError):
     """A grammar that cannot be built (an unsupported schema), or output it refuses."""
@@ -98,14 +100,13 @@ def json_schema_constraint(
 
 
 def _tool_body_schema(
-    tools: Sequence[Any], arguments_key: str, closed: bool = True
+    tools: Sequence[ToolSchema], arguments_key: str, closed: bool = True
 ) -> dict[str, Any]:
     """A JSON object calling one of ``tools``: its name and arguments valid for its schema
     (``closed``: argument objects take no keys their schema does not name)."""
     options = []
     for i, tool in enumerate(tools):
-        function = tool.function
-        parameters = function.parameters or {"type": "object", "properties": {}}
+        parameters = dict(tool.parameters or {"type": "object", "properties": {}})
         if closed:
             parameters = close_objects(parameters)
         # the schema's own references ("#/$defs/x", "#") point into it, not the body's root
@@ -114,7 +115,7 @@ def _tool_body_schema(
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": function.name}, arguments_key: parameters},
+                "properties": {"name": {"const": tool.name}, arguments_key: parameters},
                 "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
@@ -146,23 +147,23 @@ def _check_grammar(grammar: str, what: str) -> None:
 
 
 def tool_call_constraint(
-    tools: Sequence[Any],
-    tool_format: Any,
+    tools: Sequence[ToolSchema],
+    syntax: ToolSyntax,
     parallel: bool,
     vocab: dict[str, int] | None = None,
     closed: bool = True,
 ) -> Constraint:
     """A grammar for one call (or, with ``parallel``, one or more) of ``tools`` written as
-    ``tool_format`` writes it: its text before each call, the JSON body, its text after.
+    ``syntax`` says: its text before each call, the JSON body, its text after.
     ``closed``: argument objects take no keys their schema does not name
     (:func:`close_objects`)."""
     import llguidance
 
-    if getattr(tool_format, "xml_arguments", False):
-        return _xml_tool_call_constraint(tools, tool_format, parallel, vocab)
-    if getattr(tool_format, "harmony", False):
+    if syntax.style == "xml":
+        return _xml_tool_call_constraint(tools, parallel, vocab)
+    if syntax.style == "harmony":
         return _harmony_tool_call_constraint(tools, vocab, closed)
-    body = _tool_body_schema(tools, tool_format.arguments_key, closed)
+    body = _tool_body_schema(tools, syntax.arguments_key, closed)
 
     def literal(text: str) -> str:
         if not text:
@@ -176,7 +177,7 @@ def tool_call_constraint(
         """``text`` with each of the format's tags in it (``<tool_call>``, ``[TOOL_CALLS]``)
         as a literal of its own, so that one may come as its single token."""
         parts = [text]
-        for tag in getattr(tool_format, "tags", ()):
+        for tag in syntax.tags:
             parts = [
                 piece
                 for part in parts
@@ -185,13 +186,11 @@ def tool_call_constraint(
             ]
         return " ".join(literal(p) for p in parts if p)
 
-    call = " ".join(
-        x for x in (tagged(tool_format.call_start), "body", tagged(tool_format.call_end)) if x
-    )
-    separator = literal(tool_format.call_separator)
+    call = " ".join(x for x in (tagged(syntax.call_start), "body", tagged(syntax.call_end)) if x)
+    separator = literal(syntax.call_separator)
     more = f"({separator} call)*" if parallel else ""
     lines = [
-        f"start: {tagged(tool_format.calls_start)} call {more} {tagged(tool_format.calls_end)}",
+        f"start: {tagged(syntax.calls_start)} call {more} {tagged(syntax.calls_end)}",
         f"call: {call}",
         f"body: %json {json.dumps({**body, 'x-guidance': {'whitespace_flexible': False}})}",
     ]
@@ -205,7 +204,7 @@ def tool_call_constraint(
 
 
 def _harmony_tool_call_constraint(
-    tools: Sequence[Any], vocab: dict[str, int] | None, closed: bool
+    tools: Sequence[ToolSchema], vocab: dict[str, int] | None, closed: bool
 ) -> Constraint:
     """gpt-oss's call: first, if the model wants, an ``analysis`` message (free text), then
     ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`` and arguments
@@ -225,11 +224,11 @@ def _harmony_tool_call_constraint(
     ]
     grammars: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
-        parameters = tool.function.parameters or {"type": "object", "properties": {}}
+        parameters = dict(tool.parameters or {"type": "object", "properties": {}})
         if closed:
             parameters = close_objects(parameters)
         schema = {**parameters, "x-guidance": {"whitespace_flexible": False}}
-        lines.append(f"call{i}: {json.dumps(tool.function.name)} {constrain} <|message|> args{i}")
+        lines.append(f"call{i}: {json.dumps(tool.name)} {constrain} <|message|> args{i}")
         lines.append(f"args{i}: %json {json.dumps(schema)}")
     lines.append(r"TEXT: /(.|\n)*/")
     grammars.append({"name": "call", "lark_grammar": "\n".join(lines) + "\n"})
@@ -328,7 +327,7 @@ def _xml_string(function: str, key: str, schema: dict[str, Any]) -> str:
 
 
 def _xml_tool_call_constraint(
-    tools: Sequence[Any], tool_format: Any, parallel: bool, vocab: dict[str, int] | None
+    tools: Sequence[ToolSchema], parallel: bool, vocab: dict[str, int] | None
 ) -> Constraint:
     """GLM's calls: ``<tool_call>NAME`` then one ``<arg_key>K</arg_key><arg_value>V
     </arg_value>`` pair per argument (each of the schema's properties at most once, in its
@@ -347,8 +346,7 @@ def _xml_tool_call_constraint(
     lines = []
     calls = []
     for t, tool in enumerate(tools):
-        function = tool.function
-        parameters = function.parameters or {"type": "object"}
+        parameters = tool.parameters or {"type": "object"}
         properties = parameters.get("properties") or {}
         required = set(parameters.get("required") or ())
         pairs = []
@@ -356,7 +354,7 @@ def _xml_tool_call_constraint(
             schema = schema if isinstance(schema, dict) else {}
             rule = f"arg_{t}_{a}"
             if schema.get("type") == "string":
-                value = _xml_string(function.name, key, schema)
+                value = _xml_string(tool.name, key, schema)
             else:
                 flat = {**schema, "x-guidance": {"whitespace_flexible": False}}
                 value = f"%json {json.dumps(flat)}"
@@ -368,7 +366,7 @@ def _xml_tool_call_constraint(
             lines.append(f"value_{t}_{a}: {value}")
             pairs.append(rule if key in required else f"{rule}?")
         calls.append(
-            f"{literal('<tool_call>')} {json.dumps(function.name)} {newline} "
+            f"{literal('<tool_call>')} {json.dumps(tool.name)} {newline} "
             f"{' '.join(pairs)} {literal('</tool_call>')}"
         )
     more = f"({newline} call)*" if parallel else ""
@@ -382,39 +380,26 @@ def _xml_tool_call_constraint(
     return Constraint(grammar, "tool_call")
 
 
-def constraint_for(
-    req: Any, tool_format: Any, vocab: dict[str, int] | None = None, closed: bool = True
-) -> Constraint | None:
-    """The constraint a chat request asks for, or None: a call of an offered tool with
-    ``tool_choice`` ``"required"`` or a named function (``tool_format``: the model's, from
-    server/api/tools.py), else ``response_format`` ``json_object`` / ``json_schema``.
-
-    ``closed`` (the gateway's ``json_schema_additional_properties`` "closed", the default):
-    tool arguments and ``strict`` JSON schemas treat a missing ``additionalProperties`` as
-    false (:func:`close_objects`); a non-strict schema is enforced as written."""
-    tools = getattr(req, "tools", None) or []
-    choice = getattr(req, "tool_choice", None)
-    if tools and tool_format is not None and choice is not None and choice != "auto":
-        if choice == "required":
-            offered = tools
-        elif choice == "none":
-            offered = []
-        else:  # a named function
-            name = choice.function.name
-            offered = [t for t in tools if t.function.name == name]
-        if offered:
-            parallel = getattr(req, "parallel_tool_calls", None) is not False and choice == (
-                "required"
-            )
-            return tool_call_constraint(offered, tool_format, parallel, vocab, closed)
-    fmt: Any = getattr(req, "response_format", None)
-    kind = getattr(fmt, "type", None)
-    if kind == "json_object":
-        return json_schema_constraint({"type": "object"}, "json_object")
-    if kind == "json_schema":
-        strict = closed and fmt.json_schema.strict is True
-        return json_schema_constraint(fmt.json_schema.schema_, "json_schema", strict)
-    return None
+def build_constraint(spec: ConstraintSpec, vocab: dict[str, int] | None = None) -> Constraint:
+    """The grammar ``spec`` asks for (a call of its tools, or JSON), after the model's
+    reasoning where it says so. ``vocab``: the tokenizer's token strings (a tool format's tags
+    that are one token may come as that token). A :class:`ConstraintError` for a schema or
+    grammar that cannot be enforced."""
+    answer = spec.answer
+    if isinstance(answer, ToolCallSpec):
+        constraint = tool_call_constraint(
+            answer.tools, answer.syntax, answer.parallel, vocab, answer.closed
+        )
+    elif answer.schema is None:
+        constraint = json_schema_constraint({"type": "object"}, "json_object")
+    else:
+        constraint = json_schema_constraint(dict(answer.schema), "json_schema", answer.closed)
+    reasoning = spec.reasoning
+    if reasoning is None:
+        return constraint
+    if reasoning.kind == "analysis":
+        return after_analysis(constraint)
+    return after_reasoning(constraint, reasoning.opened)
 
 
 class Grammars:

@@ -18,18 +18,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from protos.sampling import SamplingParams
+from server.api.constraint_lowering import json_spec, with_reasoning
 from server.api.errors import APIError
 from server.api.ollama.schema import ChatRequest, GenerateRequest, Message, Options, _Generation
-from server.api.reasoning import closed_by_prompt, opened_by_prompt, template_reads
+from server.api.reasoning import opened_by_prompt, template_reads
 from server.api.serving import CompletionService, Prepared, ToolParsing
 from server.api.tools import template_tools
-from server.engine.constraints import (
-    Constraint,
-    ConstraintError,
-    after_analysis,
-    after_reasoning,
-    json_schema_constraint,
-)
+from server.engine.constraint_spec import ConstraintSpec
+from server.engine.constraints import Constraint
 from server.engine.loop import GenerationRequest
 
 # Ollama's defaults (api/types.go DefaultOptions): what a request without options samples with
@@ -123,33 +119,16 @@ def template_messages(messages: Sequence[Message], rename: Any = None) -> list[d
     return out
 
 
-def _format_constraint(service: CompletionService, fmt: Any) -> Constraint | None:
-    """``format``: ``"json"`` (any JSON object) or a JSON schema, enforced by the grammar as
-    chat's ``response_format`` is (a schema's objects closed, as chat's strict ones)."""
-    if not fmt:
-        return None
-    try:
-        if fmt == "json":
-            return json_schema_constraint({"type": "object"}, "json_object")
-        return json_schema_constraint(fmt, "json_schema", service.close_schemas)
-    except ConstraintError as exc:
-        raise APIError(400, f"Invalid value for 'format': {exc}", param="format") from None
-
-
-def _after_reasoning(
-    constraint: Constraint | None, reasoning: str, text: str, opened: bool
+def _format_constraint(
+    service: CompletionService,
+    spec: ConstraintSpec | None,
+    reasoning: str = "none",
+    text: str = "",
 ) -> Constraint | None:
-    """The constraint from the end of the model's reasoning (as chat completions apply it)."""
-    if constraint is None or reasoning == "none":
-        return constraint
-    try:
-        if reasoning == "harmony":
-            return after_analysis(constraint)
-        if closed_by_prompt(text):
-            return constraint
-        return after_reasoning(constraint, opened)
-    except ConstraintError as exc:
-        raise APIError(400, f"Invalid value for 'format': {exc}", param="format") from None
+    """``format``'s grammar (:func:`~server.api.constraint_lowering.json_spec`), from the end
+    of the model's reasoning as chat completions apply it, or a 400 naming ``format``."""
+    opened = reasoning == "think" and opened_by_prompt(text)
+    return service.build_constraint(with_reasoning(spec, reasoning, text, opened), "format")
 
 
 def sampling_params(options: Options, vocab_size: int) -> SamplingParams:
@@ -226,7 +205,7 @@ def _prepared(
         prompt_ids=prompt,
         max_tokens=wanted or room,
         sampling=sampling_params(options, service.codec.vocab_size),
-        constraint=_after_reasoning(constraint, reasoning, text, thinking_open),
+        constraint=constraint,
     )
     return Prepared(
         request_id=request_id,
@@ -282,7 +261,9 @@ def lower_chat(service: CompletionService, req: ChatRequest, request_id: str) ->
         text=text,
         tools=tools,
         reasoning=service.reasoning,
-        constraint=_format_constraint(service, req.format),
+        constraint=_format_constraint(
+            service, json_spec(req.format, service.close_schemas), service.reasoning, text
+        ),
     )
 
 
@@ -290,8 +271,9 @@ def lower_generate(service: CompletionService, req: GenerateRequest, request_id:
     """``/api/generate`` (with a prompt) as the typed request: the prompt as the user's message
     through the chat template (``system`` before it), or with ``raw`` as it is."""
     check_model(service, req.model)
-    constraint = _format_constraint(service, req.format)
+    spec = json_spec(req.format, service.close_schemas)
     if req.raw:
+        constraint = _format_constraint(service, spec)
         if req.think is not None:
             raise APIError(
                 400, "think cannot be used with raw: raw output is not parsed", param="think"
@@ -311,5 +293,5 @@ def lower_generate(service: CompletionService, req: GenerateRequest, request_id:
         prompt,
         text=text,
         reasoning=service.reasoning,
-        constraint=constraint,
+        constraint=_format_constraint(service, spec, service.reasoning, text),
     )
