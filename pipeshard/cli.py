@@ -526,6 +526,12 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
         help="as `pipeshard export --weights` (auto: a GGUF's own blocks, int4 for a folder)",
     )
     p.add_argument(
+        "--gguf-form",
+        choices=["split", "exact", "fast"],
+        help="as `pipeshard export --gguf-form`, for a GGUF model only (default here: fast, "
+        "Q6_K regrouped to 32 columns a scale, inexact and faster; split: the exact form)",
+    )
+    p.add_argument(
         "--host",
         help="the gateway's address (default {default}; 0.0.0.0: every interface, with "
         "--api-key); the stages listen on 127.0.0.1 only",
