@@ -50,9 +50,6 @@ class FleetOptions:
     # greedy agreement under the default runtime, docs/export.md); `pipeshard export` keeps
     # "split"
     gguf_form: str | None = None
-
-    def form(self) -> str:
-        return self.gguf_form or "fast"
     host: str = _HOST  # the gateway's listen address
     port: int = _PORT
     stage_port: int = _STAGE_PORT  # the first stage's; the others' follow it
@@ -72,6 +69,10 @@ class FleetOptions:
     # pipelined across stages that share them (docs/scheduling.md#micro-batch-groups).
     # None: the gateway's default (one group per stage, for stages on PCs of their own).
     micro_batch_groups: int | None = 1
+
+    def form(self) -> str:
+        """The GGUF form `up` exports in."""
+        return self.gguf_form or "fast"
 
     def draft_model(self) -> str | None:
         if self.draft == "auto":
