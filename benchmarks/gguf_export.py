@@ -17,7 +17,11 @@ and a served ring run as they would on the real file (the text is meaningless).
       ``--model qwen3.6-35b-a3b`` a qwen35moe file of exporter.presets' Qwen3.6-35B-A3B (3
       Gated DeltaNet layers then 1 gated full-attention layer, 256 experts of 512 channels, 8 a
       token, a gated shared expert; ~0.5 GB a layer), cut to --layers N; --linear-key-heads,
-      --linear-value-heads, --linear-head-dim reshape its linear attention for tests
+      --linear-value-heads, --linear-head-dim reshape its linear attention for tests;
+      ``--model gpt-oss-20b`` a gpt-oss file of exporter.presets' gpt-oss-20b as ggml-org's
+      MXFP4 release stores it (32 experts of 2880 channels, 4 a token, MXFP4 experts with F32
+      biases, every other matrix Q8_0, attention sinks, sliding window on every other layer,
+      YaRN RoPE; ~0.45 GB a layer), cut to --layers N
   pipeshard bench gguf-export measure FILE.gguf --out DIR [--stages 4] [--serve]
       for each stage K, in a fresh process: ``/usr/bin/time -v pipeshard export FILE --stages 4
       --stage K --out DIR --quiet``; peak RSS (and an RSS timeline sampled every 0.2 s), the
@@ -43,7 +47,7 @@ Types follow llama-quantize's Q4_K_M: token_embd Q4_K, output Q6_K, attn_v and f
 the layers its ``use_more_bits`` picks (the first and last eighth, every third in between), the
 other matrices Q4_K (a hybrid's attn_qkv Q5_K), norms, biases, routers and convolutions F32; a
 row that is not a multiple of 256 (GLM's 1408-channel experts, a dense 12672-channel ffn_down)
-takes Q5_0 for Q4_K, Q5_1 for Q5_K and Q8_0 for Q6_K.
+takes Q5_0 for Q4_K, Q5_1 for Q5_K and Q8_0 for Q6_K. gpt-oss is written as released (MXFP4).
 """
 
 from __future__ import annotations
@@ -80,11 +84,14 @@ GGUF_BYTES = {
     "Q5_0": 22 / 32,
     "Q5_1": 24 / 32,
     "Q8_0": 34 / 32,
+    "MXFP4": 17 / 32,
     "F16": 2.0,
     "F32": 4.0,
 }
 # Elements a block holds (the K-quants' super-block, or 32)
-BLOCK = {"Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32}
+BLOCK = {
+    "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "MXFP4": 32
+}  # fmt: skip
 # llama-quantize's types for a row that is not a multiple of 256 (a K-quant's super-block)
 K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 # IR bytes per weight as the exporter keeps the blocks (--gguf-form split)
@@ -96,6 +103,7 @@ IR_BYTES = {
     "Q5_0": 1.125,
     "Q5_1": 1 + 4 / 32 + 2 / 32,
     "Q8_0": 1.125,
+    "MXFP4": 1.125,  # i8 codes + an f32 scale per 32 (the experts' exact form)
     "F16": 2.0,
     "F32": 4.0,
 }
@@ -305,6 +313,12 @@ def _random_blocks(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
         d = (rng.uniform(0.5e-5, 1.5e-5, n)).astype(np.float16)
         blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
         return blocks
+    if kind == "MXFP4":
+        # e8m0 exponent e, 16 bytes of e2m1 nibbles; w = 2^(e-128) * doubled value (0..12):
+        # e 119..121 gives about +-0.02 (gpt-oss's released experts are of that size)
+        blocks = rng.integers(0, 256, (n, 17), dtype=np.uint8)
+        blocks[:, 0] = rng.integers(119, 122, n, dtype=np.uint8)
+        return blocks
     raise ValueError(kind)
 
 
@@ -314,7 +328,11 @@ def _chunks(rng: np.random.Generator, t: Tensor, chunk_bytes: int) -> Iterator[n
         if t.name.endswith(".ssm_a"):  # Gated DeltaNet's A as stored, -exp(A_log): a decay < 1
             yield -np.exp(rng.normal(0.0, 0.5, t.shape)).astype(np.float32)
             return
-        small = "ffn_gate_inp" in t.name or t.name.endswith(".bias") or "ssm_conv1d" in t.name
+        small = (
+            "ffn_gate_inp" in t.name
+            or t.name.endswith((".bias", "attn_sinks.weight"))
+            or "ssm_conv1d" in t.name
+        )
         mean, spread = (0.0, 0.02) if small else (1.0, 0.1)
         yield rng.normal(mean, spread, t.shape).astype(np.float32)
         return
@@ -472,6 +490,69 @@ def write_hybrid_gguf(path: Path, preset: Any, file: HybridFile, seed: int, chun
     return _write_file(path, "qwen35moe", name, preset.vocab, tensors, metadata, seed, chunk_mib)
 
 
+@dataclass(frozen=True)
+class GptOssFile:
+    """What a gpt-oss GGUF states besides exporter.presets' shape: gpt-oss's config.json
+    (rope_theta 150000, rms_norm_eps 1e-5, YaRN factor 32 over 4096 original positions,
+    beta_fast 32, beta_slow 1, sliding_window 128; from memory), and a shorter context than its
+    131072, as the other cuts have (the weights do not depend on it)."""
+
+    context: int = 32768
+    rope_theta: float = 150000.0
+    rms_eps: float = 1e-5
+    yarn_factor: float = 32.0
+    yarn_original_context: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+
+
+def write_gpt_oss_gguf(path: Path, preset: Any, file: GptOssFile, seed: int, chunk_mib: int) -> int:
+    """Write a gpt-oss file of ``preset``'s shape (exporter.presets, e.g. gpt-oss-20b cut to a
+    few layers) with the metadata convert_hf_to_gguf's GptOssModel writes, the tensors typed
+    as ggml-org's MXFP4 release (experts MXFP4, their biases F32, other matrices Q8_0); its
+    size in bytes."""
+    import gguf
+
+    if preset.model_type != "gpt_oss":
+        raise SystemExit(f"{preset.name}: no gpt-oss writer for {preset.model_type}")
+    if preset.hidden % 32 or preset.expert_intermediate % 32:
+        raise SystemExit("--hidden and --expert-intermediate must be multiples of 32 (MXFP4)")
+
+    def metadata(writer: Any) -> None:
+        writer.add_context_length(file.context)
+        writer.add_embedding_length(preset.hidden)
+        writer.add_block_count(preset.layers)
+        writer.add_feed_forward_length(preset.expert_intermediate)  # intermediate_size
+        writer.add_head_count(preset.heads)
+        writer.add_head_count_kv(preset.kv_heads)
+        writer.add_rope_freq_base(file.rope_theta)
+        writer.add_layer_norm_rms_eps(file.rms_eps)
+        writer.add_key_length(preset.head_dim)
+        writer.add_value_length(preset.head_dim)
+        writer.add_expert_count(preset.experts)
+        writer.add_expert_used_count(preset.experts_per_token)
+        writer.add_expert_feed_forward_length(preset.expert_intermediate)
+        writer.add_sliding_window(preset.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(file.yarn_factor)
+        writer.add_rope_scaling_orig_ctx_len(file.yarn_original_context)
+        writer.add_rope_scaling_yarn_beta_fast(file.yarn_beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(file.yarn_beta_slow)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    from exporter.presets import typed_tensors
+
+    tensors = [
+        Tensor(t.tensor.name, t.tensor.shape, t.type, t.tensor.layer)
+        for t in typed_tensors(preset, "MXFP4")
+    ]
+    name = f"gpt-oss-shaped-{preset.layers}L-random"
+    file_type = int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    return _write_file(
+        path, "gpt-oss", name, preset.vocab, tensors, metadata, seed, chunk_mib, file_type
+    )
+
+
 def _write_file(
     path: Path,
     arch: str,
@@ -481,6 +562,7 @@ def _write_file(
     metadata: Any,
     seed: int,
     chunk_mib: int,
+    file_type: int | None = None,
 ) -> int:
     import gguf
 
@@ -493,7 +575,7 @@ def _write_file(
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name)
     metadata(writer)
-    writer.add_file_type(FILE_TYPES["Q4_K_M"])
+    writer.add_file_type(FILE_TYPES["Q4_K_M"] if file_type is None else file_type)
     with tempfile.TemporaryDirectory() as tmp:
         # the tiny BPE tokenizer, padded to the model's rows with placeholders as llama.cpp does
         make_tokenizer(Path(tmp), VOCAB, CHAT_TEMPLATE)
@@ -1070,6 +1152,7 @@ def shape_from(opts: argparse.Namespace, default: Shape) -> Shape:
 # `write --model NAME`: files of exporter.presets' shapes (glm4moe, qwen35moe)
 GLM_PRESETS = {"glm-4.5-air": "glm-4.5-air"}
 HYBRID_PRESETS = {"qwen3.6-35b-a3b": "qwen3.6-35b-a3b"}
+GPT_OSS_PRESETS = {"gpt-oss-20b": "gpt-oss-20b"}
 _LINEAR_FLAGS = ("linear_key_heads", "linear_value_heads")
 
 
@@ -1101,6 +1184,34 @@ def hybrid_from(opts: argparse.Namespace) -> tuple[Any, HybridFile]:
     if preset.linear_value_heads % preset.linear_key_heads:
         raise SystemExit("--linear-value-heads must be a multiple of --linear-key-heads")
     file = HybridFile()
+    if opts.context_length is not None:
+        file = dataclasses.replace(file, context=opts.context_length)
+    if opts.rope_theta is not None:
+        file = dataclasses.replace(file, rope_theta=opts.rope_theta)
+    return preset, file
+
+
+def gpt_oss_from(opts: argparse.Namespace) -> tuple[Any, GptOssFile]:
+    """exporter.presets' gpt-oss shape cut to --layers (sliding and full attention alternate,
+    the first sliding, as in the model), with the shape flags given (--expert-intermediate is
+    its intermediate_size)."""
+    from exporter.presets import PRESETS
+
+    if any(getattr(opts, key) is not None for key in (*_LINEAR_FLAGS, "linear_head_dim")):
+        raise SystemExit("--linear-* are for the hybrid shapes")
+    if opts.first_dense is not None or opts.intermediate is not None:
+        raise SystemExit("--first-dense and --intermediate are for the glm shapes")
+    if opts.qwen3:
+        raise SystemExit("--qwen3 is for the dense shapes")
+    preset = PRESETS[GPT_OSS_PRESETS[opts.model]]
+    values: dict[str, Any] = {}
+    for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", *_EXPERT_FLAGS):
+        if getattr(opts, key) is not None:
+            values[key] = getattr(opts, key)
+    preset = dataclasses.replace(preset, **values)
+    if preset.layers < 1 or preset.experts_per_token > preset.experts:
+        raise SystemExit("--layers must be at least 1, --experts-per-token at most --experts")
+    file = GptOssFile()
     if opts.context_length is not None:
         file = dataclasses.replace(file, context=opts.context_length)
     if opts.rope_theta is not None:
@@ -1149,10 +1260,16 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("file", type=Path)
     w.add_argument(
         "--model",
-        choices=["llama3-8b", *sorted(PLAN_SHAPES), *sorted(GLM_PRESETS), *sorted(HYBRID_PRESETS)],
+        choices=[
+            "llama3-8b",
+            *sorted(PLAN_SHAPES),
+            *sorted(GLM_PRESETS),
+            *sorted(HYBRID_PRESETS),
+            *sorted(GPT_OSS_PRESETS),
+        ],
         default="llama3-8b",
         help="the shape (cut with --layers; glm-4.5-air: exporter.presets' GLM-4.5-Air, glm4moe; "
-        "qwen3.6-35b-a3b: its Qwen3.6-35B-A3B, qwen35moe)",
+        "qwen3.6-35b-a3b: its Qwen3.6-35B-A3B, qwen35moe; gpt-oss-20b: its gpt-oss-20b, MXFP4)",
     )
     add_shape_args(w, LLAMA3_8B)
     w.add_argument("--experts", type=int, help="routed experts a layer (MoE shapes)")
@@ -1200,7 +1317,11 @@ def main(argv: list[str] | None = None) -> None:
         write_dense_moe(opts.export, opts.out)
     elif opts.command == "write":
         started = time.monotonic()
-        if opts.model in HYBRID_PRESETS:
+        if opts.model in GPT_OSS_PRESETS:
+            oss, oss_file = gpt_oss_from(opts)
+            layers = oss.layers
+            size = write_gpt_oss_gguf(opts.file, oss, oss_file, opts.seed, opts.chunk_mib)
+        elif opts.model in HYBRID_PRESETS:
             hybrid, hybrid_file = hybrid_from(opts)
             layers = hybrid.layers
             size = write_hybrid_gguf(opts.file, hybrid, hybrid_file, opts.seed, opts.chunk_mib)

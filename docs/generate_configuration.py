@@ -276,7 +276,12 @@ OTHER_VARIABLES = (
         "`~/.cache/pipeshard`",
     ),
     ("PYTHON", "`deploy/bootstrap.sh`", "the Python that creates `.venv`", "`python3`"),
-    ("PIPESHARD_EXTRAS", "`deploy/bootstrap.sh`", "the extras installed", "`export,bench,dev`"),
+    (
+        "PIPESHARD_EXTRAS",
+        "`deploy/bootstrap.sh`",
+        "the extras installed",
+        "`gguf` (with `--dev`: `export,bench,dev`)",
+    ),
     ("FUZZ_EXAMPLES", "`tests/test_fuzz.py`", "examples the API fuzzer tries", "`60`"),
 )
 

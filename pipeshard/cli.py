@@ -526,6 +526,12 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
         help="as `pipeshard export --weights` (auto: a GGUF's own blocks, int4 for a folder)",
     )
     p.add_argument(
+        "--gguf-form",
+        choices=["split", "exact", "fast"],
+        help="as `pipeshard export --gguf-form`, for a GGUF model only (default here: fast, "
+        "Q6_K regrouped to 32 columns a scale, inexact and faster; split: the exact form)",
+    )
+    p.add_argument(
         "--host",
         help="the gateway's address (default {default}; 0.0.0.0: every interface, with "
         "--api-key); the stages listen on 127.0.0.1 only",
@@ -673,10 +679,24 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    """A thin entry: the benchmarks are not installed with pipeshard (`pip install .` ships the
+    runtime and the exporter); they run from a checkout, whose root is put on the path here
+    (and on PYTHONPATH, for the workers they start), and only when `pipeshard bench` is used."""
+    import os
+
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "benchmarks" / "suite" / "cli.py").is_file():
+        if str(checkout) not in sys.path:
+            sys.path.insert(0, str(checkout))
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(checkout), *paths])
     try:
         from benchmarks.suite.cli import main as bench_main
     except ImportError as exc:
-        raise ValueError(f"the benchmarks are not installed here ({exc})") from None
+        raise ValueError(
+            f"pipeshard bench runs from a checkout of pipeshard installed with "
+            f"`bash deploy/bootstrap.sh --dev` (the benchmarks are not installed: {exc})"
+        ) from None
     result: int = bench_main(args.bench_args)
     return result
 
@@ -735,6 +755,15 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except (ExportError, ValueError) as exc:
         print(f"pipeshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        # the run path installs pipeshard[gguf]; an int8/int4 export (NNCF) needs the rest
+        print(
+            f"pipeshard {args.command}: error: {exc.name} is not installed; this needs the "
+            "export extra: PIPESHARD_EXTRAS=export bash deploy/bootstrap.sh, or "
+            "pip install 'pipeshard[export]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"pipeshard {args.command}: interrupted", file=sys.stderr)

@@ -95,7 +95,8 @@ class Fleet:
     def metric(self, name: str) -> float:
         return scrape(self.url, name)
 
-    def wait_metric(self, name: str, value: float, timeout: float = 5.0) -> None:
+    def wait_metric(self, name: str, value: float, timeout: float = 60.0) -> None:
+        """Until metric ``name`` is ``value`` (the timeout is a hang guard)."""
         deadline = time.monotonic() + timeout
         while self.metric(name) != value:
             assert time.monotonic() < deadline, f"{name} stayed {self.metric(name)}, not {value}"

@@ -341,7 +341,7 @@ def test_compose_file_passes_docker_compose_config(tmp_path: Path) -> None:
     if binary is None:
         pytest.fail(
             "docker-compose not found: install Debian's `docker-compose` package "
-            "(deploy/bootstrap.sh does as root); `config` needs no Docker engine"
+            "(`deploy/bootstrap.sh --dev` does as root); `config` needs no Docker engine"
         )
     env = {**os.environ, "PIPESHARD_EXPORT": str(tmp_path)}
 
@@ -581,3 +581,32 @@ def test_dockerfile_healthcheck_works_for_both_roles(tmp_path: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.component
+def test_a_skipped_image_test_fails_the_run_under_ci_as_root() -> None:
+    """tests/conftest.py: the container-image tests skip, saying why, where podman is missing
+    (here: a PATH without it); under CI=true as root that skip fails the run, elsewhere the
+    run only reports it (pytest's status for nothing run, 5)."""
+
+    def run(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+             "tests/test_image.py"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PATH": str(Path(sys.executable).parent), **env},
+            timeout=300,
+        )  # fmt: skip
+
+    ci = run(CI="true")
+    assert "SKIPPED [1] tests/test_image.py" in ci.stdout and "needs " in ci.stdout, ci.stdout
+    if os.geteuid() == 0:
+        assert ci.returncode == 1, ci.stdout
+        assert "skipped under CI as root, where they must run" in ci.stdout
+    else:  # not root: the image tests cannot run here, CI or not
+        assert ci.returncode == 5, ci.stdout
+    plain = run(CI="")
+    assert plain.returncode == 5, plain.stdout
+    assert "must run" not in plain.stdout

@@ -327,3 +327,24 @@ def test_a_gguf_config_is_read_once_then_cached_until_the_file_changes(tmp_path:
     for entry in (cache / CONFIG_CACHE).iterdir():
         entry.write_text("{not json")
     assert read().num_hidden_layers == 3
+
+
+@pytest.mark.component
+def test_an_int4_export_without_nncf_names_the_extra_in_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    tiny_model: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run command installs pipeshard[gguf] (no NNCF): an export that needs NNCF ends with
+    one line naming the export extra, not a traceback, and writes no export."""
+    monkeypatch.setitem(sys.modules, "nncf", None)  # `import nncf` fails as where it is absent
+    out = tmp_path / "out"
+    code, err = run_cli(
+        capsys, "export", str(tiny_model("qwen2")), "--out", str(out), "--weights", "int4"
+    )
+    assert code == 2 and "Traceback" not in err, err
+    last = err.splitlines()[-1]  # (after the progress bars)
+    assert last.startswith("pipeshard export: error: nncf is not installed"), err
+    assert "pipeshard[export]" in last
+    assert not (out / "manifest.json").exists()

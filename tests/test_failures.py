@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from protos.transport import call_metadata
 from server.engine.sequence import Work
 from tests.conftest import EXACT, ExportFn
 from tests.fleets import MESSAGES, export_chat_model
-from tests.processes import PIPESHARD, Proc, free_port, start_gateway, start_stages
+from tests.processes import PIPESHARD, Proc, free_port, settled, start_gateway, start_stages
 
 pytestmark = pytest.mark.integration
 
@@ -76,14 +75,28 @@ class Ring:
 
         return asyncio.run(ask())
 
-    def wait_sessions_freed(self, timeout: float = 3.0, stages: int | None = None) -> list[int]:
-        """Sessions in use on the first ``stages`` stages (all) once they reach 0 or time out."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = [self.sessions(i) for i in range(stages or len(self.addresses))]
-            if not any(found) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.1)
+    def wait_sessions_freed(self, stages: int | None = None) -> list[int]:
+        """Sessions in use on the first ``stages`` stages (all) once they reach 0 (or the hang
+        guard runs out)."""
+        count = stages or len(self.addresses)
+        return settled(lambda: [self.sessions(i) for i in range(count)], lambda f: not any(f))
+
+    def wait_sessions(self, index: int, count: int) -> None:
+        """Until stage ``index`` holds ``count`` sessions: requests sent have reached it."""
+        held = settled(lambda: self.sessions(index), lambda n: n >= count)
+        assert held >= count, f"stage {index} holds {held} sessions, not {count}"
+
+    def wait_ready(self, url: str, code: int, up: list[bool] | None = None) -> None:
+        """Until the gateway's /ready answers ``code`` (and, given ``up``, names those stages
+        up and down)."""
+
+        def seen() -> tuple[int, list[bool]]:
+            reply = httpx.get(f"{url}/ready")
+            return reply.status_code, [s["up"] for s in reply.json()["stages"]]
+
+        want = (code, up)
+        found = settled(seen, lambda s: s[0] == code and (up is None or s[1] == up))
+        assert found[0] == code and (up is None or found[1] == up), (found, want)
 
 
 @pytest.fixture
@@ -191,7 +204,7 @@ def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(
         def kill_stage_1() -> None:
             ring.procs[1].signal(signal.SIGSTOP)
             waiting.start()
-            time.sleep(0.5)
+            ring.wait_sessions(0, 2)  # the waiting request got as far as the stalled stage
             ring.procs[1].kill()
 
         events = stream_with(url, body, 4, kill_stage_1)
@@ -210,10 +223,7 @@ def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(
         # The gateway stays up, says which stage is down, and refuses new work with a 503 -
         # also once its probes have seen stage 0's link to the dead stage 1 broken (they
         # resume half a second after the last result): that is stage 1's failure.
-        time.sleep(1.5)
-        ready = httpx.get(f"{url}/ready")
-        assert ready.status_code == 503
-        assert [s["up"] for s in ready.json()["stages"]] == [True, False]
+        ring.wait_ready(url, 503, [True, False])
         assert httpx.get(f"{url}/health").status_code == 200
         # both count as choices ended by an error (the stream's 200 hid it from requests_total)
         assert (
@@ -222,13 +232,11 @@ def test_killed_stage_without_grace_fails_fast_and_the_gateway_reconnects(
         )
         refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "stage_unavailable"
-        assert ring.wait_sessions_freed(2.0, stages=1) == [0]  # the surviving stage is clean
+        assert ring.wait_sessions_freed(stages=1) == [0]  # the surviving stage is clean
 
         # The stage comes back on the same address: the gateway reconnects by itself.
         ring.restart(1)
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/ready").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        ring.wait_ready(url, 200)
         after = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
         assert after.status_code == 200
         assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
@@ -266,7 +274,7 @@ def test_requests_survive_a_stage_restart(ring: Ring, mode: list[str]) -> None:
         ring.procs[1].signal(signal.SIGSTOP)
         waiting = InBackground(url, plain)
         waiting.start()
-        time.sleep(0.5)
+        ring.wait_sessions(0, 3)  # the third request got as far as the stalled stage
         ring.procs[1].kill()
         ring.restart(1)
 
@@ -352,7 +360,7 @@ def test_a_stopped_gateway_ends_what_the_grace_cannot_finish(ring: Ring) -> None
         ring.procs[1].signal(signal.SIGSTOP)
         waiting = InBackground(url, chat_body(20, stream=False))
         waiting.start()
-        time.sleep(0.3)
+        ring.wait_sessions(0, 2)  # the request waits for its reply (from the stalled stage)
         gateway.signal(signal.SIGTERM)
         # the stream ends while stage 1 is still stalled: the gateway did not wait for it
         # (30 s is a hang guard, not a measure of the 1 s grace)
@@ -369,7 +377,7 @@ def test_a_stopped_gateway_ends_what_the_grace_cannot_finish(ring: Ring) -> None
     finally:
         ring.procs[1].signal(signal.SIGCONT)
         gateway.stop()
-    assert ring.wait_sessions_freed(3.0, stages=1) == [0]  # stage 0 was told in time
+    assert ring.wait_sessions_freed(stages=1) == [0]  # stage 0 was told
     log = (ring.logs / "gateway.log").read_text()
     assert "shutting down: 2 request(s) ended unfinished" in log
     assert "unexpected error" not in log and "Traceback" not in log
@@ -441,9 +449,7 @@ def test_a_stalled_stage_times_out_and_the_gateway_keeps_answering(
 
         # The stage wakes up: the ring heals, and the session it kept is freed.
         ring.procs[1].signal(signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/ready").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        ring.wait_ready(url, 200)
         again = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 8})
         assert again.status_code == 200
         assert ring.wait_sessions_freed() == [0, 0]
@@ -456,26 +462,27 @@ def test_a_gateway_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> Non
     (found while the stages are still awaited, so at once): one log line each, no traceback,
     uvicorn's exit status for a failed start."""
 
-    def serve(*extra: str) -> tuple[float, str, int]:
-        started = time.monotonic()
+    def serve(*extra: str) -> tuple[str, int]:
         stages, listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         done = subprocess.run(
             [PIPESHARD, "serve", "--stages", stages, "--listen", listen, *extra],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=300,  # a hang guard
         )
-        return time.monotonic() - started, done.stdout + done.stderr, done.returncode
+        return done.stdout + done.stderr, done.returncode
 
-    _, out, code = serve("--start-timeout", "2")
+    out, code = serve("--start-timeout", "2")
     assert code == 3 and "Traceback" not in out, out
     assert re.search(r"ERROR server\.api\.app: cannot start: stage 0 at \S+ is missing", out), out
     not_an_export = tmp_path / "not-an-export"
     not_an_export.mkdir()
-    elapsed, out, code = serve("--start-timeout", "60", "--draft", str(not_an_export))
+    # the stages would be awaited for an hour, longer than the hang guard: it exits on the
+    # draft at once, and never says the stage is missing
+    out, code = serve("--start-timeout", "3600", "--draft", str(not_an_export))
     assert code == 3 and "Traceback" not in out, out
     assert "cannot start: " in out and "not a pipeshard export folder" in out, out
-    assert elapsed < 30  # not after the stages' 60 s
+    assert "is missing" not in out, out
 
 
 def test_a_fault_in_the_scheduler_ends_the_requests_and_the_gateway_goes_on(
@@ -524,7 +531,7 @@ def test_a_fault_in_the_scheduler_ends_the_requests_and_the_gateway_goes_on(
             assert all(isinstance(o, SchedulingFailed) for o in outcomes), outcomes
             assert "injected fault" in str(outcomes[0])
             assert await asyncio.wait_for(one("next", [5, 9, 13, 40]), 60) == expected
-            for _ in range(100):  # releases go out after the requests end
+            for _ in range(1200):  # releases go out after the requests end (a hang guard)
                 if all(
                     i is not None and i.sessions_in_use == 0 for i in await client.stage_infos()
                 ):

@@ -20,7 +20,7 @@ import pytest
 from server.engine.scheduler import SchedulerConfig
 from testing_support.tiny_models import CHAT_TEMPLATE, make_model
 from tests.conftest import ExportFn, make_certificates
-from tests.processes import PIPESHARD, free_port
+from tests.processes import PIPESHARD, free_port, settled
 
 pytestmark = pytest.mark.integration
 
@@ -134,8 +134,8 @@ def test_up_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
         up.send_signal(signal.SIGTERM)
         code = up.wait(60)
     assert code == 0
-    time.sleep(0.5)
-    assert not [pid for pid in stage_pids if alive(pid)]
+    # (a stage reaped just after up exits: the wait is a hang guard)
+    assert settled(lambda: [pid for pid in stage_pids if alive(pid)], lambda left: not left) == []
     assert (tmp_path / "exports").is_dir() and any((tmp_path / "exports").iterdir())
 
 
@@ -165,6 +165,42 @@ def test_up_reports_a_failed_export_and_starts_nothing(tmp_path: Path) -> None:
     assert f"pipeshard up: error: the export of {broken} failed (exit status 2" in up.stderr
     assert "Traceback" not in up.stderr
     assert not (tmp_path / "exports" / "broken-model-2stage-int4" / "manifest.json").exists()
+
+
+def test_up_keeps_a_ggufs_form_in_its_export_path_and_refuses_it_for_a_folder(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """`up` exports a GGUF in the fast form unless told (its own folder, so an export in
+    another form is never taken for it); --gguf-form for a Hugging Face folder is refused,
+    not ignored, before anything is exported or started."""
+    from pipeshard.fleet import FleetOptions, export_path
+
+    base = FleetOptions(exports_dir=tmp_path)
+    assert export_path(base, "m").name == "m-2stage-auto-fast"
+    assert export_path(FleetOptions(exports_dir=tmp_path, gguf_form="split"), "m").name == (
+        "m-2stage-auto"
+    )
+    assert export_path(base, "m", gguf=False).name == "m-2stage-auto"
+    up = subprocess.run(
+        [
+            PIPESHARD,
+            "up",
+            "--model",
+            str(tiny_model("llama")),
+            "--gguf-form",
+            "split",
+            "--exports-dir",
+            str(tmp_path / "exports"),
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert up.returncode == 2, up.stderr
+    assert "--gguf-form is for a GGUF model" in up.stderr and "Traceback" not in up.stderr
+    assert not (tmp_path / "exports").exists()
 
 
 def up_watching_stages(export: Path, logs: Path) -> tuple[int, str, set[int]]:

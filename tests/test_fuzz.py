@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from schemathesis.checks import (
 from schemathesis.core.result import Ok
 
 from tests.fleets import Fleet, hermes_fleet
+from tests.processes import settled
 
 pytestmark = pytest.mark.integration
 
@@ -411,9 +411,6 @@ def test_gateway_survives_fuzzing(fleet: Fleet) -> None:
     assert httpx.get(f"{fleet.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{fleet.url}/ready").status_code == 200
     # (a session is released just after its answer has gone out)
-    deadline = time.monotonic() + 2.0
-    while max(fleet.stage_sessions()) > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert fleet.stage_sessions() == [0, 0]
+    assert settled(fleet.stage_sessions, lambda held: not any(held)) == [0, 0]
     log = Path(fleet.gateway.log).read_text(errors="replace")
     assert "unexpected error" not in log and "Traceback" not in log

@@ -930,6 +930,86 @@ def test_the_benchmarks_qwen3_6_stand_in_is_a_qwen3_6_35b_a3b_shaped_qwen35moe_f
     assert len(tokens) == 8
 
 
+def test_the_benchmarks_gpt_oss_stand_in_is_a_gpt_oss_20b_shaped_mxfp4_file(
+    tmp_path: Path,
+) -> None:
+    """``pipeshard bench gguf-export write --model gpt-oss-20b`` at a tiny shape: exactly the
+    tensors, shapes and types of `pipeshard plan`'s gpt-oss-20b MXFP4 table cut to these layers
+    (experts MXFP4 with F32 biases [E, rows], attention sinks, q/k/v/o biases, a biased router,
+    every other matrix Q8_0, file type MOSTLY_MXFP4_MOE), metadata the GGUF reader maps to
+    gpt-oss's config (sliding window on every other layer, the first sliding; YaRN factor 32
+    over 4096 positions); its 2 stages read the MXFP4 codes bit-exactly, run every expert
+    layer as 2 GatherMatmul, and decode."""
+    import dataclasses
+
+    from gguf import GGUFReader, LlamaFileType
+
+    from benchmarks.gguf_export import main as gguf_export_main
+    from exporter.gguf_reader import read_config
+    from exporter.presets import PRESETS, typed_tensors
+
+    path = tmp_path / "oss.gguf"
+    tiny = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=512)
+    moe = dict(experts=8, experts_per_token=2, expert_intermediate=128)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**tiny, **moe}.items()]
+    gguf_export_main(["write", str(path), "--model", "gpt-oss-20b", "--layers", "4", *flags])
+
+    preset = dataclasses.replace(PRESETS["gpt-oss-20b"], layers=4, **tiny, **moe)
+    planned = {t.tensor.name: (t.tensor.shape, t.type) for t in typed_tensors(preset, "MXFP4")}
+    reader = GGUFReader(path)
+    stored = {
+        t.name: (tuple(int(d) for d in reversed(t.shape.tolist())), t.tensor_type.name)
+        for t in reader.tensors
+    }
+    assert stored == planned
+    assert stored["blk.0.ffn_gate_exps.weight"] == ((8, 128, 256), "MXFP4")
+    assert stored["blk.3.ffn_down_exps.weight"] == ((8, 256, 128), "MXFP4")
+    assert stored["blk.0.ffn_up_exps.bias"] == ((8, 128), "F32")
+    assert stored["blk.0.attn_q.weight"] == ((256, 256), "Q8_0")
+    assert stored["blk.0.attn_sinks.weight"] == ((4,), "F32")
+    assert stored["output.weight"] == ((512, 256), "Q8_0")
+    file_type = int(reader.fields["general.file_type"].parts[-1][0])
+    assert file_type == LlamaFileType.MOSTLY_MXFP4_MOE
+
+    config = read_config(path)
+    assert config["model_type"] == "gpt_oss"
+    expected = {
+        "num_hidden_layers": 4,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 128,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "attention_bias": True,
+        "vocab_size": 512,
+    }
+    assert {k: config[k] for k in expected} == expected
+    rope = config["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == (
+        "yarn",
+        32.0,
+        4096,
+    )
+
+    out = tmp_path / "out"
+    export_model(ExportOptions(model=str(path), out=out, stages=2, quiet=True))
+    manifest = load_manifest(out)
+    assert manifest.model.architecture == "gpt_oss" and manifest.num_stages == 2
+    summary = {e.type: e for e in manifest.weights.gguf_types if e.matrix}
+    assert summary["MXFP4"].exactness == "bit-exact"
+    core = ov.Core()
+    for stage in manifest.stages:
+        compiled = core.compile_model(out / stage.model_xml, "CPU")
+        kinds = Counter(
+            str(op.get_rt_info()["layerType"].astype(str))
+            for op in compiled.get_runtime_model().get_ops()
+        )
+        assert kinds["GatherMatmul"] == 2 * stage.num_layers, kinds
+    tokens, _ = LocalChain(out, RunnerOptions()).greedy("s", PROMPTS[0], 8)
+    assert len(tokens) == 8
+
+
 def test_the_benchmarks_dense_active_stand_in_of_glm_s_shape(tmp_path: Path) -> None:
     """The dense model a GLM-4.5-Air cut is timed against: its active width (9 x 1408 = 12672
     channels, no multiple of 256) takes Q5_0 for ffn_down, or Q8_0 where Q4_K_M gives Q6_K, as

@@ -54,8 +54,12 @@ def _valid(arguments: str | dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_required_call_is_a_chat_tool_call_whole_and_streamed(fleet: Fleet) -> None:
+    """The guarantee as the README words it: every answer that does not stop at max_tokens
+    ends in a call valid for its schema. Harmony lets the model write a free analysis before
+    the call, so an answer may instead use up max_tokens (finish_reason "length", every token
+    spent) before its call begins: that is the one other outcome, checked as such."""
     client = fleet.client()
-    called = 0
+    outcomes = []
     for seed in range(6):
         reply = client.chat.completions.create(
             model=fleet.model,
@@ -71,13 +75,15 @@ def test_a_required_call_is_a_chat_tool_call_whole_and_streamed(fleet: Fleet) ->
         reasoning = getattr(choice.message, "reasoning_content", None) or ""
         assert "<|" not in reasoning
         calls = choice.message.tool_calls or []
+        outcomes.append(choice.finish_reason)
         if choice.finish_reason == "length":
-            continue  # the free analysis (the tiny model's noise) ran to max_tokens
+            assert reply.usage is not None and reply.usage.completion_tokens == 100
+            assert calls == []  # (no call had begun: no half call is ever reported)
+            continue
         assert choice.finish_reason == "tool_calls", choice
         assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
         _valid(calls[0].function.arguments)  # type: ignore[union-attr]
-        called += 1
-    assert called >= 2  # most draws end their analysis in time
+    assert "tool_calls" in outcomes  # (not vacuous: these seeds are fixed; 5 of 6 call)
     stream = client.chat.completions.create(
         model=fleet.model,
         messages=USER,
@@ -127,8 +133,12 @@ def test_a_call_s_result_fed_back_is_answered_without_markup(fleet: Fleet) -> No
     )
     message = reply.choices[0].message
     assert "<|" not in (message.content or "")
-    if reply.choices[0].finish_reason == "stop":  # the final channel held to the schema
+    # the final channel held to the schema, unless the answer stopped at max_tokens
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    if reply.choices[0].finish_reason == "stop":
         _valid(message.content or "")
+    else:
+        assert reply.usage is not None and reply.usage.completion_tokens == 20
 
 
 def test_a_required_call_on_the_responses_api(fleet: Fleet) -> None:

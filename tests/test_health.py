@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 from pipeshard.health import check_stage
 from tests.conftest import make_certificates
 from tests.fleets import MESSAGES, export_chat_model
-from tests.processes import PIPESHARD, start_gateway, start_stages
+from tests.processes import PIPESHARD, settled, start_gateway, start_stages
 
 pytestmark = pytest.mark.integration
 
@@ -200,8 +199,13 @@ def test_systemd_readiness_watchdog_and_stop(
             assert len(ready) == 1 and status in ready[0], notify.of(pid)
         for _ in range(3):
             httpx.post(f"{url}/v1/chat/completions", json=LOAD, timeout=120).raise_for_status()
-        time.sleep(0.5)  # idle: the hung-looking stage feeds the watchdog again
-        hung = notify.of(pids[1])
+
+        def fed_again(messages: list[str]) -> bool:
+            marks = [i for i, m in enumerate(messages) if m.startswith("STATUS=unhealthy")]
+            return bool(marks) and "WATCHDOG=1" in messages[marks[-1] + 1 :]
+
+        # idle: the hung-looking stage feeds the watchdog again
+        hung = settled(lambda: notify.of(pids[1]), fed_again)
         unhealthy = [i for i, m in enumerate(hung) if m.startswith("STATUS=unhealthy")]
         assert unhealthy, "stage 1 never stopped feeding the watchdog"
         assert "an inference call has run for" in hung[unhealthy[0]]
@@ -212,9 +216,8 @@ def test_systemd_readiness_watchdog_and_stop(
         gateway.stop()
         for proc in procs:
             proc.stop()
-        time.sleep(0.3)
-        for pid in pids:
-            assert "STOPPING=1" in notify.of(pid)
+        for pid in pids:  # (told before each exited: read by the listener soon after)
+            assert "STOPPING=1" in settled(lambda p=pid: notify.of(p), lambda m: "STOPPING=1" in m)
     finally:
         if gateway is not None:
             gateway.stop()

@@ -8,7 +8,6 @@ import json
 import re
 import signal
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -961,6 +960,8 @@ def test_streams_on_paged_hybrid_stages_survive_a_stage_restart(
     an uninterrupted run, without an error event; every session and state slot is given back
     on both stages. With a hybrid draft speculating too: a resumed draft session starts again,
     and its proposals change, but not the tokens kept."""
+    from tests.processes import settled
+
     fleet = restart_fleets(arch)
     _, url = fleet.gateways[gateway]
     rng = np.random.default_rng(8)
@@ -980,7 +981,8 @@ def test_streams_on_paged_hybrid_stages_survive_a_stage_restart(
     for stream in streams:
         assert stream.started.wait(60)
     fleet.procs[1].signal(signal.SIGSTOP)
-    time.sleep(0.5)
+    # the streams' next steps are held by the frozen stage
+    assert settled(lambda: _scrape(url, "pipeshard_gateway_steps_in_flight"), bool)
     fleet.procs[1].kill()
     fleet.restart(1)
 
@@ -990,9 +992,7 @@ def test_streams_on_paged_hybrid_stages_survive_a_stage_restart(
         assert stream.events[-1] == "data: [DONE]"
     # both were cut off and went on (neither had ended before the stage froze)
     assert _scrape(url, "pipeshard_gateway_resumed_total") == resumed + 2
-    deadline = time.monotonic() + 5
-    while (held := fleet.infos()) != [(0, 1), (0, 1)] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    held = settled(fleet.infos, lambda found: found == [(0, 1), (0, 1)])
     # no session left on either stage, and no state slot but the stage's scratch slot
     assert held == [(0, 1), (0, 1)]
 

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -18,18 +17,21 @@ import pytest
 
 from benchmarks import latency_proxy as lp
 
-pytestmark = [pytest.mark.component, pytest.mark.timeout(30)]
+pytestmark = [pytest.mark.component, pytest.mark.timeout(120)]
 
 ROOT = Path(__file__).resolve().parents[1]
+# The proxy's one timing promise is a lower bound: a byte is never forwarded before its delay.
+# Load only lengthens a round trip, so the tests assert that bound (and order and content),
+# never an upper one; how close to the delay the proxy stays is for benchmarks/.
 DELAY_S = 0.050
 RTT_S = 2 * DELAY_S
-SLACK_S = 0.060
 
 
 class EchoServer:
     """asyncio echo server on 127.0.0.1 that records how each connection ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: int = 0) -> None:
+        self.hold = hold  # echo nothing until this many bytes have come (then all of them)
         self.received = bytearray()
         self.eof_seen = asyncio.Event()
         self.reset_seen = asyncio.Event()
@@ -49,6 +51,10 @@ class EchoServer:
         try:
             while data := await reader.read(65536):
                 self.received += data
+                if len(self.received) < self.hold:
+                    continue
+                if self.hold:
+                    data, self.hold = bytes(self.received), 0
                 writer.write(data)
                 await writer.drain()
             self.eof_at = time.perf_counter()
@@ -61,14 +67,16 @@ class EchoServer:
 
 
 async def _with_proxy(
-    body: Callable[[EchoServer, lp.LatencyProxy], Awaitable[None]], delay_s: float = DELAY_S
+    body: Callable[[EchoServer, lp.LatencyProxy], Awaitable[None]],
+    delay_s: float = DELAY_S,
+    hold: int = 0,
 ) -> None:
-    echo = EchoServer()
+    echo = EchoServer(hold)
     echo_port = await echo.start()
     proxy = lp.LatencyProxy("127.0.0.1", 0, "127.0.0.1", echo_port, delay_s)
     await proxy.start()
     try:
-        await asyncio.wait_for(body(echo, proxy), 15)
+        await asyncio.wait_for(body(echo, proxy), 60)  # a hang guard
     finally:
         await proxy.close()
         await echo.close()
@@ -80,7 +88,7 @@ async def _connect(proxy: lp.LatencyProxy) -> tuple[asyncio.StreamReader, asynci
     return reader, writer
 
 
-async def _wait_until(cond: Callable[[], bool], timeout: float = 2.0) -> None:
+async def _wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
     deadline = time.perf_counter() + timeout
     while not cond():
         assert time.perf_counter() < deadline, "condition not reached in time"
@@ -103,44 +111,40 @@ def test_round_trip_takes_twice_the_delay() -> None:
     asyncio.run(_with_proxy(body))
     print(f"round trips: {[f'{r * 1e3:.1f} ms' for r in rtts]}")
     assert all(r >= RTT_S for r in rtts), rtts
-    assert statistics.median(rtts) < RTT_S + SLACK_S, rtts
 
 
 def test_pipelining_no_stop_and_wait() -> None:
+    """The proxy forwards each message without waiting for the reply to the one before: the
+    echo server here answers nothing until it has all of them, so a stop-and-wait proxy would
+    never deliver the second one (and the hang guard would end the test)."""
     n, gap = 20, 0.005
+    message = lambda i: b"msg-%04d" % i  # noqa: E731
     sent: list[float] = []
     arrived: list[float] = []
-    total = [0.0]
 
     async def body(echo: EchoServer, proxy: lp.LatencyProxy) -> None:
         reader, writer = await _connect(proxy)
 
         async def read_all() -> None:
             for i in range(n):
-                assert await reader.readexactly(8) == b"msg-%04d" % i
+                assert await reader.readexactly(8) == message(i)  # in order
                 arrived.append(time.perf_counter())
 
-        t0 = time.perf_counter()
         read_task = asyncio.create_task(read_all())
         for i in range(n):  # never waits for an echo before sending the next message
             sent.append(time.perf_counter())
-            writer.write(b"msg-%04d" % i)
-            await asyncio.sleep(gap)
+            writer.write(message(i))
+            await asyncio.sleep(gap)  # separate reads at the proxy, not one chunk
         await read_task
-        total[0] = time.perf_counter() - t0
+        assert bytes(echo.received) == b"".join(message(i) for i in range(n))
         writer.close()
 
-    asyncio.run(_with_proxy(body))
+    asyncio.run(_with_proxy(body, hold=n * 8))
     rtts = [a - s for s, a in zip(sent, arrived, strict=True)]
-    print(
-        f"pipelined {n} msgs: total {total[0] * 1e3:.1f} ms, per-message rtt "
-        f"{min(rtts) * 1e3:.1f}..{max(rtts) * 1e3:.1f} ms"
-    )
-    assert all(r >= RTT_S for r in rtts), rtts
-    # Expected ~ RTT + n * gap = 200 ms; stop-and-wait would need >= n * RTT = 2 s.
-    assert total[0] < 0.600, total[0]
-    # Echoes of early messages arrive while later ones are still being sent/in flight.
-    assert arrived[0] < sent[-1] + RTT_S
+    print(f"pipelined {n} msgs: per-message rtt {min(rtts) * 1e3:.1f}..{max(rtts) * 1e3:.1f} ms")
+    # each reply left the echo server after the last message reached it: the last message's
+    # round trip is still at least the delay both ways
+    assert rtts[-1] >= RTT_S, rtts
 
 
 def test_one_megabyte_intact_and_counted() -> None:
@@ -165,7 +169,6 @@ def test_one_megabyte_intact_and_counted() -> None:
 
     asyncio.run(_with_proxy(body))
     print(f"1 MiB echoed through the proxy in {elapsed[0] * 1e3:.1f} ms")
-    assert elapsed[0] < 2.0
 
 
 def test_client_close_flushes_then_closes_upstream() -> None:
@@ -177,7 +180,7 @@ def test_client_close_flushes_then_closes_upstream() -> None:
         writer.write(b"last words")
         t0 = time.perf_counter()
         writer.close()
-        await asyncio.wait_for(echo.eof_seen.wait(), 2)
+        await asyncio.wait_for(echo.eof_seen.wait(), 20)
         timing["eof"] = echo.eof_at - t0
         assert bytes(echo.received) == b"last words"  # in-flight data delivered before EOF
         await _wait_until(lambda: proxy.active_connections == 0)
@@ -188,7 +191,7 @@ def test_client_close_flushes_then_closes_upstream() -> None:
         f"upstream EOF {timing['eof'] * 1e3:.1f} ms after client close, "
         f"proxy connection gone after {timing['closed'] * 1e3:.1f} ms"
     )
-    assert DELAY_S <= timing["eof"] < DELAY_S + 0.5
+    assert timing["eof"] >= DELAY_S  # the close is forwarded after the data, delayed as it
 
 
 def test_half_close_keeps_other_direction_open() -> None:
@@ -196,7 +199,7 @@ def test_half_close_keeps_other_direction_open() -> None:
         reader, writer = await _connect(proxy)
         writer.write(b"abc")
         writer.write_eof()  # half-close: we can still read the echo
-        assert await asyncio.wait_for(reader.read(), 2) == b"abc"  # data, then EOF
+        assert await asyncio.wait_for(reader.read(), 20) == b"abc"  # data, then EOF
         assert echo.eof_seen.is_set()
         await _wait_until(lambda: proxy.active_connections == 0)
         writer.close()
@@ -212,7 +215,7 @@ def test_client_reset_closes_upstream() -> None:
         sock = writer.get_extra_info("socket")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         writer.transport.abort()  # close with linger 0: sends RST
-        await asyncio.wait_for(echo.ended.wait(), 2)
+        await asyncio.wait_for(echo.ended.wait(), 20)
         await _wait_until(lambda: proxy.active_connections == 0)
 
     asyncio.run(_with_proxy(body))
@@ -229,7 +232,7 @@ def test_unreachable_target_closes_client() -> None:
         try:
             reader, writer = await _connect(proxy)
             with contextlib.suppress(ConnectionError):  # EOF or reset are both fine
-                assert await asyncio.wait_for(reader.read(), 2) == b""
+                assert await asyncio.wait_for(reader.read(), 20) == b""
             writer.close()
             await _wait_until(lambda: proxy.active_connections == 0)
         finally:
@@ -293,8 +296,8 @@ def test_start_in_thread_with_blocking_client() -> None:
     try:
         rtt = _blocking_round_trip(proxy.port, b"hello from a blocking socket")
         print(f"start_in_thread round trip: {rtt * 1e3:.1f} ms")
-        assert RTT_S <= rtt < RTT_S + 0.5
-        deadline = time.perf_counter() + 2
+        assert rtt >= RTT_S
+        deadline = time.perf_counter() + 20  # a hang guard
         while proxy.bytes_forwarded["down"] < 28 and time.perf_counter() < deadline:
             time.sleep(0.005)
         assert proxy.bytes_forwarded == {"up": 28, "down": 28}
@@ -326,7 +329,7 @@ def test_cli_runs_until_sigterm() -> None:
         assert "latency proxy 127.0.0.1:" in banner, banner + proc.stderr.read()  # type: ignore[union-attr]
         port = int(banner.split()[2].rsplit(":", 1)[1].rstrip(","))
         rtt = _blocking_round_trip(port, b"via cli")
-        assert 0.040 <= rtt < 0.5
+        assert rtt >= 0.040  # --delay-ms 20, both ways
         proc.terminate()
         out, err = proc.communicate(timeout=5)
         assert proc.returncode == 0, err

@@ -54,3 +54,17 @@ def test_the_checks_above_see_an_import_of_a_test_module(tmp_path: Path) -> None
     module.write_text("from tests.test_y import a\n\ndef f():\n    import tests.test_z\n")
     seen = [name for name, _ in imports(module)]
     assert seen == ["tests.test_y", "tests.test_y.a", "tests.test_z"]
+
+
+def test_pip_install_ships_the_runtime_and_the_exporter_but_no_benchmarks_or_tests() -> None:
+    """The packages `pip install .` installs (pyproject's find rule, as setuptools applies it):
+    every shipped package, and neither the benchmarks (`pipeshard bench` loads them from a
+    checkout) nor the tests."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    rule = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    installed = find_packages(where=str(ROOT), include=rule["packages"]["find"]["include"])
+    tops = {name.split(".")[0] for name in installed}
+    assert tops == set(SHIPPED)

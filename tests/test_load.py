@@ -397,8 +397,9 @@ class LoadFleet(Fleet):
             found[f"stage {i}"] = rss_kib(proc)
         return found
 
-    def settle(self, timeout: float = 5.0) -> tuple[list[int], float, float]:
-        """Wait until no stage holds a session and nothing runs or waits in the gateway."""
+    def settle(self, timeout: float = 60.0) -> tuple[list[int], float, float]:
+        """Wait until no stage holds a session and nothing runs or waits in the gateway (the
+        timeout is a hang guard)."""
         deadline = time.monotonic() + timeout
         while True:
             sessions = self.stage_sessions()

@@ -15,6 +15,7 @@ from server.ring.local import LocalRing
 from server.settings import GatewaySettings
 from tests.conftest import EXACT
 from tests.fleets import export_chat_model
+from tests.processes import settled_async
 
 pytestmark = pytest.mark.component
 
@@ -39,7 +40,11 @@ def _run(
             stats = GenerationStats()
             request = GenerationRequest(f"r{len(prompt)}{prefix_cache}", prompt, max_tokens)
             tokens = [t.token_id async for t in engine.generate(request, stats=stats)]
-            await asyncio.sleep(0.2)  # the session's release goes out
+
+            async def held() -> int:
+                return ring.chain.session_length(f"{request.request_id}-0")  # choice 0
+
+            assert await settled_async(held, lambda n: n == 0) == 0  # the release went out
             return tokens, stats.cached_tokens
         finally:
             await engine.close()

@@ -32,7 +32,7 @@ def prometheus_binary() -> str:
     if path is None:
         pytest.fail(
             "prometheus not found: install Debian's `prometheus` package "
-            "(deploy/bootstrap.sh does as root; else apt-get install prometheus)"
+            "(`deploy/bootstrap.sh --dev` does as root; else apt-get install prometheus)"
         )
     return path
 

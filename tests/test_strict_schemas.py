@@ -90,8 +90,9 @@ def clients(export: Path) -> Iterator[dict[str, TestClient]]:
 
 
 def sample_arguments(client: TestClient, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The arguments of every complete choice of 16, over two seeds (sampled at temperature
-    2: the random model wanders wherever the grammar lets it)."""
+    """The arguments of every choice of 16 that does not stop at max_tokens, over two seeds
+    (sampled at temperature 2: the random model wanders wherever the grammar lets it); every
+    other choice stops at max_tokens, the one outcome besides a valid answer."""
     found = []
     model = client.get("/v1/models").json()["data"][0]["id"]
     for seed in (1, 2):
@@ -102,12 +103,14 @@ def sample_arguments(client: TestClient, body: dict[str, Any]) -> list[dict[str,
         )  # fmt: skip
         assert reply.status_code == 200, reply.text
         for choice in reply.json()["choices"]:
+            done = "tool_calls" if body.get("tools") else "stop"
+            assert choice["finish_reason"] in (done, "length"), choice
+            if choice["finish_reason"] == "length":
+                continue
             if body.get("tools"):
-                if choice["finish_reason"] == "length":
-                    continue
                 (call,) = choice["message"]["tool_calls"]
                 found.append(json.loads(call["function"]["arguments"]))
-            elif choice["finish_reason"] == "stop":
+            else:
                 found.append(json.loads(choice["message"]["content"]))
     return found
 

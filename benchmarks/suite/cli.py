@@ -57,6 +57,15 @@ SUITES: dict[str, tuple[str, str]] = {
         "benchmarks.servers",
         "running servers (other options, another build) side by side: tok/s, same text",
     ),
+    "llamacpp": (
+        "benchmarks.llamacpp",
+        "the 2026 families' stand-ins: pipeshard up against llama-server, tok/s, TTFT, agreement",
+    ),
+    "llama-agree": (
+        "benchmarks.llama_agree",
+        "greedy tokens of pipeshard and llama-server on the same GGUF and prompt ids: "
+        "where they first differ, the top-2 gap",
+    ),
     "batch-cost": (
         "benchmarks.batch_cost",
         "one decode call with 1-8 rows per stage (dense or MoE): does batching pay here",
