@@ -37,9 +37,12 @@ from stage_node.settings import parse_cpus
 
 def make_tiny(out: Path) -> None:
     """A 2-stage fp32 export of the test suite's random 4-layer Qwen2, with a chat template."""
+    from benchmarks.fixtures import use_testing_support
     from exporter.export import ExportOptions, export_model
-    from exporter.tiny_models import CHAT_TEMPLATE, make_model
     from protos.manifest import WeightSpec
+
+    use_testing_support()
+    from testing_support.tiny_models import CHAT_TEMPLATE, make_model
 
     with tempfile.TemporaryDirectory() as scratch:
         hf = make_model(

@@ -177,41 +177,48 @@ def use_more_bits(layer: int, layers: int) -> bool:
 
 
 def q4_k_m_tensors(shape: Shape) -> list[Tensor]:
-    """The tensors of a Llama GGUF quantized as Q4_K_M, in file order."""
+    """The tensors of a Llama GGUF quantized as Q4_K_M, in file order (llama.cpp's names from
+    exporter.families.gguf_names)."""
+    from exporter.families.gguf_names import tensor_name
+
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    out = [Tensor("token_embd.weight", (shape.vocab, h), "Q4_K", None)]
+    out = [Tensor(tensor_name("TOKEN_EMBD"), (shape.vocab, h), "Q4_K", None)]
     for i in range(shape.layers):
         more = "Q6_K" if use_more_bits(i, shape.layers) else "Q4_K"
+
+        def t(kind: str, dims: tuple[int, ...], type_name: str, layer: int = i) -> Tensor:
+            return Tensor(tensor_name(kind, layer), dims, type_name, layer)
+
         out += [
-            Tensor(f"blk.{i}.attn_norm.weight", (h,), "F32", i),
-            Tensor(f"blk.{i}.attn_q.weight", (q, h), "Q4_K", i),
-            Tensor(f"blk.{i}.attn_k.weight", (kv, h), "Q4_K", i),
-            Tensor(f"blk.{i}.attn_v.weight", (kv, h), more, i),
-            Tensor(f"blk.{i}.attn_output.weight", (h, q), "Q4_K", i),
-            Tensor(f"blk.{i}.ffn_norm.weight", (h,), "F32", i),
+            t("ATTN_NORM", (h,), "F32"),
+            t("ATTN_Q", (q, h), "Q4_K"),
+            t("ATTN_K", (kv, h), "Q4_K"),
+            t("ATTN_V", (kv, h), more),
+            t("ATTN_OUT", (h, q), "Q4_K"),
+            t("FFN_NORM", (h,), "F32"),
         ]
         if shape.experts or shape.qwen3:  # Qwen3(-MoE): q/k norms
             out += [
-                Tensor(f"blk.{i}.attn_q_norm.weight", (shape.head_dim,), "F32", i),
-                Tensor(f"blk.{i}.attn_k_norm.weight", (shape.head_dim,), "F32", i),
+                t("ATTN_Q_NORM", (shape.head_dim,), "F32"),
+                t("ATTN_K_NORM", (shape.head_dim,), "F32"),
             ]
         if shape.experts:  # llama.cpp's stacked experts, router F32
             e, mid = shape.experts, shape.expert_intermediate
             out += [
-                Tensor(f"blk.{i}.ffn_gate_inp.weight", (e, h), "F32", i),
-                Tensor(f"blk.{i}.ffn_gate_exps.weight", (e, mid, h), "Q4_K", i),
-                Tensor(f"blk.{i}.ffn_up_exps.weight", (e, mid, h), "Q4_K", i),
-                Tensor(f"blk.{i}.ffn_down_exps.weight", (e, h, mid), more, i),
+                t("FFN_GATE_INP", (e, h), "F32"),
+                t("FFN_GATE_EXP", (e, mid, h), "Q4_K"),
+                t("FFN_UP_EXP", (e, mid, h), "Q4_K"),
+                t("FFN_DOWN_EXP", (e, h, mid), more),
             ]
             continue
         out += [
-            Tensor(f"blk.{i}.ffn_gate.weight", (shape.intermediate, h), "Q4_K", i),
-            Tensor(f"blk.{i}.ffn_up.weight", (shape.intermediate, h), "Q4_K", i),
-            Tensor(f"blk.{i}.ffn_down.weight", (h, shape.intermediate), more, i),
+            t("FFN_GATE", (shape.intermediate, h), "Q4_K"),
+            t("FFN_UP", (shape.intermediate, h), "Q4_K"),
+            t("FFN_DOWN", (h, shape.intermediate), more),
         ]
     out += [
-        Tensor("output_norm.weight", (h,), "F32", None),
-        Tensor("output.weight", (shape.vocab, h), "Q6_K", None),
+        Tensor(tensor_name("OUTPUT_NORM"), (h,), "F32", None),
+        Tensor(tensor_name("OUTPUT"), (shape.vocab, h), "Q6_K", None),
     ]
     return [_fallback(t) for t in out]
 
@@ -559,8 +566,11 @@ def _write_file(
 ) -> int:
     import gguf
 
-    from exporter.tiny_gguf import FILE_TYPES, write_tokenizer
-    from exporter.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
+    from benchmarks.fixtures import use_testing_support
+
+    use_testing_support()
+    from testing_support.tiny_gguf import FILE_TYPES, write_tokenizer
+    from testing_support.tiny_models import CHAT_TEMPLATE, VOCAB, make_tokenizer
 
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name)

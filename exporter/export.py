@@ -26,13 +26,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exporter.architectures import (
-    FUSED_PROJECTIONS,
-    HYBRID,
-    ArchitectureFacts,
-    read_architecture,
-)
+from exporter.architectures import ArchitectureFacts, read_architecture
 from exporter.errors import ExportError
+from exporter.families import family
 from exporter.plan import (
     StagePlan,
     check_fits,
@@ -279,16 +275,7 @@ class _Resolved:
 
     def weight_source(self) -> WeightSource:
         """The model's tensors, read one at a time as a stage asks for them."""
-        from exporter.weights import (
-            FusedProjections,
-            GGUFSource,
-            GptOssExperts,
-            GroupedLinearProjections,
-            LanguageModelNames,
-            MixtralNames,
-            SafetensorsSource,
-            StackedExperts,
-        )
+        from exporter.weights import GGUFSource, SafetensorsSource
 
         source: WeightSource
         if self.source.kind == "gguf":
@@ -301,17 +288,9 @@ class _Resolved:
                 source = GGUFSource(self.source.path, self.config, dense=self.weights.format)
         else:
             source = SafetensorsSource(self.source.path, self.weights.format)
-        if self.facts.model_type in FUSED_PROJECTIONS:
-            source = FusedProjections(source, self.config)
-        if self.facts.model_type == "mixtral" and self.source.kind != "gguf":
-            source = MixtralNames(source)
-        if self.facts.model_type == "gpt_oss":
-            source = GptOssExperts(source, self.config)
-        if self.facts.model_type in HYBRID and self.source.kind != "gguf":
-            source = StackedExperts(LanguageModelNames(source))
-        if self.facts.model_type == "qwen3_next":
-            source = GroupedLinearProjections(source, self.config)
-        return source
+        # the family's checkpoints under the names the graph asks for (exporter/families/)
+        gguf = self.source.kind == "gguf"
+        return family(self.facts.model_type).adapt_source(source, self.config, gguf)
 
 
 def _resolve(options: ExportOptions) -> _Resolved:

@@ -30,29 +30,24 @@ from typing import Any
 import numpy as np
 
 from exporter.errors import ExportError
+from exporter.families import FAMILIES, GGUF_MODEL_TYPES
 
 # Part of the key under which exporter.source caches a config read from a GGUF: raised when
 # this reader reads a file differently, so a cached config of an earlier reading is not reused
 # (2: the MTP layers of Qwen3.5 files as mtp_num_hidden_layers)
 READER_VERSION = 2
 
-# llama.cpp architecture -> transformers model_type (only where the two names differ).
-MODEL_TYPES = {
-    "qwen3moe": "qwen3_moe",
-    "glm4moe": "glm4_moe",
-    "gpt-oss": "gpt_oss",
-    "qwen35": "qwen3_5_text",
-    "qwen35moe": "qwen3_5_moe_text",
-    "qwen3next": "qwen3_next",
-}
-ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gpt-oss", "qwen35", "qwen35moe",
-          "qwen3next")  # fmt: skip
+# The architectures whose config this reader maps: the families with a ``gguf_config`` reader
+# (exporter/families/), and the model_type each reads back as
+ARCHES = tuple(
+    dict.fromkeys(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch and f.gguf_config)
+)
 # The architectures transformers' own GGUF loader reads: their floats are given as it gives
 # them (the f32 widened); for the others, as the Hugging Face config had them (the shortest
 # decimal that is the same f32: 1e-05, not 9.999999747378752e-06).
 _TRANSFORMERS_ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # Architectures whose layers alternate linear (Gated DeltaNet) and full attention.
-_HYBRID = ("qwen35", "qwen35moe", "qwen3next")
+_HYBRID = tuple(f.gguf_arch for f in FAMILIES.values() if f.hybrid and f.gguf_arch)
 
 # tokenizer.ggml.pre -> the pre-tokenizer's split regex, as the model's tokenizer.json has it
 # (llama.cpp's llama-vocab.cpp rewrites the case-insensitive groups for its own regex engine;
@@ -199,7 +194,7 @@ def read_config(path: Path | str) -> dict[str, Any]:
             f"(known: {', '.join(ARCHES)})"
         )
     m = meta.model
-    config: dict[str, Any] = {"model_type": MODEL_TYPES.get(arch, arch)}
+    config: dict[str, Any] = {"model_type": GGUF_MODEL_TYPES[arch]}
 
     nextn = int(m("nextn_predict_layers") or 0)
     layers = int(m("block_count")) - nextn  # MTP/NextN blocks follow the trunk's layers
@@ -235,22 +230,9 @@ def read_config(path: Path | str) -> dict[str, Any]:
     config["rope_parameters"] = _rope(meta, head_dim)
     config.update(_token_ids(meta))
 
-    if arch == "qwen3moe":
-        config.update(
-            num_experts=int(m("expert_count")),
-            num_experts_per_tok=int(m("expert_used_count")),
-            norm_topk_prob=True,  # llama.cpp's qwen3moe always renormalizes the top-k
-        )
-        if (width := m("expert_feed_forward_length")) is not None:
-            config["moe_intermediate_size"] = int(width)
-    elif arch == "glm4moe":
-        config.update(_glm4moe(meta, nextn))
-    elif arch == "gpt-oss":
-        config.update(_gpt_oss(meta))
-    elif arch in _HYBRID:
-        config.update(_hybrid(meta, layers))
-        if nextn:  # as Qwen3.5's config.json names its MTP layers (skipped by the export)
-            config["mtp_num_hidden_layers"] = nextn
+    fam = FAMILIES[GGUF_MODEL_TYPES[arch]]
+    assert fam.gguf_config is not None  # ARCHES holds only such families
+    config.update(fam.gguf_config(meta, layers, nextn))  # the family's own fields
     return config
 
 
@@ -305,7 +287,7 @@ def _token_ids(meta: _Meta) -> dict[str, Any]:
     ):
         if (value := meta.get(f"tokenizer.ggml.{key}")) is not None:
             out[name] = int(value)
-    if meta.arch in MODEL_TYPES and meta.arch != "qwen3moe" and "eos_token_id" in out:
+    if meta.arch not in _TRANSFORMERS_ARCHES and "eos_token_id" in out:
         ids = [out["eos_token_id"]]
         for key in ("eot_token_id", "eom_token_id"):
             value = meta.get(f"tokenizer.ggml.{key}")
@@ -313,82 +295,6 @@ def _token_ids(meta: _Meta) -> dict[str, Any]:
                 ids.append(int(value))
         if len(ids) > 1:
             out["eos_token_id"] = ids
-    return out
-
-
-def _glm4moe(meta: _Meta, nextn: int) -> dict[str, Any]:
-    """Glm4MoeConfig's fields (GLM-4.5/4.6/4.7, conversion/glm.py's Glm4MoeModel)."""
-    m = meta.model
-    out: dict[str, Any] = {
-        "n_routed_experts": int(m("expert_count")),
-        "num_experts_per_tok": int(m("expert_used_count")),
-        "moe_intermediate_size": int(m("expert_feed_forward_length")),
-        "n_shared_experts": int(m("expert_shared_count", 0)),
-        "first_k_dense_replace": int(m("leading_dense_block_count", 0)),
-        "routed_scaling_factor": meta.real(m("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(m("expert_weights_norm", False)),
-        "n_group": int(m("expert_group_count", 1)),
-        "topk_group": int(m("expert_group_used_count", 1)),
-        # not in the metadata: the tensors say
-        "attention_bias": "blk.0.attn_q.bias" in meta.tensors,
-        "use_qk_norm": "blk.0.attn_q_norm.weight" in meta.tensors,
-        "num_nextn_predict_layers": nextn,
-    }
-    gating = m("expert_gating_func")
-    if gating is not None and int(gating) != 2:  # ExpertGatingFuncType.SIGMOID
-        raise ExportError(f"{meta.path.name}: glm4moe with expert gating {gating} (not sigmoid)")
-    return out
-
-
-def _gpt_oss(meta: _Meta) -> dict[str, Any]:
-    """GptOssConfig's fields (conversion/gpt_oss.py): experts, the sliding window of every
-    other layer (llama.cpp: SWA pattern 2, the first layer sliding, as HF's layer_types); its
-    YaRN RoPE is read by :func:`_rope`."""
-    m = meta.model
-    layers = int(m("block_count")) - int(m("nextn_predict_layers") or 0)
-    out: dict[str, Any] = {
-        "num_local_experts": int(m("expert_count")),
-        "num_experts_per_tok": int(m("expert_used_count")),
-        "sliding_window": int(m("attention.sliding_window")),
-        "layer_types": [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
-        ],
-        "attention_bias": "blk.0.attn_q.bias" in meta.tensors,
-    }
-    if (width := m("expert_feed_forward_length")) is not None:
-        out["intermediate_size"] = int(width)
-    return out
-
-
-def _hybrid(meta: _Meta, layers: int) -> dict[str, Any]:
-    """Qwen3-Next / Qwen3.5(-MoE): Gated DeltaNet sizes from the ``ssm.*`` keys
-    (conversion/qwen.py's Qwen3NextModel), the layer pattern, and the MoE fields."""
-    m = meta.model
-    value_heads = int(m("ssm.time_step_rank"))
-    out: dict[str, Any] = {
-        "linear_conv_kernel_dim": int(m("ssm.conv_kernel")),
-        "linear_key_head_dim": int(m("ssm.state_size")),
-        "linear_num_key_heads": int(m("ssm.group_count")),
-        "linear_num_value_heads": value_heads,
-        "linear_value_head_dim": int(m("ssm.inner_size")) // value_heads,
-    }
-    recurrent = m("attention.recurrent_layers")
-    if isinstance(recurrent, list) and len(recurrent) >= layers:
-        kinds = [bool(r) for r in recurrent[:layers]]
-    else:
-        interval = int(m("full_attention_interval", 4))
-        kinds = [(i + 1) % interval != 0 for i in range(layers)]
-    out["layer_types"] = ["linear_attention" if r else "full_attention" for r in kinds]
-    if (experts := m("expert_count")) is not None:
-        out.update(
-            num_experts=int(experts),
-            num_experts_per_tok=int(m("expert_used_count")),
-            moe_intermediate_size=int(m("expert_feed_forward_length")),
-        )
-        if (shared := m("expert_shared_feed_forward_length")) is not None:
-            out["shared_expert_intermediate_size"] = int(shared)
-        if meta.arch == "qwen3next":
-            out["norm_topk_prob"] = True
     return out
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from exporter.architectures import ArchitectureFacts
 from exporter.errors import ExportError
+from exporter.families import FAMILIES
 from protos.manifest import layer_span
 
 # OpenVINO runtime, Python, activations and scratch per stage process: a conservative allowance.
@@ -224,7 +225,8 @@ def is_fractional(split: Sequence[float]) -> bool:
 
 
 # The architectures whose MLP output is added as it is, so that it can be summed from parts
-CUTTABLE_MLP = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+# the families whose MLP a fractional split may cut (exporter/families/: cuttable_mlp)
+CUTTABLE_MLP = tuple(sorted(name for name, f in FAMILIES.items() if f.cuttable_mlp))
 
 
 def mlp_channel_step(model_type: str, weight_format: str, group_size: int | None) -> int:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from common.state_pool import DEFAULT_STATE_SESSIONS, pool_slots
 from exporter.errors import ExportError
+from exporter.families.gguf_names import tensor_name
 from exporter.plan import (
     KV_BYTES_PER_VALUE,
     MXFP4_EXPERT_BYTES,
@@ -471,80 +472,84 @@ class Tensor:
 
 
 def tensors(p: Preset) -> list[Tensor]:
-    """The model's tensors as llama.cpp writes them into a GGUF (the NextN layers left out)."""
+    """The model's tensors as llama.cpp writes them into a GGUF (the NextN layers left out),
+    named by gguf-py's table (exporter.families.gguf_names)."""
     h = p.hidden
-    out = [Tensor("token_embd.weight", (p.vocab, h), None)]
+    out = [Tensor(tensor_name("TOKEN_EMBD"), (p.vocab, h), None)]
     for i in range(p.layers):
 
-        def t(name: str, *shape: int, layer: int = i) -> Tensor:
-            return Tensor(f"blk.{layer}.{name}", shape, layer)
+        def t(kind: str, *shape: int, suffix: str = "weight", layer: int = i) -> Tensor:
+            return Tensor(tensor_name(kind, layer, suffix), shape, layer)
 
-        out.append(t("attn_norm.weight", h))
+        out.append(t("ATTN_NORM", h))
         if p.full_attention(i):
             q = p.heads * p.head_dim
             kv = p.kv_heads * p.head_dim
             rows = 2 * q if p.gated_query else q
             out += [
-                t("attn_q.weight", rows, h),
-                t("attn_k.weight", kv, h),
-                t("attn_v.weight", kv, h),
-                t("attn_output.weight", h, q),
+                t("ATTN_Q", rows, h),
+                t("ATTN_K", kv, h),
+                t("ATTN_V", kv, h),
+                t("ATTN_OUT", h, q),
             ]
             if p.attention_bias:
-                out += [t("attn_q.bias", rows), t("attn_k.bias", kv), t("attn_v.bias", kv)]
+                out += [
+                    t("ATTN_Q", rows, suffix="bias"),
+                    t("ATTN_K", kv, suffix="bias"),
+                    t("ATTN_V", kv, suffix="bias"),
+                ]
             if p.output_bias:
-                out.append(t("attn_output.bias", h))
+                out.append(t("ATTN_OUT", h, suffix="bias"))
             if p.qk_norm:
-                out += [t("attn_q_norm.weight", p.head_dim), t("attn_k_norm.weight", p.head_dim)]
+                out += [t("ATTN_Q_NORM", p.head_dim), t("ATTN_K_NORM", p.head_dim)]
             if p.sinks:
-                out.append(t("attn_sinks.weight", p.heads))
+                out.append(t("ATTN_SINKS", p.heads))
         else:  # Gated DeltaNet (Qwen3.5): llama.cpp's qwen35 names
             values = p.linear_value_heads * p.linear_value_dim
             out += [
-                t("attn_qkv.weight", p.conv_dim, h),
-                t("attn_gate.weight", values, h),
-                t("ssm_alpha.weight", p.linear_value_heads, h),
-                t("ssm_beta.weight", p.linear_value_heads, h),
-                t("ssm_conv1d.weight", p.conv_dim, p.conv_kernel),
-                t("ssm_a", p.linear_value_heads),
-                t("ssm_dt.bias", p.linear_value_heads),
-                t("ssm_norm.weight", p.linear_value_dim),
-                t("ssm_out.weight", h, values),
+                t("ATTN_QKV", p.conv_dim, h),
+                t("ATTN_GATE", values, h),
+                t("SSM_ALPHA", p.linear_value_heads, h),
+                t("SSM_BETA", p.linear_value_heads, h),
+                t("SSM_CONV1D", p.conv_dim, p.conv_kernel),
+                t("SSM_A", p.linear_value_heads, suffix=""),
+                t("SSM_DT", p.linear_value_heads, suffix="bias"),
+                t("SSM_NORM", p.linear_value_dim),
+                t("SSM_OUT", h, values),
             ]
-        out.append(t("post_attention_norm.weight", h))
+        out.append(t("ATTN_POST_NORM", h))
         if not p.moe(i):
             m = p.intermediate
-            out += [
-                t("ffn_gate.weight", m, h),
-                t("ffn_up.weight", m, h),
-                t("ffn_down.weight", h, m),
-            ]
+            out += [t("FFN_GATE", m, h), t("FFN_UP", m, h), t("FFN_DOWN", h, m)]
             continue
         e, m = p.experts, p.expert_intermediate
         out += [
-            t("ffn_gate_inp.weight", e, h),
-            t("ffn_gate_exps.weight", e, m, h),
-            t("ffn_up_exps.weight", e, m, h),
-            t("ffn_down_exps.weight", e, h, m),
+            t("FFN_GATE_INP", e, h),
+            t("FFN_GATE_EXP", e, m, h),
+            t("FFN_UP_EXP", e, m, h),
+            t("FFN_DOWN_EXP", e, h, m),
         ]
         if p.expert_bias:
             out += [
-                t("ffn_gate_inp.bias", e),
-                t("ffn_gate_exps.bias", e, m),
-                t("ffn_up_exps.bias", e, m),
-                t("ffn_down_exps.bias", e, h),
+                t("FFN_GATE_INP", e, suffix="bias"),
+                t("FFN_GATE_EXP", e, m, suffix="bias"),
+                t("FFN_UP_EXP", e, m, suffix="bias"),
+                t("FFN_DOWN_EXP", e, h, suffix="bias"),
             ]
         if p.correction_bias:
-            out.append(t("exp_probs_b.bias", e))
+            out.append(t("FFN_EXP_PROBS_B", e, suffix="bias"))
         if s := p.shared_expert_intermediate:
             out += [
-                t("ffn_gate_shexp.weight", s, h),
-                t("ffn_up_shexp.weight", s, h),
-                t("ffn_down_shexp.weight", h, s),
+                t("FFN_GATE_SHEXP", s, h),
+                t("FFN_UP_SHEXP", s, h),
+                t("FFN_DOWN_SHEXP", h, s),
             ]
             if p.shared_expert_gate:
-                out.append(t("ffn_gate_inp_shexp.weight", 1, h))
-    out += [Tensor("output_norm.weight", (h,), None), Tensor("output.weight", (p.vocab, h), None)]
+                out.append(t("FFN_GATE_INP_SHEXP", 1, h))
+    out += [
+        Tensor(tensor_name("OUTPUT_NORM"), (h,), None),
+        Tensor(tensor_name("OUTPUT"), (p.vocab, h), None),
+    ]
     return out
 
 

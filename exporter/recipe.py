@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from exporter.architectures import HYBRID, ArchitectureFacts, read_architecture
+from exporter.architectures import ArchitectureFacts, read_architecture
 from exporter.errors import ExportError
+from exporter.families import family
 
 # transformers' names of the activations the supported MLPs use
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -175,8 +176,8 @@ def read_recipe(config: Any, context: int | None = None) -> Recipe:
     act_name = str(getattr(config, "hidden_activation", None) or config.hidden_act)
     if act_name not in _ACTIVATIONS:
         raise ExportError(f"{model_type}: activation {act_name!r} is not supported")
-    gemma = model_type == "gemma3_text"
-    hybrid = model_type in HYBRID
+    fam = family(model_type)
+    gemma = fam.gemma_layer
     rope = {}
     for layer_type in dict.fromkeys(facts.layer_types):
         if layer_type == "linear_attention":  # no positions: a recurrence
@@ -201,11 +202,10 @@ def read_recipe(config: Any, context: int | None = None) -> Recipe:
         activation=_ACTIVATIONS[act_name],
         attention_scale=scale,
         rope=rope,
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-        or hybrid
-        or (model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
+        qk_norm=fam.qk_norm
+        or (fam.qk_norm_key is not None and bool(getattr(config, fam.qk_norm_key, False))),
         sandwich_norms=gemma,
         # Gemma, Qwen3.5: (1 + weight) (not the Gated DeltaNet's output norm: exporter.graph)
-        norm_offset=1.0 if gemma or hybrid else 0.0,
+        norm_offset=1.0 if fam.norms_plus_one else 0.0,
         embed_scale=math.sqrt(facts.hidden_size) if gemma else None,
     )

@@ -166,14 +166,14 @@ def reference_from_gguf(path: Path, config: Any, attention: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from exporter.weights import GGUFSource, GptOssExperts
+    from exporter.families import family
+    from exporter.weights import GGUFSource
 
     model_type = str(config.model_type)
-    if model_type not in ("gpt_oss", "glm4_moe"):
+    fam = family(model_type)
+    if not fam.gguf_reference:
         raise ExportError(f"{path.name}: no transformers reference for a {model_type} GGUF")
-    source: Any = GGUFSource(path, config, dense="fp32")
-    if model_type == "gpt_oss":
-        source = GptOssExperts(source, config)
+    source: Any = fam.adapt_source(GGUFSource(path, config, dense="fp32"), config, True)
     model = AutoModelForCausalLM.from_config(
         config, dtype=torch.float32, attn_implementation=attention
     )
@@ -233,9 +233,9 @@ def _cache_tokenizer(tokenizer: Any, folder: Path) -> None:
 def _text_config(config: Any) -> Any:
     """A vision-language checkpoint's text model config (Qwen3.5's ``text_config``): the
     model the export splits (exporter.weights.LanguageModelNames finds its tensors)."""
-    from exporter.architectures import TEXT_CONFIGS
+    from exporter.families import WRAPPERS
 
-    if getattr(config, "model_type", None) not in TEXT_CONFIGS:
+    if getattr(config, "model_type", None) not in WRAPPERS:
         return config
     text = config.text_config
     text._name_or_path = getattr(config, "_name_or_path", "")

@@ -76,7 +76,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from exporter.tiny_models import make_model
+    from testing_support.tiny_models import make_model
 
     made: dict[tuple[str, int, int], Path] = {}
 

@@ -15,10 +15,10 @@ import httpx
 import openai
 
 from exporter.export import ExportOptions, export_model
-from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 from protos.manifest import WeightSpec
 from server.ring import Ring
 from server.ring.grpc_client import PipelineClient
+from testing_support.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_draft, make_model
 from tests.processes import Proc, start_gateway, start_stages
 
 KEY = "test-key"

@@ -45,15 +45,19 @@ PACKAGES = (
     "protos",
     "exporter",
     "benchmarks",
+    "testing_support",
 )
-# package -> project packages it must not import
+# package -> project packages it must not import (the test fixtures, testing_support, are not
+# installed: only the tests and the benchmarks that build a tiny model use them)
 FORBIDDEN = {
     "protos": set(PACKAGES) - {"protos"},
     "common": set(PACKAGES) - {"common"},
     "shard_runtime": set(PACKAGES) - {"shard_runtime", "protos", "common"},
-    "server": {"stage_node", "exporter", "benchmarks", "pipeshard"},
-    "stage_node": {"server", "exporter", "benchmarks", "pipeshard"},
-    "exporter": {"server", "stage_node", "benchmarks", "pipeshard"},
+    "server": {"stage_node", "exporter", "benchmarks", "pipeshard", "testing_support"},
+    "stage_node": {"server", "exporter", "benchmarks", "pipeshard", "testing_support"},
+    "exporter": {"server", "stage_node", "benchmarks", "pipeshard", "testing_support"},
+    "pipeshard": {"testing_support"},
+    "testing_support": {"server", "stage_node", "benchmarks", "pipeshard"},
 }
 
 
@@ -117,6 +121,17 @@ def test_packages_import_only_what_the_architecture_allows(package: str) -> None
         if target.split(".")[0] in FORBIDDEN[package]
     ]
     assert broken == []
+
+
+def test_the_test_fixtures_are_not_installed() -> None:
+    """``pip install .`` installs the packages pyproject.toml's include patterns match: never
+    testing_support (the tiny models and GGUF writer), and no fixture is left in the exporter."""
+    from fnmatch import fnmatch
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    include = setup["packages"]["find"]["include"]
+    assert not [p for p in include if fnmatch("testing_support", p)]
+    assert sorted(p.name for p in (ROOT / "exporter").glob("tiny_*.py")) == []
 
 
 def private_imports() -> Iterator[str]:

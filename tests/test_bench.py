@@ -19,8 +19,8 @@ import pytest
 from benchmarks.processes import PIPESHARD
 from benchmarks.suite import latency, parity, speculation, ttft, users
 from exporter.export import ExportOptions, export_model
-from exporter.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 from protos.manifest import WeightSpec
+from testing_support.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,6 @@ import jsonschema
 import numpy as np
 import pytest
 
-from exporter.tiny_models import CORPUS, JSON_CORPUS
 from protos.sampling import SamplingParams
 from server.api.tools import HERMES
 from server.engine.constraint_spec import ToolSchema
@@ -28,6 +27,7 @@ from server.engine.scheduler import SchedulerConfig
 from server.engine.speculative import DraftProposer, Proposer
 from server.metrics import GatewayMetrics
 from server.ring.grpc_client import PipelineClient
+from testing_support.tiny_models import CORPUS, JSON_CORPUS
 from tests.clients import SCHEMA
 from tests.conftest import EXACT
 from tests.fleets import export_chat_model
@@ -197,8 +197,8 @@ def test_masks_of_draft_tokens_leave_the_matcher_where_it_was(tmp_path: Path) ->
 
     from transformers import PreTrainedTokenizerFast
 
-    from exporter.tiny_models import make_tokenizer
     from server.engine.constraints import _allows
+    from testing_support.tiny_models import make_tokenizer
 
     make_tokenizer(tmp_path, corpus=CORPUS + JSON_CORPUS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
@@ -250,9 +250,9 @@ def test_forced_glm_calls_follow_glm_format_and_the_schemas(tmp_path: Path) -> N
     not an unknown argument, not a missing required one."""
     from transformers import PreTrainedTokenizerFast
 
-    from exporter.tiny_models import make_tokenizer
     from server.api.tools import GLM
     from server.engine.constraints import ConstraintError
+    from testing_support.tiny_models import make_tokenizer
 
     make_tokenizer(tmp_path, corpus=CORPUS + JSON_CORPUS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))

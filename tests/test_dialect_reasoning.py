@@ -1,5 +1,5 @@
 """Reasoning through the Messages and Responses APIs: a tiny model whose template opens a
-``<think>`` block (exporter/tiny_models.py THINK_TEMPLATE) behind the real gateway over HTTP.
+``<think>`` block (testing_support/tiny_models.py THINK_TEMPLATE) behind the real gateway over HTTP.
 The reasoning is chat's ``reasoning_content`` token for token, as ``thinking`` blocks and
 ``reasoning`` items (streamed as ``thinking_delta`` / ``response.reasoning_text.delta``);
 ``thinking: disabled`` switches the template's ``enable_thinking`` off."""
@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import pytest
 
-from exporter.tiny_models import THINK_TEMPLATE
+from testing_support.tiny_models import THINK_TEMPLATE
 from tests.fleets import KEY, Fleet, export_chat_model, local_gateway
 
 pytestmark = pytest.mark.component

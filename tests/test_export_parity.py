@@ -30,6 +30,8 @@ CASES = [
     ("mistral", 1, "fp32"),
     ("mistral", 2, "fp16"),
     ("mistral", 3, "fp32"),
+    # sliding (window 5) and full layers as layer_types lists them, cut at 2 stages
+    ("ministral", 2, "fp32"),
     ("phi3", 1, "fp32"),
     ("phi3", 2, "fp16"),
     ("phi3", 3, "fp32"),

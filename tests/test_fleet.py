@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from exporter.tiny_models import CHAT_TEMPLATE, make_model
 from server.engine.scheduler import SchedulerConfig
+from testing_support.tiny_models import CHAT_TEMPLATE, make_model
 from tests.conftest import ExportFn, make_certificates
 from tests.processes import PIPESHARD, free_port, settled
 

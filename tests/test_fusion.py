@@ -77,7 +77,7 @@ def test_moe_experts_are_computed_sparsely(tiny_export: ExportFn, arch: str, wei
     every expert; NNCF's int4 experts too."""
     export_dir = tiny_export(arch, 3, weights)
     manifest = load_manifest(export_dir)
-    # exporter.tiny_models: qwen3_moe's layer 2 keeps a dense MLP, glm4_moe's layer 0 (its
+    # testing_support.tiny_models: qwen3_moe's layer 2 keeps a dense MLP, glm4_moe's layer 0 (its
     # shared expert is a plain MLP beside the GatherMatmuls); every mixtral layer is experts
     moe_layers = {
         "qwen3_moe": {0, 1, 3, 4, 5},
@@ -124,7 +124,7 @@ def test_linear_attention_layers_compile_to_gated_delta_net(
     export_dir = tiny_export(arch, 3, weights)
     manifest = load_manifest(export_dir)
     layer_types = manifest.model.layer_types
-    # exporter.tiny_models: qwen3_5_moe's every layer is experts, qwen3_next's but layer 2
+    # testing_support.tiny_models: qwen3_5_moe's every layer is experts, qwen3_next's but layer 2
     moe_layers = {"qwen3_5": set(), "qwen3_5_moe": set(range(6)), "qwen3_next": {0, 1, 3, 4, 5}}
     for stage in manifest.stages:
         xml = str(export_dir / stage.model_xml)

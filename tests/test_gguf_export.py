@@ -1,12 +1,11 @@
 """Exports straight from GGUF files: the file's own blocks, token for token with transformers.
 
-Tiny random models written as llama.cpp would (exporter/tiny_gguf.py: Q4_K_M mixes of Q4_K, Q6_K
-and F32) are exported with ``--weights gguf`` and compared with transformers loading the same
-file (its de-quantization is gguf's, the reference): with f32 compute, an f32 KV cache and the
-CPU's dynamic activation quantization off, the chained stages give the same greedy tokens and
-logits within float rounding. Also: split == unsplit, one stage at a time on "different
-machines" == the whole export, the paged backend, and the compressed weights in the compiled
-graph.
+Tiny random models written as llama.cpp would (testing_support/tiny_gguf.py: Q4_K_M mixes of Q4_K,
+Q6_K and F32) are exported with ``--weights gguf`` and compared with transformers loading the same
+file (its de-quantization is gguf's, the reference): with f32 compute, an f32 KV cache and the CPU's
+dynamic activation quantization off, the chained stages give the same greedy tokens and logits
+within float rounding. Also: split == unsplit, one stage at a time on "different machines" == the
+whole export, the paged backend, and the compressed weights in the compiled graph.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ PROMPTS = [[1, 17, 42, 99, 7, 130, 64, 5, 200], [1, 3, 250, 11, 11, 90, 31, 140]
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from exporter.tiny_gguf import make_gguf_model
+    from testing_support.tiny_gguf import make_gguf_model
 
     made: dict[tuple[str, str], Path] = {}
 
@@ -204,7 +203,7 @@ def test_gguf_experts_stay_compressed_and_sparse(gguf_export: Callable[..., Path
 def test_a_gguf_whose_experts_transformers_cannot_read_is_refused(tmp_path: Path) -> None:
     """A file holding experts that transformers reads as a dense model (here a qwen2 file with
     an expert count): the export says so instead of failing on a missing tensor."""
-    from exporter.tiny_gguf import make_hf_model, write_gguf
+    from testing_support.tiny_gguf import make_hf_model, write_gguf
 
     gguf = write_gguf(
         make_hf_model("qwen2", tmp_path / "hf", layers=2),
@@ -224,8 +223,8 @@ def test_a_mixtral_gguf_is_read_as_mixtral(tmp_path: Path) -> None:
     F32 from a Mixtral folder, its 2 stages give that model's greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from exporter.tiny_gguf import make_hf_model, write_gguf
     from exporter.verify import reference_greedy
+    from testing_support.tiny_gguf import make_hf_model, write_gguf
 
     hf = make_hf_model("mixtral", tmp_path / "hf", layers=3)
     gguf = write_gguf(hf, tmp_path / "mixtral.gguf", "F32")
@@ -442,8 +441,8 @@ def test_a_glm4moe_gguf_equals_the_hugging_face_model_it_was_written_from(
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from exporter.tiny_gguf import dequantize, make_hf_model, quantize, write_gguf
     from exporter.verify import reference_greedy
+    from testing_support.tiny_gguf import dequantize, make_hf_model, quantize, write_gguf
 
     hf = make_hf_model("glm4_moe", tmp_path / "hf", layers=4)
     state = load_file(str(hf / "model.safetensors"))
@@ -510,8 +509,8 @@ def test_a_gpt_oss_gguf_equals_the_hugging_face_model_it_was_written_from(
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
     from transformers import AutoModelForCausalLM
 
-    from exporter.tiny_gguf import make_hf_model, round_weights, write_gguf
     from exporter.verify import reference_greedy
+    from testing_support.tiny_gguf import make_hf_model, round_weights, write_gguf
 
     hf = make_hf_model("gpt_oss", tmp_path / "hf", layers=4)
     round_weights(hf, GPT_OSS_TYPES)
@@ -586,7 +585,7 @@ def test_gpt_oss_mxfp4_checkpoint_equals_its_dense_folder(tmp_path: Path) -> Non
     from gguf import quants as gguf_quants
     from safetensors.torch import load_file, save_file
 
-    from exporter.tiny_gguf import make_hf_model, round_weights
+    from testing_support.tiny_gguf import make_hf_model, round_weights
 
     dense = make_hf_model("gpt_oss", tmp_path / "dense", layers=2)
     round_weights(dense, {"_exps": "MXFP4"})  # experts only; the rest stays F32
@@ -638,7 +637,7 @@ def test_verify_a_gguf_transformers_cannot_read(
     transformers' GGUF loader refuses: the reference is transformers' model of the file's
     config holding the file's weights as gguf-py de-quantizes them (the same as an export from
     the Hugging Face folder would be compared with); strict under the exact runtime."""
-    from exporter.tiny_gguf import make_gguf_model
+    from testing_support.tiny_gguf import make_gguf_model
 
     gguf = make_gguf_model(arch, tmp_path / "gguf", types=types)
     out = tmp_path / "out"
@@ -652,7 +651,7 @@ def test_verify_a_gguf_transformers_cannot_read(
 
 def test_pipeshard_plans_tensors_are_a_glm4moe_gguf_s(tmp_path: Path) -> None:
     """`pipeshard plan`'s GLM tensors, names and shapes, are those of a glm4moe GGUF written as
-    llama.cpp writes one (exporter/tiny_gguf.py), given the tiny model's shape: the NextN
+    llama.cpp writes one (testing_support/tiny_gguf.py), given the tiny model's shape: the NextN
     block after the last layer aside."""
     import dataclasses
     import json
@@ -660,7 +659,7 @@ def test_pipeshard_plans_tensors_are_a_glm4moe_gguf_s(tmp_path: Path) -> None:
     from gguf import GGUFReader
 
     from exporter.presets import PRESETS, tensors
-    from exporter.tiny_gguf import make_hf_model, write_gguf
+    from testing_support.tiny_gguf import make_hf_model, write_gguf
 
     hf = make_hf_model("glm4_moe", tmp_path / "hf", layers=4)
     path = write_gguf(hf, tmp_path / "glm.gguf", "Q8_0")
@@ -709,8 +708,8 @@ def test_a_hybrid_gguf_equals_the_hugging_face_model_it_was_written_from(
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from exporter.tiny_gguf import dequantize, make_hf_model, quantize, write_gguf
     from exporter.verify import reference_greedy
+    from testing_support.tiny_gguf import dequantize, make_hf_model, quantize, write_gguf
 
     hf = make_hf_model(arch, tmp_path / "hf", layers=4)
     state = load_file(str(hf / "model.safetensors"))

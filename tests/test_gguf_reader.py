@@ -1,8 +1,9 @@
 """exporter.gguf_reader against transformers' GGUF loader and the tokenizers the files came from.
 
-- Config: tiny llama, qwen2, qwen3 and qwen3_moe GGUFs (exporter/tiny_gguf.py) give the config
-  transformers reads, field for field; glm4moe, gpt-oss, qwen35moe, qwen35 and qwen3next files
-  written as llama.cpp's converter writes them give back the transformers config they came from.
+- Config: tiny llama, qwen2, qwen3 and qwen3_moe GGUFs (testing_support/tiny_gguf.py) give the
+  config transformers reads, field for field; glm4moe, gpt-oss, qwen35moe, qwen35 and qwen3next
+  files written as llama.cpp's converter writes them give back the transformers config they came
+  from.
 - Tokenizer: a byte-level BPE trained here on a varied corpus (code, unicode, emoji, digits,
   whitespace runs), with the split rules of each ``tokenizer.ggml.pre`` family, is written into a
   GGUF the way convert_hf_to_gguf.py writes a vocabulary; the reader's tokenizer must give the
@@ -188,7 +189,7 @@ def test_config_matches_transformers(arch: str, tmp_path: Path) -> None:
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from exporter.tiny_gguf import make_gguf_model
+    from testing_support.tiny_gguf import make_gguf_model
 
     path = make_gguf_model(arch, tmp_path, types="F32", layers=2)
     ours = read_config(path)

@@ -1,6 +1,6 @@
 """gpt-oss's harmony format served end to end: a tiny chat model whose template is harmony's
-(exporter/tiny_models.py HARMONY_TEMPLATE, its markup as special tokens), the real gateway app
-over HTTP on the in-process ring, and the official SDKs. A forced call is written in the
+(testing_support/tiny_models.py HARMONY_TEMPLATE, its markup as special tokens), the real gateway
+app over HTTP on the in-process ring, and the official SDKs. A forced call is written in the
 ``commentary`` channel to ``functions.NAME`` (after an analysis, if the model wants one) and
 reaches each dialect as its tool call, valid for its schema; the analysis is reasoning, never
 answer; a call's result fed back renders and is answered.
@@ -18,7 +18,7 @@ import anthropic
 import jsonschema
 import pytest
 
-from exporter.tiny_models import HARMONY_TEMPLATE, HARMONY_TOKENS
+from testing_support.tiny_models import HARMONY_TEMPLATE, HARMONY_TOKENS
 from tests.fleets import KEY, Fleet, export_chat_model, local_gateway
 
 pytestmark = pytest.mark.component

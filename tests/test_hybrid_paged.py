@@ -398,8 +398,8 @@ def test_padded_lone_rows_compute_the_same(tiny_export: ExportFn, arch: str) -> 
 def hybrid_with_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3.5 on 2 stages with a draft of its own family (its weights plus noise)."""
     from exporter.export import ExportOptions, export_model
-    from exporter.tiny_models import make_draft, make_model
     from protos.manifest import WeightSpec
+    from testing_support.tiny_models import make_draft, make_model
 
     base = tmp_path_factory.mktemp("hybrid-draft")
     target = make_model("qwen3_5", base / "target")

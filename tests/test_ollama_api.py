@@ -29,7 +29,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from exporter.tiny_models import CORPUS, JSON_CORPUS, THINK_TEMPLATE, make_tokenizer
 from protos.sampling import SampledToken
 from server.api.ollama import render
 from server.api.ollama.lowering import lower_chat
@@ -39,6 +38,7 @@ from server.api.serving import CompletionService
 from server.api.tokenization import TextCodec
 from server.engine.loop import GenerationRequest, GenerationStats
 from server.metrics import GatewayMetrics
+from testing_support.tiny_models import CORPUS, JSON_CORPUS, THINK_TEMPLATE, make_tokenizer
 from tests.fleets import (
     KEY,
     TINY_HERMES_TEMPLATE,

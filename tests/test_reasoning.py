@@ -235,7 +235,7 @@ def grammar_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The tiny tokenizer that can write JSON, with harmony's markup as special tokens."""
     from transformers import PreTrainedTokenizerFast
 
-    from exporter.tiny_models import CORPUS, JSON_CORPUS, make_tokenizer
+    from testing_support.tiny_models import CORPUS, JSON_CORPUS, make_tokenizer
 
     folder = tmp_path_factory.mktemp("tokenizer")
     make_tokenizer(folder, corpus=CORPUS + JSON_CORPUS)

@@ -1,5 +1,5 @@
 """Reasoning through the HTTP API and the engine, on a tiny model whose chat template opens a
-``<think>`` block (exporter/tiny_models.py THINK_TEMPLATE) and the in-process ring: the
+``<think>`` block (testing_support/tiny_models.py THINK_TEMPLATE) and the in-process ring: the
 reasoning separated from the answer (``message.reasoning_content``, streamed as
 ``delta.reasoning_content``, ``usage.completion_tokens_details.reasoning_tokens``), switched
 off by ``chat_template_kwargs``, 400s for what the template cannot take, and constraints that
@@ -24,7 +24,6 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.tiny_models import THINK_TEMPLATE
 from protos.sampling import SamplingParams
 from server.api.app import create_app
 from server.api.reasoning import ThinkParser
@@ -42,6 +41,7 @@ from server.engine.loop import Engine, GenerationRequest
 from server.metrics import GatewayMetrics
 from server.ring.local import LocalRing
 from server.settings import GatewaySettings
+from testing_support.tiny_models import THINK_TEMPLATE
 from tests.conftest import EXACT
 from tests.fleets import export_chat_model
 

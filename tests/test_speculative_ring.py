@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from exporter.export import ExportOptions, export_model
-from exporter.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 from protos.manifest import WeightSpec, load_manifest
 from protos.sampling import SamplingParams
 from server.engine.loop import Engine, GenerationRequest
@@ -25,6 +24,7 @@ from server.engine.speculative import DRAFT_CHUNK, DraftProposer, NgramProposer,
 from server.metrics import GatewayMetrics
 from server.ring.grpc_client import PipelineClient
 from shard_runtime.chain import LocalChain
+from testing_support.tiny_models import CHAT_TEMPLATE, make_draft, make_model
 from tests.conftest import EXACT
 from tests.processes import start_gateway, start_stages
 

@@ -1,4 +1,4 @@
-"""The tiny GGUF writer (exporter/tiny_gguf.py) against transformers' own GGUF loader.
+"""The tiny GGUF writer (testing_support/tiny_gguf.py) against transformers' own GGUF loader.
 
 F32 files must give the HF model's logits (names, llama's q/k permutation and gemma's +1 norms
 right), Q4_K_M files must hold the intended type per tensor in blocks gguf-py decodes, and the
@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporter.tiny_gguf import (
+from testing_support.tiny_gguf import (
     dequantize,
     make_gguf_model,
     make_hf_model,
     quantize,
     write_gguf,
 )
-from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, make_model
+from testing_support.tiny_models import CHAT_TEMPLATE, CORPUS, make_model
 
 pytestmark = pytest.mark.component
 

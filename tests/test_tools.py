@@ -26,7 +26,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from benchmarks.agent_loop import turn
-from exporter.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_tokenizer
 from protos.sampling import SampledToken
 from server.api.errors import APIError
 from server.api.requests import ChatCompletionRequest, parse_request, template_messages
@@ -44,6 +43,7 @@ from server.api.tools import (
 )
 from server.engine.loop import GenerationRequest, GenerationStats
 from server.metrics import GatewayMetrics
+from testing_support.tiny_models import CHAT_TEMPLATE, CORPUS, JSON_CORPUS, make_tokenizer
 from tests.clients import SCHEMA
 from tests.fleets import TINY_HERMES_TEMPLATE, Fleet, export_chat_model, hermes_fleet
 from tests.processes import start_gateway, start_stages

@@ -19,28 +19,19 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from exporter.tiny_models import VOCAB, make_tokenizer, randomize_buffers
+from exporter.families import FAMILIES
+from exporter.families.gguf_names import gguf_name
+from testing_support.tiny_models import VOCAB, make_tokenizer, randomize_buffers
 
 QK_K = 256  # super-block length of the K-quants
-GGUF_ARCH = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma3_text": "gemma3",
-    "phi3": "phi3",
-    "qwen3_moe": "qwen3moe",
-    "mixtral": "llama",  # llama.cpp's Mixtral: a llama file with experts
-    "glm4_moe": "glm4moe",
-    "gpt_oss": "gpt-oss",
-    "qwen3_5_text": "qwen35",
-    "qwen3_5_moe_text": "qwen35moe",
-    "qwen3_next": "qwen3next",
-}
+# transformers model_type -> llama.cpp architecture: the families' (exporter/families/)
+GGUF_ARCH = {name: f.gguf_arch for name, f in FAMILIES.items() if f.gguf_arch is not None}
 _HYBRID_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
 TYPE_NAMES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
 # general.file_type as llama-quantize writes it (a pure Q4_K file is labelled Q4_K_S).
@@ -233,8 +224,8 @@ def _stack_experts(state: dict[str, Any]) -> dict[str, Any]:
 def _gpt_oss_experts(state: dict[str, Any]) -> dict[str, Any]:
     """convert_hf_to_gguf's GptOssModel for dense (not MXFP4) experts: ``gate_up_proj``
     [E, H, 2I] (x @ W, gate and up columns interleaved) -> ``gate_proj`` and ``up_proj``
-    [E, I, H], ``down_proj`` [E, I, H] -> [E, H, I], their biases split likewise; the sinks
-    named ``.weight``."""
+    [E, I, H], ``down_proj`` [E, I, H] -> [E, H, I], their biases split likewise (the
+    sinks' ``.weight`` is the family's rename: exporter.families.gguf_names)."""
     out: dict[str, Any] = {}
     for name, tensor in state.items():
         stem = name.rsplit(".", 1)[0]
@@ -249,8 +240,6 @@ def _gpt_oss_experts(state: dict[str, Any]) -> dict[str, Any]:
             out[f"{stem}.down_proj.weight"] = tensor.transpose(-1, -2).contiguous()
         elif name.endswith("experts.down_proj_bias"):
             out[f"{stem}.down_proj.bias"] = tensor
-        elif name.endswith(".sinks"):
-            out[f"{name}.weight"] = tensor
         else:
             out[name] = tensor
     return out
@@ -338,9 +327,9 @@ def _hybrid_tensors(state: dict[str, Any], config: Any, arch: str) -> dict[str, 
     """What llama.cpp's converter does to Qwen3.5's and Qwen3-Next's tensors (conversion/qwen.py:
     Qwen3NextModel, _LinearAttentionVReorderBase): the text model's names; value heads tiled
     (qwen35, qwen35moe, where there are more value heads than key heads); A_log stored as
-    -exp(A_log), dt_bias as dt_proj.bias, the convolution squeezed, the norms plus one (not the
-    Gated DeltaNet's own); Qwen3-Next's in_proj_qkvz regrouped into qkv and z; stacked experts
-    (Qwen3.5-MoE's gate_up_proj) split into gate and up."""
+    -exp(A_log) (dt_bias as dt_proj.bias: the family's rename), the convolution squeezed, the
+    norms plus one (not the Gated DeltaNet's own); Qwen3-Next's in_proj_qkvz regrouped into
+    qkv and z; stacked experts (Qwen3.5-MoE's gate_up_proj) split into gate and up."""
     import torch
 
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
@@ -366,8 +355,6 @@ def _hybrid_tensors(state: dict[str, Any], config: Any, arch: str) -> dict[str, 
                 w = _tiled(w, 1, hk, per_key, dv)
         if name.endswith(".A_log"):
             w = -torch.exp(w)
-        elif name.endswith(".dt_bias"):
-            name = name.replace(".dt_bias", ".dt_proj.bias")
         elif ".conv1d." in name:
             w = w.squeeze()
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
@@ -454,12 +441,15 @@ def write_gguf(
     out: Path,
     types: str | dict[str, str] = "Q4_K_M",
     extra: dict[str, int] | None = None,
+    names: Callable[[str, str, int], str] | None = None,
 ) -> Path:
     """Write the HF model in ``hf_folder`` (config, safetensors, tokenizer) as the GGUF ``out``.
 
     ``types``: "F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K" for every 2-D weight, "Q4_K_M" for
     llama-quantize's mix, or a dict of name substring -> type (see ``tensor_type``). ``extra``:
-    more uint32 metadata, e.g. ``{"llama.expert_count": 8}``.
+    more uint32 metadata, e.g. ``{"llama.expert_count": 8}``. ``names``: (Hugging Face name,
+    llama.cpp architecture, blocks) -> the tensor's GGUF name (KeyError: none), instead of the
+    reader's own (exporter.families.gguf_names): a test names the tensors from outside.
     """
     import gguf
     from safetensors.torch import load_file
@@ -470,7 +460,6 @@ def write_gguf(
     if config.model_type not in GGUF_ARCH:
         raise ValueError(f"no GGUF writer for {config.model_type}")
     arch = GGUF_ARCH[config.model_type]
-    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     n_layers, n_head = config.num_hidden_layers, config.num_attention_heads
     n_kv = config.num_key_value_heads
     raw_cfg = json.loads((hf_folder / "config.json").read_text())
@@ -565,13 +554,9 @@ def write_gguf(
         # llama.cpp's generate_extra_tensors: written first, before the model's own.
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
     tied = bool(config.tie_word_embeddings)
-    names = gguf.get_tensor_name_map(model_arch, n_layers + nextn)
     state = load_file(str(hf_folder / "model.safetensors"))
     state = _stack_experts(state)
     if arch == "glm4moe":
-        # the router's correction bias under the name gguf-py maps (exp_probs_b.bias)
-        fix = ".e_score_correction_bias", ".e_score_correction.bias"
-        state = {name.replace(*fix): tensor for name, tensor in state.items()}
         state.update(_nextn_block(config, n_layers, nextn))
     if arch == "gpt-oss":
         state = _gpt_oss_experts(state)
@@ -583,9 +568,13 @@ def write_gguf(
     for hf_name, tensor in state.items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reuses token_embd as the output head
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))  # keeps the suffix
-        if name is None:
-            raise ValueError(f"no GGUF name for {hf_name}")
+        try:  # the reader's names (gguf-py's map and the family's converter renames)
+            if names is None:
+                name = gguf_name(hf_name, config.model_type)
+            else:
+                name = names(hf_name, arch, n_layers + nextn)
+        except KeyError:
+            raise ValueError(f"no GGUF name for {hf_name}") from None
         w = tensor.float().numpy()
         if arch == "llama" and name.endswith("attn_q.weight"):
             w = _permute(w, n_head)
@@ -614,7 +603,7 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
     """A tiny config whose every field survives transformers' GGUF loader, with rows (hidden
     and intermediate sizes) that are multiples of 256 for the K-quants.
 
-    exporter.tiny_models.tiny_config cannot serve: its llama uses llama3 rope scaling and its
+    testing_support.tiny_models.tiny_config cannot serve: its llama uses llama3 rope scaling and its
     gemma3 a layer pattern and query scale that GGUF does not carry back.
     """
     common: dict[str, Any] = dict(
@@ -673,21 +662,21 @@ def gguf_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> Any:
     if arch == "gpt_oss":
         from transformers import GptOssConfig
 
-        from exporter.tiny_models import gpt_oss_fields
+        from testing_support.tiny_models import gpt_oss_fields
 
         # the tiny Hugging Face gpt-oss's layers, routing and YaRN; experts of 256 channels
         return GptOssConfig(**{**gpt_oss_fields(common), "head_dim": 64, "intermediate_size": 256})
     if arch == "glm4_moe":
         from transformers import Glm4MoeConfig
 
-        from exporter.tiny_models import glm4_moe_fields
+        from testing_support.tiny_models import glm4_moe_fields
 
         # the tiny Hugging Face GLM's routing and layer types, with K-quant-sized experts
         return Glm4MoeConfig(
             **{**glm4_moe_fields(common), "head_dim": 64, "moe_intermediate_size": 256}
         )
     if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        from exporter.tiny_models import hybrid_experts, qwen3_5_fields
+        from testing_support.tiny_models import hybrid_experts, qwen3_5_fields
 
         # the tiny Hugging Face hybrid's heads, with value heads of 32 channels (out_proj's
         # columns move by whole value heads when llama.cpp tiles them: whole Q8_0 blocks)
@@ -736,7 +725,7 @@ def make_hf_model(
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 2:
-                param.mul_(2.0)  # as exporter.tiny_models.make_model: avoid near-tied logits
+                param.mul_(2.0)  # as testing_support.tiny_models.make_model: avoid near-tied logits
             elif param.dim() == 3 and arch == "gpt_oss":
                 pass  # its stacked experts: widened by randomize_buffers instead
             else:

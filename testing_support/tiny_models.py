@@ -100,6 +100,13 @@ def tiny_config(arch: str, layers: int = 6, vocab: int = VOCAB) -> Any:
 
         # a window far shorter than the tests' prompts + generations: every layer slides
         return MistralConfig(**common, sliding_window=5)
+    if arch == "ministral":
+        from transformers import MinistralConfig
+
+        # sliding (window 5, shorter than the tests' prompts) and full layers, as listed; head_dim
+        # stated, as the real configs do (transformers' modeling reads no default)
+        types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(layers)]
+        return MinistralConfig(**common, head_dim=16, sliding_window=5, layer_types=types)
     if arch == "phi3":
         from transformers import Phi3Config
 
