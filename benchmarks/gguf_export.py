@@ -67,7 +67,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -1156,6 +1156,28 @@ GPT_OSS_PRESETS = {"gpt-oss-20b": "gpt-oss-20b"}
 _LINEAR_FLAGS = ("linear_key_heads", "linear_value_heads")
 
 
+def _given(opts: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The shape flags among ``keys`` that were given, by name."""
+    return {key: getattr(opts, key) for key in keys if getattr(opts, key) is not None}
+
+
+def _cut(preset: Any, values: dict[str, Any]) -> Any:
+    """``preset`` with ``values``, refused where no MoE model has that shape."""
+    preset = dataclasses.replace(preset, **values)
+    if preset.layers < 1 or preset.experts_per_token > preset.experts:
+        raise SystemExit("--layers must be at least 1, --experts-per-token at most --experts")
+    return preset
+
+
+_F = TypeVar("_F", HybridFile, GptOssFile, GlmFile)
+
+
+def _file_flags(file: _F, opts: argparse.Namespace) -> _F:
+    """The file's metadata with --context-length and --rope-theta where given."""
+    values = {"context": opts.context_length, "rope_theta": opts.rope_theta}
+    return dataclasses.replace(file, **{k: v for k, v in values.items() if v is not None})
+
+
 def hybrid_from(opts: argparse.Namespace) -> tuple[Any, HybridFile]:
     """exporter.presets' Qwen3.5-MoE shape cut to --layers (3 linear-attention layers then a
     full-attention one, as in the model), with the shape flags given (the shared expert keeps
@@ -1167,28 +1189,16 @@ def hybrid_from(opts: argparse.Namespace) -> tuple[Any, HybridFile]:
     if opts.qwen3:
         raise SystemExit("--qwen3 is for the dense shapes")
     preset = PRESETS[HYBRID_PRESETS[opts.model]]
-    values: dict[str, Any] = {}
-    for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab"):
-        if getattr(opts, key) is not None:
-            values[key] = getattr(opts, key)
-    for key in _EXPERT_FLAGS + _LINEAR_FLAGS:
-        if getattr(opts, key) is not None:
-            values[key] = getattr(opts, key)
+    values = _given(opts, ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab"))
+    values |= _given(opts, _EXPERT_FLAGS + _LINEAR_FLAGS)
     if opts.expert_intermediate is not None:
         values["shared_expert_intermediate"] = opts.expert_intermediate
     if opts.linear_head_dim is not None:
         values["linear_key_dim"] = values["linear_value_dim"] = opts.linear_head_dim
-    preset = dataclasses.replace(preset, **values)
-    if preset.layers < 1 or preset.experts_per_token > preset.experts:
-        raise SystemExit("--layers must be at least 1, --experts-per-token at most --experts")
+    preset = _cut(preset, values)
     if preset.linear_value_heads % preset.linear_key_heads:
         raise SystemExit("--linear-value-heads must be a multiple of --linear-key-heads")
-    file = HybridFile()
-    if opts.context_length is not None:
-        file = dataclasses.replace(file, context=opts.context_length)
-    if opts.rope_theta is not None:
-        file = dataclasses.replace(file, rope_theta=opts.rope_theta)
-    return preset, file
+    return preset, _file_flags(HybridFile(), opts)
 
 
 def gpt_oss_from(opts: argparse.Namespace) -> tuple[Any, GptOssFile]:
@@ -1204,19 +1214,8 @@ def gpt_oss_from(opts: argparse.Namespace) -> tuple[Any, GptOssFile]:
     if opts.qwen3:
         raise SystemExit("--qwen3 is for the dense shapes")
     preset = PRESETS[GPT_OSS_PRESETS[opts.model]]
-    values: dict[str, Any] = {}
-    for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", *_EXPERT_FLAGS):
-        if getattr(opts, key) is not None:
-            values[key] = getattr(opts, key)
-    preset = dataclasses.replace(preset, **values)
-    if preset.layers < 1 or preset.experts_per_token > preset.experts:
-        raise SystemExit("--layers must be at least 1, --experts-per-token at most --experts")
-    file = GptOssFile()
-    if opts.context_length is not None:
-        file = dataclasses.replace(file, context=opts.context_length)
-    if opts.rope_theta is not None:
-        file = dataclasses.replace(file, rope_theta=opts.rope_theta)
-    return preset, file
+    keys = ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", *_EXPERT_FLAGS)
+    return _cut(preset, _given(opts, keys)), _file_flags(GptOssFile(), opts)
 
 
 def glm_from(opts: argparse.Namespace) -> tuple[Any, GlmFile]:
@@ -1227,26 +1226,13 @@ def glm_from(opts: argparse.Namespace) -> tuple[Any, GlmFile]:
     if any(getattr(opts, key) is not None for key in (*_LINEAR_FLAGS, "linear_head_dim")):
         raise SystemExit("--linear-* are for the hybrid shapes")
     preset = PRESETS[GLM_PRESETS[opts.model]]
-    values: dict[str, Any] = {}
-    for key in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
-        if getattr(opts, key) is not None:
-            values[key] = getattr(opts, key)
-    for key in _EXPERT_FLAGS:
-        if getattr(opts, key) is not None:
-            values[key] = getattr(opts, key)
+    keys = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab")
+    values = _given(opts, keys) | _given(opts, _EXPERT_FLAGS)
     if opts.expert_intermediate is not None:
         values["shared_expert_intermediate"] = opts.expert_intermediate
     if opts.first_dense is not None:
         values["first_dense"] = opts.first_dense
-    preset = dataclasses.replace(preset, **values)
-    if preset.layers < 1 or preset.experts_per_token > preset.experts:
-        raise SystemExit("--layers must be at least 1, --experts-per-token at most --experts")
-    file = GlmFile()
-    if opts.context_length is not None:
-        file = dataclasses.replace(file, context=opts.context_length)
-    if opts.rope_theta is not None:
-        file = dataclasses.replace(file, rope_theta=opts.rope_theta)
-    return preset, file
+    return _cut(preset, values), _file_flags(GlmFile(), opts)
 
 
 def main(argv: list[str] | None = None) -> None:
