@@ -108,8 +108,8 @@ def test_bad_input_exits_with_one_line(
         capsys,
         ["export", str(gpt2), "--out", str(tmp_path / "o2")],
         "architecture 'gpt2' is not supported; "
-        "supported: gemma3_text, glm4_moe, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, "
-        "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next",
+        "supported: gemma3_text, glm4_moe, gpt_oss, llama, ministral, mistral, mixtral, phi3, "
+        "qwen2, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next",
     )
     flash = tmp_path / "glm-4.7-flash"
     flash.mkdir()
