@@ -46,9 +46,8 @@ class FleetOptions:
     stages: int = 2
     weights: str = "auto"  # `pipeshard export --weights`: a GGUF's own blocks, int4 for a folder
     # `pipeshard export --gguf-form`, for a GGUF model only. None: "fast" (Q6_K regrouped to 32
-    # columns a scale: 1.15x the exact split form's decode on the default model, the same
-    # greedy agreement under the default runtime, docs/export.md); `pipeshard export` keeps
-    # "split"
+    # columns a scale, which the CPU plugin runs faster; inexact, its speed and agreement in
+    # docs/export.md); `pipeshard export` keeps the exact "split"
     gguf_form: str | None = None
     host: str = _HOST  # the gateway's listen address
     port: int = _PORT
